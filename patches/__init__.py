@@ -1,0 +1,171 @@
+"""The patch manifest: every change ubtree_vllm makes to vLLM, and when it is applied.
+
+Installed as ``ubtree_vllm.patches`` (see the package-dir remap in
+``pyproject.toml``).
+
+:data:`MANIFEST` lists every patch. Each patch lives in its own module
+``ubtree_vllm.patches.<stage>.patch_<name>`` exposing a zero-argument, idempotent
+``apply()`` (built on :mod:`ubtree_vllm.patches._patching`), has exactly one
+:class:`PatchSpec` entry here and one unit test in ``tests/vllm/test_vllm_patches.py``.
+
+Stages:
+
+* ``"engine"``: process-global patches, applied by
+  :func:`ubtree_vllm.plugin.register` in every process vLLM starts. They only
+  change behaviour for engines configured with ``"method": "ubtree"``.
+* ``"worker"``: patches that may touch CUDA or worker state, applied at worker
+  initialisation (:class:`ubtree_vllm.vllm.worker.UBTreeCPUWorker` /
+  ``UBTreeGPUWorker``), never at import or plugin-registration time.
+
+:func:`apply` is idempotent per process and stage, and applies the entries of
+one stage in manifest order.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from dataclasses import dataclass, fields
+from typing import Literal, get_args
+
+logger = logging.getLogger(__name__)
+
+Stage = Literal["engine", "worker"]
+STAGES: tuple[str, ...] = get_args(Stage)
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    """One manifest entry: what is patched, why, how, and when the patch can go.
+
+    Every text field must be non-empty; ``__post_init__`` enforces it, so a
+    malformed entry fails at import time rather than in a worker process.
+    """
+
+    # Unique short identifier, e.g. "scheduler_lookahead_slots".
+    name: str
+    # Fully qualified upstream symbol that is replaced or wrapped, e.g.
+    # "vllm.v1.worker.gpu.model_runner.init_speculator".  Rebind it where it is looked up.
+    vllm_symbol: str
+    # Why upstream vLLM cannot do this without the patch.
+    why: str
+    # What the patch does to the symbol (wrap, replace, add attribute, ...).
+    how: str
+    # The upstream change (issue/PR/release) after which the patch is deleted.
+    removal_condition: str
+    # When it is applied; see the module docstring.
+    stage: Stage = "engine"
+    # Module with a zero-argument `apply()`; defaults to ubtree_vllm.patches.<stage>.patch_<name>.
+    module: str = ""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "module" and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"PatchSpec.{f.name} must be a non-empty string, got {value!r}")
+        if self.stage not in STAGES:
+            raise ValueError(
+                f"PatchSpec {self.name!r}: stage must be one of {STAGES}, got {self.stage!r}"
+            )
+        if not self.module:
+            object.__setattr__(self, "module", f"{__name__}.{self.stage}.patch_{self.name}")
+        if not self.module.startswith(f"{__name__}."):
+            raise ValueError(
+                f"PatchSpec {self.name!r}: module {self.module!r} is outside {__name__}"
+            )
+
+
+# Applied in this order within a stage.
+MANIFEST: tuple[PatchSpec, ...] = (
+    PatchSpec(
+        name="engine_args_speculative_config",
+        vllm_symbol="vllm.engine.arg_utils.EngineArgs.create_speculative_config",
+        why=("SpeculativeConfig.method is a closed Literal (extra='forbid'), so vLLM rejects "
+             "'ubtree'; ParallelConfig.worker_cls is built before the speculative config and "
+             "cannot be chosen from it."),
+        how=("Wraps the method: a {'method': 'ubtree', ...} dict is validated "
+             "(ubtree_vllm.vllm.config) and rewritten to method 'custom_class' with the UBTree "
+             "proposer, the UBTree settings go to additional_config['ubtree'], then worker_cls is "
+             "set to the UBTree worker (and FLASH_ATTN pinned on CUDA)."),
+        removal_condition=("vLLM accepts out-of-tree speculative methods with their own config "
+                           "block and worker/runner selection (no such upstream API in 0.32/0.33)."),
+    ),
+    PatchSpec(
+        name="sampling_params_spec_decode",
+        vllm_symbol="vllm.sampling_params.SamplingParams._validate_spec_decode",
+        why=("Tree verification cannot reproduce penalties, logprobs, bad words, structured "
+             "output and the other chain-only logits processors exactly; vLLM's own "
+             "spec-decode admission check only knows min_p and logit_bias."),
+        how=("Wraps the method: for the 'ubtree' speculative config it also raises "
+             "VLLMValidationError for every option in "
+             "ubtree_vllm.vllm.request_support.unsupported_options."),
+        removal_condition=("The tree sampler implements those options, or vLLM lets a proposer "
+                           "declare its supported sampling options."),
+    ),
+    PatchSpec(
+        name="cpu_worker_model_runner",
+        vllm_symbol="vllm.v1.worker.cpu_worker.CPUModelRunner",
+        why=("CPUWorker.init_device constructs the V1 runner through this module-level name "
+             "and, unlike the GPU Worker, has no _make_model_runner() hook."),
+        how=("Rebinds the name in vllm.v1.worker.cpu_worker to a factory returning "
+             "UBTreeCPUModelRunner for 'ubtree' engines and the stock CPUModelRunner otherwise."),
+        removal_condition="CPUWorker builds its runner through Worker._make_model_runner().",
+        stage="worker",
+    ),
+    PatchSpec(
+        name="attention_backends",
+        vllm_symbol="vllm.v1.attention.backends.registry.AttentionBackendEnum",
+        why=("vLLM 0.32 has no tree attention: CPU_ATTN and FLASH_ATTN support only causal, "
+             "non-causal or sliding-window masks, not an ancestor mask over draft rows."),
+        how=("register_backend() overrides CPU_ATTN (CPU) or FLASH_ATTN (CUDA) with subclasses "
+             "that recompute tree rows under the ancestor mask and stash tree K/V for the KV "
+             "commit; the selector cache is cleared."),
+        removal_condition=("vLLM ships a tree attention backend again (it had TREE_ATTN up to "
+                           "~0.11) or an attention-mask hook in CommonAttentionMetadata."),
+        stage="worker",
+    ),
+)
+
+_lock = threading.Lock()
+_applied_stages: set[str] = set()
+
+
+def validate_manifest(manifest: tuple[PatchSpec, ...] | None = None) -> None:
+    """Raise ``ValueError`` if names repeat or two entries patch the same symbol in one stage."""
+    manifest = MANIFEST if manifest is None else manifest
+    seen_names: set[str] = set()
+    seen_symbols: set[tuple[str, str]] = set()
+    for spec in manifest:
+        if not isinstance(spec, PatchSpec):
+            raise ValueError(f"manifest entry {spec!r} is not a PatchSpec")
+        if spec.name in seen_names:
+            raise ValueError(f"duplicate patch name {spec.name!r}")
+        if (spec.stage, spec.vllm_symbol) in seen_symbols:
+            raise ValueError(f"{spec.vllm_symbol!r} is patched twice in stage {spec.stage!r}")
+        seen_names.add(spec.name)
+        seen_symbols.add((spec.stage, spec.vllm_symbol))
+
+
+def apply(stage: str) -> tuple[str, ...]:
+    """Apply every manifest patch of ``stage`` once per process; return the names applied now.
+
+    Raises ``ValueError`` for an unknown stage.  A second call for the same
+    stage applies nothing and returns ``()``.  With an empty manifest nothing
+    is imported or changed.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"unknown patch stage {stage!r}; expected one of {STAGES}")
+    with _lock:
+        if stage in _applied_stages:
+            return ()
+        validate_manifest()
+        applied: list[str] = []
+        for spec in MANIFEST:
+            if spec.stage != stage:
+                continue
+            importlib.import_module(spec.module).apply()
+            logger.debug("ubtree_vllm: applied patch %s to %s", spec.name, spec.vllm_symbol)
+            applied.append(spec.name)
+        _applied_stages.add(stage)
+        return tuple(applied)

@@ -1,0 +1,1 @@
+"""Process-global patches applied by the plugin in every vLLM process (see ``MANIFEST``)."""

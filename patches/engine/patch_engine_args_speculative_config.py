@@ -1,0 +1,124 @@
+"""Accept ``"method": "ubtree"`` in ``EngineArgs.create_speculative_config``.
+
+vLLM's ``SpeculativeConfig`` is a pydantic dataclass with a closed ``Literal`` of methods
+and ``extra="forbid"``, and about ten places downstream branch on the method name. So
+instead of teaching vLLM a new method, the wrapper translates the user's dict before
+vLLM sees it (works for ``LLM(speculative_config=...)``, ``--speculative-config`` and
+``--spec-method/--spec-model/--spec-tokens`` alike):
+
+1. validate everything with :func:`ubtree_vllm.vllm.config.parse_speculative_config` and
+   the engine-level checks below (ValueError before any engine process or memory exists);
+2. hand vLLM ``{"method": "custom_class", "model": PROPOSER_CLASS_PATH,
+   "num_speculative_tokens": B}`` -- which selects the V1 model runner, disables async
+   scheduling and loads no draft model -- and put the UBTree settings into
+   ``EngineArgs.additional_config["ubtree"]``;
+3. after vLLM built the ``SpeculativeConfig``, point ``ParallelConfig.worker_cls`` at the
+   UBTree worker of this platform (the parallel config is built before the speculative
+   config, so only this hook can still set it) and, on CUDA, pin the FLASH_ATTN backend
+   that the UBTree worker overrides with its tree-aware subclass.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ubtree_vllm.patches._patching import replace_attr
+
+NAME = "engine_args_speculative_config"
+
+
+def _merged_user_spec(args: Any) -> dict[str, Any]:
+    """The speculative dict exactly as vLLM will assemble it (flags merged, '-' -> '_')."""
+    merged = dict(args.speculative_config or {})
+    for flag, key, value in (("--spec-method", "method", args.spec_method),
+                             ("--spec-model", "model", args.spec_model),
+                             ("--spec-tokens", "num_speculative_tokens", args.spec_tokens)):
+        if value is None:
+            continue
+        if key in merged:
+            raise ValueError(f"{flag} and --speculative-config['{key}'] are mutually exclusive")
+        merged[key] = value
+    return {str(k).replace("-", "_"): v for k, v in merged.items()}
+
+
+def _check_engine_args(args: Any) -> None:
+    """Engine options the UBTree path does not support yet; ValueError names each."""
+    from vllm.platforms import current_platform
+
+    from ubtree_vllm.vllm.config import CPU_WORKER_CLASS_PATH, GPU_WORKER_CLASS_PATH
+
+    if not (current_platform.is_cpu() or current_platform.is_cuda()):
+        raise ValueError(f"speculative method 'ubtree' supports the CPU and CUDA platforms, "
+                         f"not {current_platform.device_name!r}")
+    if args.worker_cls not in ("auto", CPU_WORKER_CLASS_PATH, GPU_WORKER_CLASS_PATH):
+        raise ValueError(f"worker_cls must be 'auto' with speculative method 'ubtree' (the plugin "
+                         f"installs its own worker), got {args.worker_cls!r}")
+    for field in ("tensor_parallel_size", "pipeline_parallel_size", "decode_context_parallel_size",
+                  "prefill_context_parallel_size"):
+        if getattr(args, field) != 1:
+            raise ValueError(f"{field} must be 1 with speculative method 'ubtree' (for now), "
+                             f"got {getattr(args, field)}")
+    if args.kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype must be 'auto' with speculative method 'ubtree', "
+                         f"got {args.kv_cache_dtype!r}")
+    if args.logits_processors:
+        raise ValueError("logits_processors cannot be used with speculative method 'ubtree': "
+                         "tree verification cannot apply them exactly")
+    if args.async_scheduling:
+        raise ValueError("async_scheduling must be off with speculative method 'ubtree' "
+                         "(the tree commit runs synchronously in the V1 model runner)")
+    if current_platform.is_cuda():
+        backend = args.attention_backend or getattr(args.attention_config, "backend", None)
+        name = getattr(backend, "name", backend)
+        if name not in (None, "FLASH_ATTN", "auto"):
+            raise ValueError(f"attention_backend must be FLASH_ATTN (or unset) with speculative method "
+                             f"'ubtree' on CUDA, got {name!r}")
+
+
+def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
+    """Validate the user's ubtree dict and replace it by the form vLLM understands."""
+    from vllm.platforms import current_platform
+
+    from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, PROPOSER_CLASS_PATH, VLLM_METHOD,
+                                         TargetInfo, parse_speculative_config)
+
+    spec = parse_speculative_config(_merged_user_spec(args), TargetInfo.from_model_config(target_model_config))
+    _check_engine_args(args)
+    args.speculative_config = {"method": VLLM_METHOD, "model": PROPOSER_CLASS_PATH,
+                               "num_speculative_tokens": spec.tree.tree_budget}
+    args.spec_method = args.spec_model = args.spec_tokens = None
+    args.additional_config = {**(args.additional_config or {}), ADDITIONAL_CONFIG_KEY: spec.to_additional_config()}
+    if current_platform.is_cuda() and args.attention_backend is None and \
+            getattr(args.attention_config, "backend", None) is None:
+        args.attention_backend = "FLASH_ATTN"
+
+
+def _select_worker(target_parallel_config: Any) -> None:
+    from vllm.platforms import current_platform
+
+    from ubtree_vllm.vllm.config import CPU_WORKER_CLASS_PATH, GPU_WORKER_CLASS_PATH
+
+    if target_parallel_config.worker_cls == "auto":
+        target_parallel_config.worker_cls = (CPU_WORKER_CLASS_PATH if current_platform.is_cpu()
+                                             else GPU_WORKER_CLASS_PATH)
+
+
+def apply() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from ubtree_vllm.vllm.config import ADDITIONAL_CONFIG_KEY, METHOD, is_ubtree_speculative_config
+
+    original = EngineArgs.create_speculative_config
+
+    def create_speculative_config(self: Any, target_model_config: Any, target_parallel_config: Any) -> Any:
+        if _merged_user_spec(self).get("method") == METHOD:
+            _rewrite_to_vllm(self, target_model_config)
+        speculative_config = original(self, target_model_config, target_parallel_config)
+        if is_ubtree_speculative_config(speculative_config):
+            if ADDITIONAL_CONFIG_KEY not in (self.additional_config or {}):
+                raise ValueError(f"speculative_config {speculative_config.model!r} is internal to "
+                                 f"ubtree_vllm; use \"method\": {METHOD!r}")
+            _select_worker(target_parallel_config)
+        return speculative_config
+
+    create_speculative_config.__doc__ = original.__doc__
+    replace_attr(EngineArgs, "create_speculative_config", create_speculative_config, NAME)

@@ -1,0 +1,36 @@
+"""Reject, at admission, sampling options that tree verification cannot serve exactly.
+
+``SamplingParams._validate_spec_decode(speculative_config)`` is vLLM's own per-request
+check for speculative decoding (it rejects ``min_p`` and ``logit_bias``); it runs in
+``InputProcessor`` for every request, in the process that accepts it (``LLM`` or the
+API server), so a ``VLLMValidationError`` raised here becomes an exception from
+``LLM.generate`` or an HTTP 400 from the server -- never different tokens. The wrapper
+adds :func:`ubtree_vllm.vllm.request_support.unsupported_options` when the engine's
+speculative config is the rewritten ``ubtree`` one.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ubtree_vllm.patches._patching import replace_attr
+
+NAME = "sampling_params_spec_decode"
+
+
+def apply() -> None:
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+
+    from ubtree_vllm.vllm.config import is_ubtree_speculative_config
+    from ubtree_vllm.vllm.request_support import unsupported_message, unsupported_options
+
+    original = SamplingParams._validate_spec_decode
+
+    def _validate_spec_decode(self: Any, speculative_config: Any) -> None:
+        original(self, speculative_config)
+        if is_ubtree_speculative_config(speculative_config):
+            names = unsupported_options(self)
+            if names:
+                raise VLLMValidationError(unsupported_message(names), parameter=names[0])
+
+    replace_attr(SamplingParams, "_validate_spec_decode", _validate_spec_decode, NAME)

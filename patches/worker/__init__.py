@@ -1,0 +1,1 @@
+"""Worker-stage patches, applied when a UBTree worker initialises (see ``MANIFEST``)."""

@@ -1,0 +1,33 @@
+"""Route the target's attention through the tree-aware subclasses of vLLM's backends.
+
+vLLM's attention registry (``vllm.v1.attention.backends.registry.register_backend``) is
+the sanctioned override hook: the CPU platform always resolves ``CPU_ATTN`` through it,
+and the UBTree engine args pin ``FLASH_ATTN`` on CUDA. Both subclasses behave exactly
+like the stock backend unless the UBTree runner has published a tree plan for the
+current forward (see :mod:`ubtree_vllm.vllm.attention`), so other engines in the same
+process are unaffected. The backend selector caches its answer per process; the cache
+is cleared so a selection made before this patch cannot outlive it, and the UBTree
+runner checks after model load that every attention layer got the tree-aware impl.
+"""
+from __future__ import annotations
+
+NAME = "attention_backends"
+CPU_BACKEND_PATH = "ubtree_vllm.vllm.attention.cpu.TreeCPUAttentionBackend"
+FLASH_BACKEND_PATH = "ubtree_vllm.vllm.attention.flash.TreeFlashAttentionBackend"
+
+
+def apply() -> None:
+    from vllm.platforms import current_platform
+    from vllm.v1.attention import selector
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if current_platform.is_cpu():
+        backend, path = AttentionBackendEnum.CPU_ATTN, CPU_BACKEND_PATH
+    elif current_platform.is_cuda():
+        backend, path = AttentionBackendEnum.FLASH_ATTN, FLASH_BACKEND_PATH
+    else:
+        return
+    if backend.get_path() == path:
+        return
+    register_backend(backend, path)
+    selector._cached_get_attn_backend.cache_clear()

@@ -1,0 +1,93 @@
+"""Benchmark records (append + validation) and the generated report."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ubtree_vllm import cli
+from ubtree_vllm.bench import records as rec
+from ubtree_vllm.bench.report import HEADER, regenerate
+
+E2E = {"kind": "e2e", "method": "ubtree", "target": "smollm2-135m-instruct", "drafter": "checkpoints/d",
+       "dataset": "mt_bench", "num_prompts": 80, "max_new_tokens": 256, "temperature": 0.0, "batch_size": 16,
+       "tree_budget": 64, "beam_width": 12, "top_k": 64, "block_size": 16, "tau": 3.5}
+
+
+def test_append_fills_provenance_and_writes_one_line(tmp_path):
+    path = tmp_path / "docs" / "records.jsonl"
+    written = rec.append_record(E2E, path=path)
+    rec.append_record({**E2E, "method": "ubtree-single", "top_k": 1, "beam_width": 1, "tree_budget": 16,
+                       "tau": 2.5}, path=path)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[0]) == written
+    assert list(written) == list(rec.FIELDS)  # every field present, in the documented order
+    assert written["date"] and written["hardware"]
+    assert written["hardware"].startswith("CPU (") or "x " in written["hardware"]
+    assert written["vllm"] == rec.vllm_version() and written["output_tokens_per_s"] is None
+    assert rec.read_records(path)[1]["method"] == "ubtree-single"
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"kind": "bench"}, "kind"),
+    ({"speed": 1.0}, "speed"),
+    ({"tau": "fast"}, "tau"),
+    ({"num_prompts": 8.5}, "num_prompts"),
+    ({"cuda_graphs": 1}, "cuda_graphs"),
+    ({"tau": None}, "tau or output_tokens_per_s"),
+    ({"dataset": None}, "dataset"),
+])
+def test_invalid_records_are_refused_before_writing(tmp_path, change, match):
+    path = tmp_path / "records.jsonl"
+    with pytest.raises(ValueError, match=match):
+        rec.append_record({**E2E, **change}, path=path)
+    assert not path.exists()
+
+
+def test_kind_specific_requirements():
+    rec.validate_record({**dict.fromkeys(rec.FIELDS), "kind": "microbench", "metric": "draft_postprocess_ms",
+                         "value": 1.4, "unit": "ms"})
+    with pytest.raises(ValueError, match="unit"):
+        rec.validate_record({"kind": "microbench", "metric": "m", "value": 1.0})
+    with pytest.raises(ValueError, match="tokens_seen"):
+        rec.validate_record({"kind": "train", "method": "ubtree", "target": "t", "drafter": "d", "loss": 1.0,
+                             "wall_time_s": 3.0, "steps": 10})
+
+
+def test_read_records_names_the_bad_line(tmp_path):
+    path = tmp_path / "records.jsonl"
+    rec.append_record(E2E, path=path)
+    with open(path, "a") as handle:
+        handle.write(json.dumps({"kind": "nope"}) + "\n")
+    with pytest.raises(ValueError, match=r"records.jsonl:2: "):
+        rec.read_records(path)
+
+
+def test_report_regenerates_tables_and_plots(tmp_path):
+    path = tmp_path / "benchmarks" / "records.jsonl"
+    rec.append_record({**E2E, "tau": 3.0}, path=path)
+    rec.append_record(E2E, path=path)  # supersedes the first (same configuration)
+    rec.append_record({**E2E, "method": "ubtree-single", "top_k": 1, "beam_width": 1, "tree_budget": 16,
+                       "tau": 2.5}, path=path)
+    rec.append_record({**E2E, "temperature": 1.0, "tau": 3.1}, path=path)
+    rec.append_record({"kind": "train", "method": "ubtree", "target": "t", "drafter": "checkpoints/d", "loss": 1.25,
+                       "tokens_seen": 1000, "wall_time_s": 120.0, "steps": 50}, path=path)
+    files = regenerate(path)
+    readme = (tmp_path / "benchmarks" / "README.md").read_text()
+    assert readme.startswith(HEADER)
+    assert "### mt_bench, T = 0.0" in readme and "### mt_bench, T = 1.0" in readme
+    assert "of which 1 superseded" in readme and "| 3.00 |" not in readme.split("## Training")[0].split("T = 1.0")[0]
+    assert "| 1.40 |" in readme  # ubtree tau 3.5 / single-path tau 2.5
+    assert "## Training runs" in readme and "| 1.25 |" in readme
+    assert {f.name for f in files} == {"README.md", "tau_T0.png", "tau_T1.png"}
+    assert all(f.stat().st_size > 0 for f in files)
+    regenerate(path)
+    assert (tmp_path / "benchmarks" / "README.md").read_text() == readme  # deterministic
+
+
+def test_report_cli(tmp_path, capsys):
+    path = tmp_path / "records.jsonl"
+    rec.append_record(E2E, path=path)
+    assert cli.main(["report", "--records", str(path), "--out-dir", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "README.md").is_file()
+    assert "README.md" in capsys.readouterr().out

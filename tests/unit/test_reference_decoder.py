@@ -1,0 +1,182 @@
+"""The reference decoder is lossless: greedy token equality on SmolLM2, exact sampling on a tiny model."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy import stats
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from oracle_drafter import OracleDrafter
+from ubtree_vllm.config import SamplingConfig, UBTreeConfig
+from ubtree_vllm.decoding.reference import ReferenceDecoder
+from ubtree_vllm.drafter.config import DrafterConfig
+from ubtree_vllm.drafter.proposer import UBTreeDrafter
+from ubtree_vllm.verify.sampling import SamplingTensors, processed_probs
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in two sentences.",
+    "List three prime numbers.",
+    "How do I reverse a list in Python?",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 7?",
+    "Give me a tip for staying focused.",
+]
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def smollm(default_target_dir):
+    tok = AutoTokenizer.from_pretrained(default_target_dir)
+    # float32 keeps tree-vs-chain rounding differences far below any argmax gap.
+    model = AutoModelForCausalLM.from_pretrained(default_target_dir, dtype=torch.float32).eval()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False) for p in PROMPTS]
+    plain = ReferenceDecoder(model).generate(prompts, NEW_TOKENS)
+    assert all(len(o.token_ids) == NEW_TOKENS for o in plain)
+    return model, prompts, [o.token_ids for o in plain]
+
+
+def untrained_drafter(model, block_size: int, top_k: int) -> UBTreeDrafter:
+    torch.manual_seed(0)
+    cfg = DrafterConfig.for_target(model.config, "smollm2-135m-instruct", block_size=block_size, top_k=top_k)
+    drafter = UBTreeDrafter(cfg)
+    drafter.bind_hf_target(model)
+    return drafter.eval()
+
+
+def test_greedy_untrained_drafter(smollm):
+    """Random drafter weights (acceptance ~1 token per round): output identical to plain greedy."""
+    model, prompts, expected = smollm
+    drafter = untrained_drafter(model, block_size=8, top_k=16)
+    cfg = UBTreeConfig(tree_budget=24, beam_width=4, top_k=16, block_size=8)
+    outs = ReferenceDecoder(model, drafter, cfg).generate(prompts, NEW_TOKENS)
+    assert [o.token_ids for o in outs] == expected
+
+
+def test_greedy_paper_tree_shape(smollm):
+    """The paper's tree (B=64, W=12, K=64, gamma=16) on two prompts: still token-identical."""
+    model, prompts, expected = smollm
+    drafter = untrained_drafter(model, block_size=16, top_k=64)
+    outs = ReferenceDecoder(model, drafter, UBTreeConfig()).generate(prompts[:2], 32)
+    assert [o.token_ids for o in outs] == [e[:32] for e in expected[:2]]
+
+
+def test_greedy_copying_drafter_accepts_long_paths(smollm):
+    model, prompts, expected = smollm
+    cfg = UBTreeConfig(tree_budget=32, beam_width=4, top_k=8, block_size=8)
+    oracle = OracleDrafter(model, model.config.vocab_size)
+    outs = ReferenceDecoder(model, oracle, cfg, feature_layer_ids=()).generate(prompts, NEW_TOKENS)
+    assert [o.token_ids for o in outs] == expected
+    tau = sum(o.acceptance_length for o in outs) / len(outs)
+    assert tau > 6.0, tau  # the oracle branch is almost always kept: ~gamma + 1 tokens per round
+
+
+# ---- sampling: exact distribution on a tiny-vocabulary model --------------------------------
+VOCAB, HORIZON, NUM_SAMPLES = 8, 4, 3000
+PROMPT = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.4,
+                      max_position_embeddings=64, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).float().eval()
+
+
+@torch.no_grad()
+def exact_joint(model, sampling: SamplingConfig) -> torch.Tensor:
+    """p(x_1..x_H | prompt) for all VOCAB**HORIZON continuations, by enumeration. -> [V]*H"""
+    seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=HORIZON)))
+    ids = torch.cat([torch.tensor(PROMPT).expand(len(seqs), -1), seqs], dim=1)
+    logits = model(input_ids=ids).logits[:, len(PROMPT) - 1 : -1]  # [S, H, V]
+    probs = processed_probs(logits, SamplingTensors.from_configs([sampling] * len(seqs), "cpu"))
+    p = probs.double().gather(2, seqs[:, :, None]).squeeze(2).prod(dim=1)
+    return p.view([VOCAB] * HORIZON)
+
+
+def chi2_pvalue(observed: torch.Tensor, expected_p: torch.Tensor) -> float:
+    """Pearson chi-square; impossible cells must stay empty, cells with expected count < 5 are pooled."""
+    obs = observed.flatten().double()
+    exp = expected_p.flatten() / expected_p.sum() * obs.sum()
+    impossible = exp == 0
+    if obs[impossible].sum() > 0:
+        return 0.0
+    obs, exp = obs[~impossible], exp[~impossible]
+    small = exp < 5
+    if small.any():
+        obs = torch.cat([obs[~small], obs[small].sum()[None]])
+        exp = torch.cat([exp[~small], exp[small].sum()[None]])
+    if len(obs) < 2:
+        return 1.0
+    return float(stats.chisquare(obs.numpy(), exp.numpy()).pvalue)
+
+
+def distribution_pvalues(samples: torch.Tensor, joint: torch.Tensor) -> list[float]:
+    """p-values for each position's marginal and each adjacent pair's joint."""
+    pvals = []
+    dims = list(range(HORIZON))
+    for t in dims:
+        obs = torch.bincount(samples[:, t], minlength=VOCAB)
+        pvals.append(chi2_pvalue(obs, joint.sum(dim=[d for d in dims if d != t])))
+    for t in dims[:-1]:
+        obs = torch.bincount(samples[:, t] * VOCAB + samples[:, t + 1], minlength=VOCAB**2)
+        pvals.append(chi2_pvalue(obs, joint.sum(dim=[d for d in dims if d not in (t, t + 1)])))
+    return pvals
+
+
+def spec_samples(model, sampling: SamplingConfig, decoder_cls=ReferenceDecoder, seed: int = 0) -> torch.Tensor:
+    torch.manual_seed(1)
+    dcfg = DrafterConfig.for_target(model.config, "tiny", block_size=3, top_k=6, num_layers=1, head_dim=8,
+                                    selector_rank=8)
+    drafter = UBTreeDrafter(dcfg)
+    drafter.bind_hf_target(model)
+    decoder = decoder_cls(model, drafter.eval(), UBTreeConfig(tree_budget=9, beam_width=3, top_k=6, block_size=3))
+    outs = decoder.generate([PROMPT] * NUM_SAMPLES, HORIZON, sampling, seed=seed)
+    rounds = sum(len(o.tokens_per_round) for o in outs)
+    # Lossless is only meaningful if speculation actually accepted draft tokens.
+    assert sum(sum(o.tokens_per_round) for o in outs) > 1.3 * rounds
+    return torch.tensor([o.token_ids for o in outs])
+
+
+SAMPLING_CASES = [SamplingConfig(1.0), SamplingConfig(0.8, top_k=5), SamplingConfig(1.2, top_p=0.85),
+                  SamplingConfig(1.0, top_k=6, top_p=0.9)]
+ALPHA = 1e-3
+
+
+@pytest.mark.parametrize("sampling", SAMPLING_CASES, ids=str)
+def test_sampling_matches_target_distribution(tiny_target, sampling):
+    pvals = distribution_pvalues(spec_samples(tiny_target, sampling), exact_joint(tiny_target, sampling))
+    assert min(pvals) > ALPHA / len(pvals), pvals
+
+
+class SharedNoiseDecoder(ReferenceDecoder):
+    """A plausible bug: one random draw per request reused at every tree node."""
+
+    def sample_nodes(self, logits, params, generator):
+        probs = processed_probs(logits, params)
+        noise = torch.empty_like(probs[:, :1]).exponential_(1.0, generator=generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+class GreedyWalkDecoder(ReferenceDecoder):
+    """A plausible bug: accept children by the target's argmax, sample only the bonus."""
+
+    def sample_nodes(self, logits, params, generator):
+        sampled = super().sample_nodes(logits, params, generator)
+        is_leafward = torch.zeros_like(sampled, dtype=torch.bool)
+        is_leafward[:, 1:] = True  # every non-root node decides acceptance greedily
+        return torch.where(is_leafward, logits.argmax(-1), sampled)
+
+
+@pytest.mark.parametrize("decoder_cls", [SharedNoiseDecoder, GreedyWalkDecoder])
+def test_sampling_test_detects_wrong_rules(tiny_target, decoder_cls):
+    """The chi-square test above has the power to reject plausible wrong acceptance rules."""
+    sampling = SAMPLING_CASES[0]
+    pvals = distribution_pvalues(spec_samples(tiny_target, sampling, decoder_cls), exact_joint(tiny_target, sampling))
+    assert min(pvals) < ALPHA / len(pvals) / 100, pvals

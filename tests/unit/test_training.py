@@ -1,0 +1,382 @@
+"""Drafter training on CPU with tiny random targets: data, objective, trainer, resume, export, errors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from ubtree_vllm.drafter.config import DrafterConfig
+from ubtree_vllm.drafter.io import load_drafter
+from ubtree_vllm.drafter.proposer import UBTreeDrafter
+from ubtree_vllm.training import data as data_mod
+from ubtree_vllm.training.data import DataGenConfig, TokenDataset, generate_dataset
+from ubtree_vllm.training.evaluate import evaluate, load_eval_prompts, spec_bench_subset
+from ubtree_vllm.training.export import check_round_trip, export_dflash_proposer, export_drafter
+from ubtree_vllm.training.losses import (
+    LossConfig,
+    collate,
+    drafter_loss,
+    make_generator,
+    sample_anchors,
+)
+from ubtree_vllm.training.run_config import apply_overrides, read_section
+from ubtree_vllm.training.target import FrozenTarget
+from ubtree_vllm.training.train import TrainConfig, train
+
+REPO = Path(__file__).resolve().parents[2]
+VOCAB = 96
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+DRAFTER = {"num_layers": 1, "block_size": 4, "top_k": 8, "selector_rank": 8, "mask_token_id": 3}
+
+
+def make_tokenizer(word_prefix: str = "w") -> PreTrainedTokenizerFast:
+    """Word-level tokenizer with a chat template; ids 0-3 are <unk>, <|im_start|>, <|im_end|> (EOS), <mask>."""
+    words = ["<unk>", "<|im_start|>", "<|im_end|>", "<mask>", "user", "assistant", "system"]
+    words += [f"{word_prefix}{i}" for i in range(VOCAB - len(words))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
+                                   bos_token="<|im_start|>", pad_token="<|im_end|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_target(path: Path, vocab: int = VOCAB, word_prefix: str = "w") -> Path:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    make_tokenizer(word_prefix).save_pretrained(path)
+    return path
+
+
+def write_prompt_files(root: Path, count: int = 30) -> Path:
+    rng = torch.Generator().manual_seed(1)
+    root.mkdir(parents=True, exist_ok=True)
+    for name, key in data_mod.PROMPT_SOURCES.values():
+        with open(root / name, "w") as handle:
+            for _ in range(count):
+                words = torch.randint(0, 80, (int(torch.randint(3, 10, (1,), generator=rng)),), generator=rng)
+                handle.write(json.dumps({key: " ".join(f"w{int(w)}" for w in words)}) + "\n")
+    return root
+
+
+def count_up(prompts, seed):
+    """A learnable stand-in for the target's answers: count up from the last prompt token."""
+    return [[7 + (p[-1] + k) % (VOCAB - 7) for k in range(1, 25)] + [2] for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("training")
+    target = make_target(root / "target")
+    prompts = write_prompt_files(root / "prompts")
+    cfg = DataGenConfig(target=str(target), out_dir=str(root / "data"), data_root=str(prompts), num_prompts=24,
+                        shard_size=12, max_new_tokens=24)
+    generate_dataset(cfg, generator=count_up, log=lambda _: None)
+    return {"root": root, "target": target, "prompts": prompts, "data": root / "data"}
+
+
+def train_config(ws: dict[str, Path], out: Path, **changes) -> TrainConfig:
+    values = {"target": str(ws["target"]), "data_dir": str(ws["data"]), "output_dir": str(out),
+              "drafter": dict(DRAFTER), "blocks_per_seq": 6, "batch_size": 4, "max_seq_len": 64, "max_steps": 6,
+              "lr": 1e-2, "warmup_steps": 2, "log_every": 1, "checkpoint_every": 100, "progress": False,
+              "records_path": None}
+    values.update(changes)
+    return TrainConfig(**values)
+
+
+# ---- data ------------------------------------------------------------------------------
+def test_training_prompt_sources_exclude_benchmarks():
+    files = {name for name, _ in data_mod.PROMPT_SOURCES.values()}
+    assert files == {"sharegpt_first_human_turns.jsonl", "gsm8k_train.jsonl"}
+    assert not files & data_mod.BENCHMARK_FILES
+
+
+def test_gen_data_hf_backend_writes_resumable_shards(tmp_path, workspace):
+    cfg = DataGenConfig(target=str(workspace["target"]), out_dir=str(tmp_path / "d"),
+                        data_root=str(workspace["prompts"]), num_prompts=5, shard_size=3, max_new_tokens=6,
+                        batch_size=4, backend="hf", temperature=1.0)
+    manifest = generate_dataset(cfg, log=lambda _: None)
+    assert manifest["complete"] and [s["file"] for s in manifest["shards"]] == ["shard-00000.safetensors",
+                                                                                "shard-00001.safetensors"]
+    assert manifest["target"]["tokenizer_vocab_size"] == VOCAB and manifest["target"]["eos_token_ids"] == [2]
+    ds = TokenDataset.load(tmp_path / "d")
+    tok = AutoTokenizer.from_pretrained(workspace["target"])
+    expected = data_mod.select_prompts(*[data_mod.load_prompt_texts(workspace["prompts"], cfg.sources)[0]], tok, 5,
+                                       cfg.max_prompt_tokens, cfg.seed)
+    for i in range(len(ds)):
+        ids, prompt_len = ds.sample(i)
+        assert ids[:prompt_len].tolist() == expected[i]
+        response = ids[prompt_len:].tolist()
+        assert 1 <= len(response) <= 6 and 2 not in response[:-1]  # truncated at the first EOS
+    # A finished dataset is not regenerated; other settings in the same folder are refused.
+    generate_dataset(cfg, generator=lambda *a: pytest.fail("regenerated a finished shard"), log=lambda _: None)
+    with pytest.raises(ValueError, match="temperature"):
+        generate_dataset(DataGenConfig(**{**cfg.__dict__, "temperature": 0.0}), log=lambda _: None)
+
+
+def test_gen_data_refuses_lengths_beyond_the_target_positions(tmp_path, workspace):
+    cfg = DataGenConfig(target=str(workspace["target"]), out_dir=str(tmp_path / "d"),
+                        data_root=str(workspace["prompts"]), max_prompt_tokens=2000, max_new_tokens=100)
+    with pytest.raises(ValueError, match="max_position_embeddings 2048"):
+        generate_dataset(cfg, generator=count_up, log=lambda _: None)
+
+
+def test_gen_data_resumes_after_an_interrupted_shard(tmp_path, workspace):
+    cfg = DataGenConfig(target=str(workspace["target"]), out_dir=str(tmp_path / "d"),
+                        data_root=str(workspace["prompts"]), num_prompts=6, shard_size=2, max_new_tokens=4)
+    calls = []
+
+    def flaky(prompts, seed):
+        calls.append(seed)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return count_up(prompts, seed)
+
+    with pytest.raises(KeyboardInterrupt):
+        generate_dataset(cfg, generator=flaky, log=lambda _: None)
+    assert not json.loads((tmp_path / "d" / "manifest.json").read_text())["complete"]
+    calls.clear()
+    manifest = generate_dataset(cfg, generator=count_up_recorder(calls), log=lambda _: None)
+    assert manifest["complete"] and manifest["num_samples"] == 6 and len(calls) == 2  # shards 1 and 2 only
+
+
+def count_up_recorder(calls):
+    def gen(prompts, seed):
+        calls.append(seed)
+        return count_up(prompts, seed)
+    return gen
+
+
+# ---- objective -------------------------------------------------------------------------
+def test_anchors_are_distinct_and_inside_the_response():
+    lengths, prompt_lens = torch.tensor([20, 9, 5]), torch.tensor([5, 8, 5])
+    pos, valid = sample_anchors(lengths, prompt_lens, 20, 6, torch.Generator().manual_seed(0))
+    assert valid.sum(1).tolist() == [6, 0, 0]  # rows 2 and 3 have no response position with a label
+    row = pos[0][valid[0]]
+    assert len(set(row.tolist())) == 6 and row.min() >= 5 and row.max() <= 18
+    pos, valid = sample_anchors(torch.tensor([12]), torch.tensor([4]), 12, 20, torch.Generator().manual_seed(0))
+    assert pos[0][valid[0]].tolist() == list(range(4, 11))  # all of 4..len-2, ascending
+
+
+def test_candidate_logits_equal_full_lm_head_logits(workspace):
+    model = LlamaForCausalLM.from_pretrained(workspace["target"])
+    target = FrozenTarget(model, layer_ids=(0, 2))
+    ids = torch.randint(0, VOCAB, (2, 7))
+    features, final = target.forward(ids, torch.ones_like(ids, dtype=torch.bool))
+    full = model(input_ids=ids, output_hidden_states=True)
+    assert torch.equal(features, torch.cat([full.hidden_states[1], full.hidden_states[3]], -1))
+    cand = torch.randint(0, VOCAB, (14, 5))
+    got = target.candidate_logits(final.flatten(0, 1), cand)
+    torch.testing.assert_close(got, full.logits.flatten(0, 1).gather(1, cand), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("selector_loss,loss_decay", [("kl", None), ("hard_ce", 7.0)])
+def test_loss_is_finite_and_reaches_every_trainable_parameter(workspace, selector_loss, loss_decay):
+    model = LlamaForCausalLM.from_pretrained(workspace["target"])
+    cfg = DrafterConfig.for_target(model.config, "tiny", **DRAFTER)
+    drafter = UBTreeDrafter(cfg)
+    target = FrozenTarget(model, cfg.target_layer_ids)
+    drafter.bind_hf_target(model)
+    ds = TokenDataset.load(workspace["data"])
+    batch = collate([ds.sample(i) for i in range(3)], 64)
+    out = drafter_loss(drafter, target, batch, LossConfig(selector_loss, 0.1, loss_decay, 4), make_generator(0, 0))
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and out.num_tokens > 0
+    assert all(p.grad is not None for p in drafter.parameters())
+    assert 0 <= out.metrics["topk_hit"] <= 1 and out.top1_by_depth.shape == (cfg.block_size,)
+
+
+# ---- trainer ---------------------------------------------------------------------------
+def test_a_few_steps_reduce_the_loss(tmp_path, workspace):
+    result = train(train_config(workspace, tmp_path / "run", max_steps=40, lr=3e-2, warmup_steps=4),
+                   log=lambda _: None)
+    assert result.status == "finished" and result.step == 40
+
+    def mean(key, window):
+        return sum(h[key] for h in window) / len(window)
+
+    first, last = result.history[:5], result.history[-5:]
+    # The tiny random target's tied LM head is small, so logits stay flat and the loss moves
+    # slowly, while the count-up pattern is learnt: top-1 accuracy rises from chance.
+    assert mean("loss", last) < 0.95 * mean("loss", first)
+    assert mean("ce", last) < mean("ce", first) - 0.3
+    assert mean("top1", last) > 0.3 > mean("top1", first)
+    assert (tmp_path / "run" / "loss_curve.png").stat().st_size > 0
+    assert (result.drafter_dir / "config.json").is_file() and (result.drafter_dir / "ubtree_meta.json").is_file()
+
+
+def test_resume_gives_the_same_next_losses(tmp_path, workspace):
+    full = train(train_config(workspace, tmp_path / "full"), log=lambda _: None)
+    first = train(train_config(workspace, tmp_path / "sliced"), stop_at_step=3, log=lambda _: None)
+    assert first.status == "paused" and first.step == 3 and first.drafter_dir is None
+    second = train(train_config(workspace, tmp_path / "sliced"), log=lambda _: None)
+    assert second.status == "finished" and second.step == 6
+    assert [h["step"] for h in second.history] == list(range(1, 7))  # no step lost or repeated
+    assert [h["loss"] for h in second.history] == [h["loss"] for h in full.history]
+    a = load_file(str(full.drafter_dir / "model.safetensors"))
+    b = load_file(str(second.drafter_dir / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_changed_settings(tmp_path, workspace):
+    train(train_config(workspace, tmp_path / "run"), stop_at_step=1, log=lambda _: None)
+    with pytest.raises(ValueError, match=r"\['lr'\]"):
+        train(train_config(workspace, tmp_path / "run", lr=1e-3), log=lambda _: None)
+
+
+# ---- export ----------------------------------------------------------------------------
+def test_export_round_trips_with_identical_logits(tmp_path, workspace):
+    model = LlamaForCausalLM.from_pretrained(workspace["target"])
+    drafter = UBTreeDrafter(DrafterConfig.for_target(model.config, "tiny", **DRAFTER))
+    drafter.bind_hf_target(model)
+    out = export_drafter(drafter, tmp_path / "drafter", {"note": "test"})
+    # Proposer logits and selector edge log-probs after reload equal the bf16-rounded original's.
+    compared = check_round_trip(drafter, out)
+    assert set(compared) == {"proposer_logits", "root_edge_logp", "edge_logp"}
+    assert load_drafter(out).cfg == drafter.cfg
+    assert json.loads((out / "ubtree_meta.json").read_text())["note"] == "test"
+    # A corrupted weight file fails the check.
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["selector.pair_weight"] = tensors["selector.pair_weight"] * 2
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(AssertionError, match="edge_logp"):
+        check_round_trip(drafter, out)
+
+
+def test_dflash_proposer_export_has_no_selector(tmp_path, workspace):
+    model = LlamaForCausalLM.from_pretrained(workspace["target"])
+    drafter = UBTreeDrafter(DrafterConfig.for_target(model.config, "tiny", **DRAFTER))
+    drafter.bind_hf_target(model)
+    src = export_drafter(drafter, tmp_path / "drafter", {})
+    dst = export_dflash_proposer(src, tmp_path / "dflash")
+    cfg = json.loads((dst / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and "ubtree" not in cfg
+    assert cfg["dflash_config"] == {"target_layer_ids": list(drafter.cfg.target_layer_ids), "mask_token_id": 3}
+    names = set(load_file(str(dst / "model.safetensors")))
+    assert names and not any(n.startswith("selector.") for n in names)
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight"} <= names
+
+
+# ---- bad input -------------------------------------------------------------------------
+@pytest.mark.parametrize("drafter,match", [
+    ({"target_layer_ids": [0, 7]}, "target_layer_ids"),
+    ({"block_size": 1}, "block_size"),
+    ({"top_k": VOCAB + 1}, "top_k"),
+    ({"num_layerz": 2}, "num_layerz"),
+])
+def test_bad_drafter_settings_fail_at_start(tmp_path, workspace, drafter, match):
+    with pytest.raises(ValueError, match=match):
+        train(train_config(workspace, tmp_path / "run", drafter={**DRAFTER, **drafter}), log=lambda _: None)
+
+
+def test_dataset_of_another_tokenizer_or_vocab_fails_at_start(tmp_path, workspace):
+    other = make_target(tmp_path / "other", word_prefix="v")
+    with pytest.raises(ValueError, match="tokenizer"):
+        train(train_config(workspace, tmp_path / "run", target=str(other)), log=lambda _: None)
+    bigger = make_target(tmp_path / "bigger", vocab=VOCAB + 32)
+    with pytest.raises(ValueError, match="vocab_size"):
+        train(train_config(workspace, tmp_path / "run2", target=str(bigger)), log=lambda _: None)
+
+
+def test_unknown_train_setting_is_an_error():
+    with pytest.raises(ValueError, match="unknown train setting.*'lr_max'"):
+        TrainConfig.from_dict({"lr_max": 1.0})
+    with pytest.raises(ValueError, match="selector_loss"):
+        TrainConfig(selector_loss="mse")
+
+
+def test_example_run_files_parse(tmp_path):
+    for name in ("train_drafter.yaml", "train_drafter_gpu.yaml"):
+        path = REPO / "examples" / name
+        DataGenConfig.from_dict(read_section(path, "data"))
+        TrainConfig.from_dict(read_section(path, "train"))
+    values = apply_overrides({"drafter": {"num_layers": 2}}, ["drafter.top_k=16", "beta=0", "loss_decay=null"])
+    assert values == {"drafter": {"num_layers": 2, "top_k": 16}, "beta": 0, "loss_decay": None}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"trian": {}}))
+    with pytest.raises(ValueError, match="trian"):
+        read_section(bad, "train")
+
+
+def test_gen_data_and_train_cli_exit_status(tmp_path, workspace, capsys):
+    from ubtree_vllm import cli
+
+    out = tmp_path / "d"
+    common = ["--target", str(workspace["target"]), "--out", str(out), "--data-root", str(workspace["prompts"]),
+              "--max-new-tokens", "3", "--set", "shard_size=1", "--set", "max_prompt_tokens=64"]
+    assert cli.main(["gen-data", *common, "--num-prompts", "2", "--max-minutes", "0"]) == 3  # budget: no shard
+    assert cli.main(["gen-data", *common, "--num-prompts", "2"]) == 0
+    assert "2 samples" in capsys.readouterr().out
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({"data": {"target": str(workspace["target"]), "out_dir": str(out)},
+                                   "train": {"output_dir": str(tmp_path / "t"), "drafter": DRAFTER, "max_steps": 2,
+                                             "blocks_per_seq": 2, "batch_size": 2, "records_path": None,
+                                             "progress": False}}))
+    assert cli.main(["train", "--config", str(run), "--max-minutes", "0"]) == 3  # paused before step 1
+    assert cli.main(["train", "--config", str(run)]) == 0
+    assert (tmp_path / "t" / "drafter" / "model.safetensors").is_file()
+
+
+def test_incomplete_dataset_is_refused(tmp_path, workspace):
+    cfg = DataGenConfig(target=str(workspace["target"]), out_dir=str(tmp_path / "d"),
+                        data_root=str(workspace["prompts"]), num_prompts=4, shard_size=2, max_new_tokens=4)
+    with pytest.raises(KeyboardInterrupt):
+        generate_dataset(cfg, generator=lambda p, s: (_ for _ in ()).throw(KeyboardInterrupt) if s else
+                         count_up(p, s), log=lambda _: None)
+    with pytest.raises(ValueError, match="incomplete"):
+        train(train_config(workspace, tmp_path / "run", data_dir=str(tmp_path / "d")), log=lambda _: None)
+
+
+def test_cli_registers_training_commands():
+    from ubtree_vllm import cli
+
+    assert {"gen-data", "train", "eval-tau", "report"} <= set(cli.COMMANDS)
+    args = cli.build_parser().parse_args(["train", "--config", "x.yaml", "--set", "beta=0"])
+    assert args.overrides == ["beta=0"]
+
+
+# ---- evaluation ------------------------------------------------------------------------
+def test_eval_prompt_sets(shared_data_dir):
+    assert len(load_eval_prompts("spec_bench", shared_data_dir)) == 480
+    assert len(load_eval_prompts("mt_bench", shared_data_dir)) == 80
+    assert len(load_eval_prompts("humaneval", shared_data_dir)) == 164
+    text = (shared_data_dir / "spec_bench_question.jsonl").read_text()
+    rows = [json.loads(line) for line in text.splitlines()]
+    subset = spec_bench_subset(rows, 60)
+    assert len(subset) == 60 and subset == spec_bench_subset(rows, 60)
+    tasks = [r["category"] if r["category"] in ("translation", "summarization", "qa", "math_reasoning", "rag")
+             else "mt_bench" for r in subset]
+    assert {tasks.count(t) for t in set(tasks)} == {10} and len(set(tasks)) == 6
+
+
+def test_eval_tau_writes_one_record_per_setting(tmp_path, workspace):
+    model = LlamaForCausalLM.from_pretrained(workspace["target"])
+    drafter = UBTreeDrafter(DrafterConfig.for_target(model.config, "tiny", **DRAFTER))
+    drafter.bind_hf_target(model)
+    drafter_dir = export_drafter(drafter, tmp_path / "drafter", {})
+    data_dir = tmp_path / "bench"
+    data_dir.mkdir()
+    (data_dir / "mt_bench_question.jsonl").write_text(
+        "".join(json.dumps({"question_id": i, "category": "writing", "turns": [f"w{i} w{i + 1}", "x"]}) + "\n"
+                for i in range(3)))
+    records = tmp_path / "records.jsonl"
+    results = evaluate(drafter_dir, target=str(workspace["target"]), datasets=["mt_bench"],
+                       methods=["single", "ubtree"], temperatures=[0.0, 1.0], batch_size=2, max_new_tokens=6,
+                       tree_budget=6, beam_width=2, top_k=4, data_dir=data_dir, records_path=str(records),
+                       log=lambda _: None)
+    assert len(results) == 4 and all(r.tau >= 1.0 for r in results)
+    lines = [json.loads(line) for line in records.read_text().splitlines()]
+    assert [(r["method"], r["temperature"]) for r in lines] == [
+        ("ubtree-single", 0.0), ("ubtree-single", 1.0), ("ubtree", 0.0), ("ubtree", 1.0)]
+    assert lines[0]["tree_budget"] == 4 and lines[0]["top_k"] == 1 and lines[2]["tree_budget"] == 6
+    assert all(r["kind"] == "e2e" and r["output_tokens_per_s"] is None for r in lines)

@@ -1,0 +1,136 @@
+"""``"method": "ubtree"`` settings: parsing, defaults, and every start-up error (no engine)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, MAX_TREE_BUDGET, PROPOSER_CLASS_PATH, SPEC_KEYS,
+                                     VLLM_METHOD, TargetInfo, UBTreeVllmConfig, from_vllm_config,
+                                     is_ubtree_speculative_config, parse_speculative_config)
+from ubtree_vllm.vllm.request_support import unsupported_options
+
+TINY = TargetInfo(architectures=("LlamaForCausalLM",), vocab_size=512, hidden_size=64, num_layers=4)
+
+
+def spec(drafter, **overrides):
+    values = {"method": "ubtree", "model": str(drafter), "num_speculative_tokens": 8, "beam_width": 3, "top_k": 4}
+    values.update(overrides)
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def test_parse_reads_gamma_and_layers_from_the_drafter(tiny_drafter):
+    cfg = parse_speculative_config(spec(tiny_drafter), TINY)
+    assert (cfg.tree.tree_budget, cfg.tree.beam_width, cfg.tree.top_k, cfg.tree.block_size) == (8, 3, 4, 4)
+    assert cfg.drafter.target_layer_ids == (1, 2)
+    assert cfg.aux_layer_ids == (2, 3)  # HF hidden_states[i + 1] == vLLM aux layer i + 1
+    assert cfg.drafter_dir == str(tiny_drafter.resolve())
+
+
+def test_defaults_for_beam_width_and_top_k(tiny_drafter):
+    cfg = parse_speculative_config(spec(tiny_drafter, beam_width=None, top_k=None, num_speculative_tokens=5), TINY)
+    assert cfg.tree.beam_width == 5  # min(12, B)
+    assert cfg.tree.top_k == 16  # the drafter's trained K
+    cfg = parse_speculative_config(spec(tiny_drafter, beam_width=None, top_k=None, num_speculative_tokens=40), TINY)
+    assert cfg.tree.beam_width == 12
+
+
+def test_additional_config_round_trip(tiny_drafter):
+    cfg = parse_speculative_config(spec(tiny_drafter), TINY)
+    values = json.loads(json.dumps(cfg.to_additional_config()))  # plain JSON, hashed by vLLM
+    assert UBTreeVllmConfig.from_additional_config(values) == cfg
+
+
+@pytest.mark.parametrize(("overrides", "pattern"), [
+    ({"temperature": 1.0}, r"unknown key\(s\) \['temperature'\].*allowed keys"),
+    ({"num_speculative_tokens": 0}, r"num_speculative_tokens \(tree budget B; .*\) must be an integer in \[1, 128\], got 0"),
+    ({"num_speculative_tokens": MAX_TREE_BUDGET + 1, "beam_width": 16, "top_k": 16},
+     r"num_speculative_tokens .* in \[1, 64\]"),
+    ({"num_speculative_tokens": "8"}, r"num_speculative_tokens .* must be an integer"),
+    ({"beam_width": 9}, r"beam_width \(beam width W, at most num_speculative_tokens\) must be an integer in \[1, 8\]"),
+    ({"top_k": 513}, r"top_k .* must be an integer in \[1, 512\]"),
+    ({"num_speculative_tokens": None}, r"num_speculative_tokens \(the tree budget B\) is required"),
+    ({"model": None}, r"speculative_config.model \(the UBTree drafter folder\) is required"),
+])
+def test_invalid_settings_name_field_and_allowed_values(tiny_drafter, overrides, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        parse_speculative_config(spec(tiny_drafter, **overrides), TINY)
+
+
+def test_budget_bound_is_the_beam_capacity_and_vllms_limit(tiny_drafter):
+    # W=3, K=4, gamma=4 -> 3 + 3 + 3 + 3 = 12 nodes
+    with pytest.raises(ValueError, match=r"in \[1, 12\]"):
+        parse_speculative_config(spec(tiny_drafter, num_speculative_tokens=13), TINY)
+    # K=16, W=16, gamma=4 -> 16 + 16 + 16 + 16 = 64 nodes; vLLM's cap is 128
+    assert parse_speculative_config(spec(tiny_drafter, num_speculative_tokens=64, beam_width=16, top_k=16),
+                                    TINY).tree.tree_budget == 64
+
+
+def test_drafter_for_another_target_is_rejected(tiny_drafter):
+    for target, field in ((TargetInfo(("LlamaForCausalLM",), 1000, 64, 4), "vocab_size"),
+                          (TargetInfo(("LlamaForCausalLM",), 512, 128, 4), "hidden_size"),
+                          (TargetInfo(("LlamaForCausalLM",), 512, 64, 6), "num_hidden_layers")):
+        with pytest.raises(ValueError, match=f"drafter does not match the target: {field}"):
+            parse_speculative_config(spec(tiny_drafter), target)
+
+
+def test_unsupported_architecture_is_rejected(tiny_drafter):
+    target = TargetInfo(("Qwen3NextForCausalLM",), 512, 64, 4)
+    with pytest.raises(ValueError, match=r"not supported by method 'ubtree'; supported: \['LlamaForCausalLM'"):
+        parse_speculative_config(spec(tiny_drafter), target)
+
+
+def test_missing_or_broken_drafter_folder(tiny_drafter, tmp_path):
+    with pytest.raises(ValueError, match="drafter folder .* does not exist"):
+        parse_speculative_config(spec(tmp_path / "nowhere"), TINY)
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_drafter, broken)
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="has no model.safetensors"):
+        parse_speculative_config(spec(broken), TINY)
+    (broken / "model.safetensors").write_bytes(b"")
+    config = json.loads((broken / "config.json").read_text())
+    del config["ubtree"]
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="not a valid UBTree drafter config"):
+        parse_speculative_config(spec(broken), TINY)
+
+
+def test_spec_keys_are_documented():
+    assert set(SPEC_KEYS) == {"method", "model", "num_speculative_tokens", "beam_width", "top_k"}
+
+
+def test_from_vllm_config_recognises_only_the_rewritten_form(tiny_drafter):
+    cfg = parse_speculative_config(spec(tiny_drafter), TINY)
+
+    class Spec:
+        method, model = VLLM_METHOD, PROPOSER_CLASS_PATH
+
+    class Vllm:
+        speculative_config = Spec()
+        additional_config = {ADDITIONAL_CONFIG_KEY: cfg.to_additional_config()}
+
+    assert is_ubtree_speculative_config(Spec()) and from_vllm_config(Vllm()) == cfg
+    Vllm.additional_config = {}
+    with pytest.raises(ValueError, match="internal to ubtree_vllm"):
+        from_vllm_config(Vllm())
+    Spec.model = "my.Proposer"
+    assert not is_ubtree_speculative_config(Spec()) and from_vllm_config(Vllm()) is None
+    assert not is_ubtree_speculative_config(None)
+
+
+def test_unsupported_request_options():
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    assert unsupported_options(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1, n=2, stop=["x"])) == []
+    cases = {
+        "presence_penalty": dict(presence_penalty=0.5), "frequency_penalty": dict(frequency_penalty=0.5),
+        "repetition_penalty": dict(repetition_penalty=1.2), "logprobs": dict(logprobs=2),
+        "bad_words": dict(bad_words=["foo"]), "allowed_token_ids": dict(allowed_token_ids=[1, 2]),
+        "logit_bias": dict(logit_bias={1: 1.0}), "min_p": dict(min_p=0.1), "min_tokens": dict(min_tokens=3),
+        "structured_outputs": dict(structured_outputs=StructuredOutputsParams(regex="a+")),
+    }
+    for name, kwargs in cases.items():
+        assert unsupported_options(SamplingParams(**kwargs)) == [name], name

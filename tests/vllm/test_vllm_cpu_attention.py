@@ -1,0 +1,143 @@
+"""CPU tree attention and the KV commit against dense references, on vLLM's real CPU kernels.
+
+The CPU KV layout differs per ISA (keys transposed for "vec", VNNI-tiled for "amx"), so
+both are exercised where the machine supports them; the tests never read the cache
+directly, only through vLLM's own kernels.
+"""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from vllm import _custom_ops as ops
+from vllm.config import set_current_vllm_config
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+from ubtree_vllm.vllm.attention.cpu import TreeCPUAttentionImpl, VirtualLayout
+from ubtree_vllm.vllm.attention.state import TreeForwardState
+from ubtree_vllm.vllm.kv_commit import commit_accepted_paths
+from vllm_batches import BLOCK_SIZE, BLOCK_TABLE, NUM_COMPUTED, PARENTS, ancestors, make_batch
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, NUM_BLOCKS = 4, 2, 64, 8
+SCALE = HEAD_SIZE ** -0.5
+DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cpu._is_amx_tile_supported() else [])
+
+
+@pytest.fixture(scope="module")
+def impl(tiny_target):
+    config = EngineArgs(model=str(tiny_target), skip_tokenizer_init=True, dtype="float32").create_engine_config()
+    with set_current_vllm_config(config):
+        return TreeCPUAttentionImpl(num_heads=NUM_HEADS, head_size=HEAD_SIZE, scale=SCALE, num_kv_heads=NUM_KV_HEADS,
+                                    alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+
+
+def write(cache, key, value, slots, isa):
+    key_cache, value_cache = cache.view(NUM_BLOCKS, NUM_KV_HEADS, 2 * BLOCK_SIZE, HEAD_SIZE).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
+                                   kv_cache_dtype="auto")
+
+
+def setup(dtype):
+    """A cache holding every request's context, plus the step's fresh q/k/v and written rows."""
+    torch.manual_seed(0)
+    batch = make_batch()
+    isa = _get_attn_isa(dtype, BLOCK_SIZE, HEAD_SIZE, "auto")
+    layer = types.SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0, layer_name="layer0")
+    cache = torch.zeros(NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, dtype=dtype)
+    ctx_k = [torch.randn(int(n), NUM_KV_HEADS, HEAD_SIZE, dtype=dtype) for n in NUM_COMPUTED]
+    ctx_v = [torch.randn(int(n), NUM_KV_HEADS, HEAD_SIZE, dtype=dtype) for n in NUM_COMPUTED]
+    for k, v, s in zip(ctx_k, ctx_v, batch.context_slots):
+        if len(s):
+            write(cache, k, v, s, isa)
+    num_rows = batch.slot_mapping.shape[0]
+    query = torch.randn(num_rows, NUM_HEADS, HEAD_SIZE, dtype=dtype)
+    key = torch.randn(num_rows, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype)
+    value = torch.randn(num_rows, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype)
+    write(cache, key, value, batch.slot_mapping, isa)  # vLLM writes the new rows before attention
+    return batch, layer, cache, ctx_k, ctx_v, query, key, value
+
+
+def reference_row(query, ctx_k, ctx_v, key, value, rows):
+    """Dense attention of one query over context + the given fresh rows. -> [H, D] float32."""
+    k = torch.cat([ctx_k, key[rows]]).float().repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
+    v = torch.cat([ctx_v, value[rows]]).float().repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
+    out = F.scaled_dot_product_attention(query.float()[:, None], k.transpose(0, 1), v.transpose(0, 1), scale=SCALE)
+    return out[:, 0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tree_rows_attend_to_context_and_ancestors_only(impl, dtype):
+    batch, layer, cache, ctx_k, ctx_v, query, key, value = setup(dtype)
+    plan = batch.plan
+    trees = plan.to_device(torch.device("cpu"))
+    layout = VirtualLayout(plan, trees, BLOCK_TABLE, BLOCK_SIZE)
+    output = torch.full((query.shape[0], NUM_HEADS, HEAD_SIZE), float("nan"), dtype=dtype)
+    impl._attend_tree_rows(layer, query, key, value, cache, output, trees, layout)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for i, (req_id, root) in enumerate((("r0", 0), ("r2", 11))):
+        req = 0 if req_id == "r0" else 2
+        for node in range(1, len(PARENTS[req_id])):
+            rows = [root + a for a in ancestors(PARENTS[req_id], node)]
+            expected = reference_row(query[root + node], ctx_k[req], ctx_v[req], key, value, rows)
+            torch.testing.assert_close(output[root + node].float(), expected, **tol)
+    untouched = [r for r in range(query.shape[0]) if r not in plan.row_index.tolist()]
+    assert torch.isnan(output[untouched]).all()  # roots, prefill rows: left to the stock kernel
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kv_commit_moves_accepted_nodes_to_their_depth(impl, dtype):
+    batch, layer, cache, _, _, _, key, value = setup(dtype)
+    plan = batch.plan
+    layer.impl, layer.kv_cache = impl, cache
+    state = TreeForwardState()
+    state.begin(plan, torch.device("cpu"))
+    state.stash_layer(layer, key, value, batch.slot_mapping)
+    # r0 accepted root -> 1 -> 3 -> 5 (node 1 already sits at depth 1); r2 accepted node 2 only.
+    accepted_path = torch.tensor([[0, 1, 3, 5], [0, -1, -1, -1], [0, 2, -1, -1]])
+    num_accepted = torch.tensor([3, 0, 1])
+    expected = cache.clone()
+    moves = [(0, 1, 1), (0, 2, 3), (0, 3, 5), (11, 1, 2)]  # (root row, depth, node)
+    rows = torch.tensor([root + node for root, _, node in moves])
+    slots = torch.tensor([int(batch.slot_mapping[root + depth]) for root, depth, _ in moves])
+    write(expected, key[rows], value[rows], slots, layer.isa)
+    commit_accepted_paths(state, plan, accepted_path, num_accepted)
+    assert torch.equal(cache, expected)
+
+
+def test_cuda_backend_tree_rows_on_a_flash_attention_layout():
+    """The CUDA backend's PyTorch tree path, run on the CPU over FlashAttention's per-token layout."""
+    from ubtree_vllm.tree.topology import ancestor_mask
+    from ubtree_vllm.vllm.attention.flash import TreeFlashAttentionImpl
+
+    torch.manual_seed(0)
+    batch = make_batch()
+    plan = batch.plan
+    impl = object.__new__(TreeFlashAttentionImpl)  # only head_size and scale are used by the tree path
+    impl.head_size, impl.scale = HEAD_SIZE, SCALE
+    kv_cache = torch.zeros(NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(HEAD_SIZE, dim=-1)  # FlashAttentionImpl's view
+
+    def write_fa(key, value, slots):
+        key_cache[slots // BLOCK_SIZE, slots % BLOCK_SIZE] = key
+        value_cache[slots // BLOCK_SIZE, slots % BLOCK_SIZE] = value
+
+    ctx_k = [torch.randn(int(n), NUM_KV_HEADS, HEAD_SIZE) for n in NUM_COMPUTED]
+    ctx_v = [torch.randn(int(n), NUM_KV_HEADS, HEAD_SIZE) for n in NUM_COMPUTED]
+    for k, v, s in zip(ctx_k, ctx_v, batch.context_slots):
+        write_fa(k, v, s)
+    rows = batch.slot_mapping.shape[0]
+    query = torch.randn(rows, NUM_HEADS, HEAD_SIZE)
+    key, value = torch.randn(rows, NUM_KV_HEADS, HEAD_SIZE), torch.randn(rows, NUM_KV_HEADS, HEAD_SIZE)
+    write_fa(key, value, batch.slot_mapping)
+    output = torch.full_like(query, float("nan"))
+    masks = ancestor_mask(torch.from_numpy(plan.parents).clamp(min=-1), plan.max_depth)
+    impl._attend_tree_rows(query, key, value, kv_cache, BLOCK_TABLE, output, plan, masks)
+    for req_id, req, root in (("r0", 0, 0), ("r2", 2, 11)):
+        for node in range(1, len(PARENTS[req_id])):
+            path = [root + a for a in ancestors(PARENTS[req_id], node)]
+            expected = reference_row(query[root + node], ctx_k[req], ctx_v[req], key, value, path)
+            torch.testing.assert_close(output[root + node], expected, atol=1e-5, rtol=1e-4)
+    assert torch.isnan(output[[0, 6, 7, 8, 9, 10, 11]]).all()

@@ -1,0 +1,104 @@
+"""Greedy UBTree through vLLM (in-process engine) is token-identical to vLLM without speculation.
+
+Tiny random Llama; the untrained drafter checks losslessness with (almost) nothing
+accepted, the oracle drafter (test-only, installed in-process) hides the reference on a
+non-first branch and cuts it at random depths, which drives multi-token acceptances,
+the KV commit of moved nodes and the drafter features of accepted paths.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+from vllm import LLM, SamplingParams
+from vllm.exceptions import VLLMValidationError
+from vllm.inputs import TokensPrompt
+
+from vllm_engines import ENGINE_KWARGS, TINY_TREE
+from vllm_oracle import ReferenceOracle, engine_runner, install_oracle
+
+NUM_PROMPTS, MAX_TOKENS = 8, 24
+_rng = random.Random(1234)
+PROMPTS = [[_rng.randrange(3, 500) for _ in range(_rng.randrange(3, 70))] for _ in range(NUM_PROMPTS)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+
+
+def generate(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def spec_counters(llm: LLM) -> tuple[int, int]:
+    """(drafts, accepted draft tokens) from vLLM's spec-decode metrics."""
+    values = {m.name: m.value for m in llm.get_metrics() if m.name in (
+        "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")}
+    return values["vllm:spec_decode_num_drafts"], values["vllm:spec_decode_num_accepted_tokens"]
+
+
+@pytest.fixture(scope="module")
+def plain_llm(tiny_target):
+    return LLM(model=str(tiny_target), **ENGINE_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def ubtree_llm(tiny_target, tiny_drafter, plain_llm):
+    # Created after plain_llm: each new engine re-registers vLLM's Prometheus metrics
+    # (the process-global registry that get_metrics() reads), so the last one wins.
+    return LLM(model=str(tiny_target), speculative_config={"method": "ubtree", "model": str(tiny_drafter), **TINY_TREE},
+               **ENGINE_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def reference_batch(plain_llm):
+    return generate(plain_llm, PROMPTS)
+
+
+def test_engine_runs_the_ubtree_runner(ubtree_llm):
+    runner = engine_runner(ubtree_llm)
+    assert type(runner).__name__ == "UBTreeCPUModelRunner"
+    assert runner.drafter.config.tree.tree_budget == TINY_TREE["num_speculative_tokens"]
+
+
+def test_greedy_one_request_at_a_time(plain_llm, ubtree_llm):
+    for prompt in PROMPTS:
+        assert generate(ubtree_llm, [prompt]) == generate(plain_llm, [prompt])
+
+
+def test_greedy_concurrent_batch_of_different_lengths(ubtree_llm, reference_batch):
+    assert generate(ubtree_llm, PROMPTS) == reference_batch
+
+
+def test_copying_drafter_accepts_long_paths_and_metrics_report_it(ubtree_llm, reference_batch):
+    runner = engine_runner(ubtree_llm)
+    oracle = ReferenceOracle(PROMPTS, reference_batch, runner.drafter.config.tree, vocab_size=512)
+    drafts_before, accepted_before = spec_counters(ubtree_llm)
+    install_oracle(ubtree_llm, oracle)
+    try:
+        assert generate(ubtree_llm, PROMPTS) == reference_batch
+    finally:
+        install_oracle(ubtree_llm, None)
+    drafts, accepted = spec_counters(ubtree_llm)
+    mean_acceptance_length = 1 + (accepted - accepted_before) / (drafts - drafts_before)
+    assert oracle.calls > 0
+    assert mean_acceptance_length > 2.0, mean_acceptance_length
+
+
+def test_stop_and_max_tokens_inside_an_accepted_path(plain_llm, ubtree_llm, reference_batch):
+    runner = engine_runner(ubtree_llm)
+    install_oracle(ubtree_llm, ReferenceOracle(PROMPTS, reference_batch, runner.drafter.config.tree,
+                                               vocab_size=512, corrupt_prob=0.0))
+    try:
+        for prompt, ref in zip(PROMPTS[:3], reference_batch[:3]):
+            stop = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[ref[9]], detokenize=False)
+            short = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, detokenize=False)
+            for params in (stop, short):
+                assert generate(ubtree_llm, [prompt], params) == generate(plain_llm, [prompt], params)
+    finally:
+        install_oracle(ubtree_llm, None)
+
+
+def test_options_trees_cannot_serve_are_rejected(ubtree_llm):
+    with pytest.raises(VLLMValidationError, match=r"\['repetition_penalty'\] are not supported with speculative decoding "
+                                         r"method 'ubtree'"):
+        generate(ubtree_llm, PROMPTS[:1], SamplingParams(max_tokens=4, repetition_penalty=1.3, detokenize=False))
+    assert len(generate(ubtree_llm, PROMPTS[:1])[0]) == MAX_TOKENS  # the engine keeps serving

@@ -1,0 +1,109 @@
+"""GPU check (H200, vLLM 0.32.0, CUDA graphs on): greedy equality and a first tokens/s comparison.
+
+Skipped without CUDA (``gpu`` marker, see tests/conftest.py). Runs the V1 runner with the
+tree-aware FLASH_ATTN subclass; vLLM captures PIECEWISE CUDA graphs around attention
+because the tree rows run in PyTorch (the builder reports ``AttentionCGSupport.NEVER``).
+
+bf16 (FlashAttention has no fp32): a tree forward and a one-token decode round differently,
+so a greedy divergence is accepted only at a near-tie of the reference -- the engine
+without speculation must rank the UBTree token second with a log-prob gap below
+``NEAR_TIE_NATS``; any other divergence fails.
+
+Optional environment (test-only): ``GPU_TEST_DRAFTER`` = a trained drafter folder for
+SmolLM2 (default: an untrained export, acceptance ~1, so no speed-up is expected);
+``GPU_TEST_RECORDS`` = a records.jsonl path to append the tokens/s comparison to
+(``ubtree_vllm.bench.records``).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+from vllm_models import save_untrained_drafter
+
+pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
+
+NEAR_TIE_NATS = 0.1
+MAX_TOKENS = 128
+TREE = {"num_speculative_tokens": 16, "beam_width": 4, "top_k": 8}
+
+
+def engine(model, speculative_config=None) -> LLM:
+    return LLM(model=str(model), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=2048, seed=0,
+               skip_tokenizer_init=True, disable_log_stats=False, speculative_config=speculative_config)
+
+
+def prompts_for(vocab_size: int, count: int = 8) -> list[list[int]]:
+    return [[(7 * i + 13 * j + 1) % vocab_size for j in range(16 + 9 * i)] for i in range(count)]
+
+
+def assert_greedy_equal_up_to_near_ties(spec: list[list[int]], plain_outputs) -> None:
+    for got, out in zip(spec, plain_outputs):
+        expected = list(out.outputs[0].token_ids)
+        if got == expected:
+            continue
+        pos = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
+        ranked = out.outputs[0].logprobs[pos]  # {token: Logprob} top-2 of the engine without speculation
+        assert got[pos] in ranked, f"divergence at {pos}: UBTree token {got[pos]} not in the reference top-2"
+        gap = ranked[expected[pos]].logprob - ranked[got[pos]].logprob
+        assert gap < NEAR_TIE_NATS, f"divergence at {pos} with log-prob gap {gap:.3f} (not a near-tie)"
+
+
+def run_pair(target, drafter):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+    plain = engine(target)
+    vocab = plain.llm_engine.model_config.get_vocab_size()
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts_for(vocab)]
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False,
+                                   logprobs=2)
+    reference = plain.generate(prompts, with_logprobs, use_tqdm=False)
+    plain.generate(prompts, params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    plain.generate(prompts[:1], params, use_tqdm=False)
+    plain_s = time.perf_counter() - start
+    del plain
+    ubtree = engine(target, {"method": "ubtree", "model": str(drafter), **TREE})
+    spec = [list(o.outputs[0].token_ids) for o in ubtree.generate(prompts, params, use_tqdm=False)]
+    start = time.perf_counter()
+    ubtree.generate(prompts[:1], params, use_tqdm=False)
+    ubtree_s = time.perf_counter() - start
+    metrics = {m.name: m.value for m in ubtree.get_metrics()
+               if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")}
+    tau = 1 + metrics["vllm:spec_decode_num_accepted_tokens"] / max(1, metrics["vllm:spec_decode_num_drafts"])
+    assert_greedy_equal_up_to_near_ties(spec, reference)
+    return MAX_TOKENS / plain_s, MAX_TOKENS / ubtree_s, tau
+
+
+def test_greedy_equality_tiny_qwen3_cuda_graphs(tmp_path):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
+                      tie_word_embeddings=False)
+    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "qwen3")
+    drafter = save_untrained_drafter(tmp_path / "qwen3", tmp_path / "qwen3-drafter", block_size=8, top_k=16)
+    run_pair(tmp_path / "qwen3", drafter)
+
+
+def test_greedy_equality_and_speed_smollm2(default_target_dir, tmp_path):
+    drafter = os.environ.get("GPU_TEST_DRAFTER") or save_untrained_drafter(
+        default_target_dir, tmp_path / "smollm2-drafter", block_size=16, top_k=16)
+    plain_tps, ubtree_tps, tau = run_pair(default_target_dir, drafter)
+    print(f"SmolLM2 batch 1: no speculation {plain_tps:.1f} tok/s, ubtree {ubtree_tps:.1f} tok/s, tau {tau:.2f}")
+    records = os.environ.get("GPU_TEST_RECORDS")
+    if records:
+        from ubtree_vllm.bench.records import append_record
+
+        common = dict(kind="e2e", target="smollm2-135m-instruct", dataset="synthetic-token-prompts",
+                      num_prompts=1, max_new_tokens=MAX_TOKENS, temperature=0.0, batch_size=1, concurrency=1,
+                      tp=1, cuda_graphs=True, command="pytest tests/vllm/test_vllm_gpu.py")
+        append_record({**common, "method": "ar", "output_tokens_per_s": plain_tps}, records)
+        append_record({**common, "method": "ubtree", "drafter": str(drafter), "tree_budget": 16, "beam_width": 4,
+                       "top_k": 8, "tau": tau, "output_tokens_per_s": ubtree_tps,
+                       "speedup_vs_ar": ubtree_tps / plain_tps}, records)

@@ -1,0 +1,195 @@
+"""One test per manifest patch, plus the start-up errors of bad UBTree configs (no engine started)."""
+from __future__ import annotations
+
+import importlib
+import types
+
+import pytest
+from vllm.engine.arg_utils import EngineArgs
+
+from ubtree_vllm import patches
+from ubtree_vllm.patches._patching import MARK, is_patched, original_attr_name
+from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, CPU_WORKER_CLASS_PATH, PROPOSER_CLASS_PATH,
+                                     VLLM_METHOD)
+
+TESTED_PATCHES = {"engine_args_speculative_config", "sampling_params_spec_decode", "cpu_worker_model_runner",
+                  "attention_backends"}
+
+
+def test_every_manifest_patch_has_a_module_and_a_test_here():
+    assert {spec.name for spec in patches.MANIFEST} == TESTED_PATCHES
+    for spec in patches.MANIFEST:
+        module = importlib.import_module(spec.module)
+        assert module.NAME == spec.name and callable(module.apply) and module.__doc__
+
+
+def engine_config(model, speculative_config, **kwargs):
+    return EngineArgs(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
+                      speculative_config=speculative_config, **kwargs).create_engine_config()
+
+
+def ubtree_spec(drafter, **overrides):
+    values = {"method": "ubtree", "model": str(drafter), "num_speculative_tokens": 8, "beam_width": 3, "top_k": 4}
+    values.update(overrides)
+    return values
+
+
+# --- engine_args_speculative_config ----------------------------------------------------------
+
+
+def test_engine_args_rewrite_ubtree_to_vllm_config(tiny_target, tiny_drafter):
+    config = engine_config(tiny_target, ubtree_spec(tiny_drafter))
+    spec = config.speculative_config
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == (VLLM_METHOD, PROPOSER_CLASS_PATH, 8)
+    assert config.additional_config[ADDITIONAL_CONFIG_KEY]["tree_budget"] == 8
+    assert config.parallel_config.worker_cls == CPU_WORKER_CLASS_PATH
+    assert config.scheduler_config.async_scheduling is False
+    assert config.use_v2_model_runner is False
+    from vllm.engine.arg_utils import EngineArgs as Patched
+
+    assert is_patched(Patched, "create_speculative_config")
+
+
+def test_engine_args_cli_flags_and_idempotent_apply(tiny_target, tiny_drafter):
+    args = EngineArgs(model=str(tiny_target), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
+                      spec_method="ubtree", spec_model=str(tiny_drafter), spec_tokens=6)
+    config = args.create_engine_config()
+    assert config.speculative_config.num_speculative_tokens == 6
+    assert config.additional_config[ADDITIONAL_CONFIG_KEY]["beam_width"] == 6
+    # The same EngineArgs can build its config again (worker class set on the new ParallelConfig).
+    assert args.create_engine_config().parallel_config.worker_cls == CPU_WORKER_CLASS_PATH
+    wrapped = EngineArgs.create_speculative_config
+    importlib.import_module("ubtree_vllm.patches.engine.patch_engine_args_speculative_config").apply()
+    assert EngineArgs.create_speculative_config is wrapped
+
+
+def test_other_speculative_methods_are_untouched(tiny_target):
+    config = engine_config(tiny_target, {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+    assert config.speculative_config.method == "ngram"
+    assert ADDITIONAL_CONFIG_KEY not in config.additional_config
+    assert config.parallel_config.worker_cls != CPU_WORKER_CLASS_PATH
+
+
+@pytest.fixture(scope="module")
+def gpt2_target(tmp_path_factory):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = tmp_path_factory.mktemp("gpt2")
+    GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=64, n_layer=4, n_head=2, n_positions=512)).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(("case", "pattern"), [
+    ("unknown_key", r"unknown key\(s\) \['beam'\]"),
+    ("budget_zero", r"num_speculative_tokens .* must be an integer in \[1, 128\], got 0"),
+    ("budget_too_large", r"num_speculative_tokens .* must be an integer in \[1, 12\], got 64"),
+    ("width_above_budget", r"beam_width .* must be an integer in \[1, 8\], got 9"),
+    ("top_k_above_vocab", r"top_k .* must be an integer in \[1, 512\], got 1000"),
+    ("missing_drafter", r"drafter folder .* does not exist"),
+    ("other_target", r"drafter does not match the target: vocab_size: drafter 64, target 512"),
+    ("unsupported_arch", r"target architecture \['GPT2LMHeadModel'\] is not supported"),
+    ("tensor_parallel", r"tensor_parallel_size must be 1"),
+    ("worker_cls", r"worker_cls must be 'auto'"),
+])
+def test_bad_input_fails_before_any_engine_exists(tiny_target, tiny_drafter, copy_pair, gpt2_target, tmp_path,
+                                                  case, pattern):
+    model, spec, kwargs = tiny_target, ubtree_spec(tiny_drafter), {}
+    if case == "unknown_key":
+        spec["beam"] = 2
+    elif case == "budget_zero":
+        spec["num_speculative_tokens"] = 0
+    elif case == "budget_too_large":
+        spec["num_speculative_tokens"] = 64
+    elif case == "width_above_budget":
+        spec["beam_width"] = 9
+    elif case == "top_k_above_vocab":
+        spec["top_k"] = 1000
+    elif case == "missing_drafter":
+        spec["model"] = str(tmp_path / "missing")
+    elif case == "other_target":
+        spec["model"] = str(copy_pair[1])
+    elif case == "unsupported_arch":
+        model = gpt2_target
+    elif case == "tensor_parallel":
+        kwargs["tensor_parallel_size"] = 2
+    elif case == "worker_cls":
+        kwargs["worker_cls"] = "my.Worker"
+    with pytest.raises(ValueError, match=pattern):
+        engine_config(model, spec, **kwargs)
+
+
+def test_rewritten_form_without_ubtree_settings_is_refused(tiny_target):
+    with pytest.raises(ValueError, match="internal to ubtree_vllm"):
+        engine_config(tiny_target, {"method": VLLM_METHOD, "model": PROPOSER_CLASS_PATH, "num_speculative_tokens": 4})
+
+
+# --- sampling_params_spec_decode ------------------------------------------------------------
+
+
+def test_sampling_params_rejects_options_trees_cannot_serve():
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    patches.apply("engine")
+    ubtree = types.SimpleNamespace(method=VLLM_METHOD, model=PROPOSER_CLASS_PATH)
+    other = types.SimpleNamespace(method="ngram", model="ngram")
+    SamplingParams(temperature=0.8, top_p=0.9, seed=3)._validate_spec_decode(ubtree)
+    SamplingParams(presence_penalty=1.0)._validate_spec_decode(other)  # other methods: vLLM's rules only
+    with pytest.raises(VLLMValidationError, match=r"\['presence_penalty', 'logprobs'\] are not supported"):
+        SamplingParams(presence_penalty=1.0, logprobs=1)._validate_spec_decode(ubtree)
+    assert getattr(SamplingParams._validate_spec_decode, MARK) == "sampling_params_spec_decode"
+
+
+# --- cpu_worker_model_runner -----------------------------------------------------------------
+
+
+def test_cpu_worker_builds_the_ubtree_runner_only_for_ubtree(monkeypatch):
+    import vllm.v1.worker.cpu_worker as cpu_worker
+
+    import ubtree_vllm.vllm.runner as runner
+
+    importlib.import_module("ubtree_vllm.patches.worker.patch_cpu_worker_model_runner").apply()
+    assert getattr(cpu_worker.CPUModelRunner, MARK) == "cpu_worker_model_runner"
+    built = []
+    monkeypatch.setattr(cpu_worker, original_attr_name("CPUModelRunner"), lambda c, d: built.append(("stock", d)))
+    monkeypatch.setattr(runner, "UBTreeCPUModelRunner", lambda c, d: built.append(("ubtree", d)))
+    ubtree = types.SimpleNamespace(speculative_config=types.SimpleNamespace(method=VLLM_METHOD,
+                                                                            model=PROPOSER_CLASS_PATH))
+    cpu_worker.CPUModelRunner(types.SimpleNamespace(speculative_config=None), "cpu")
+    cpu_worker.CPUModelRunner(ubtree, "cpu")
+    assert built == [("stock", "cpu"), ("ubtree", "cpu")]
+
+
+def test_cpu_worker_patch_is_inert_off_the_cpu_platform(fresh_python):
+    """Regression (H200): importing vLLM's cpu_worker replaces torch.cuda.Event process-wide,
+    which broke inductor autotuning in GPU engines; off the CPU platform the patch must not import it."""
+    proc = fresh_python(
+        """
+        import sys
+        from unittest import mock
+        import torch
+        from vllm.platforms import current_platform
+        event = torch.cuda.Event
+        with mock.patch.object(type(current_platform), "is_cpu", lambda self: False):
+            import importlib
+            importlib.import_module("ubtree_vllm.patches.worker.patch_cpu_worker_model_runner").apply()
+        print("vllm.v1.worker.cpu_worker" in sys.modules, torch.cuda.Event is event)
+        """
+    )
+    assert proc.stdout.strip().splitlines()[-1] == "False True"
+
+
+# --- attention_backends ----------------------------------------------------------------------
+
+
+def test_cpu_attention_resolves_to_the_tree_backend():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from ubtree_vllm.vllm.attention.cpu import TreeCPUAttentionBackend, TreeCPUAttentionImpl
+
+    importlib.import_module("ubtree_vllm.patches.worker.patch_attention_backends").apply()
+    backend = AttentionBackendEnum.CPU_ATTN.get_class()
+    assert backend is TreeCPUAttentionBackend and backend.get_name() == "CPU_ATTN"
+    assert backend.get_impl_cls() is TreeCPUAttentionImpl
+    importlib.import_module("ubtree_vllm.patches.worker.patch_attention_backends").apply()  # idempotent
+    assert AttentionBackendEnum.CPU_ATTN.get_class() is TreeCPUAttentionBackend

@@ -1,0 +1,118 @@
+"""Tree rejection sampler, feature store and the PyTorch tree attention (no engine)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.metadata import SamplingMetadata
+
+from ubtree_vllm.vllm.attention.tree_sdpa import gather_paged_tokens, tree_rows_attention
+from ubtree_vllm.vllm.features import ContextFeatureStore
+from ubtree_vllm.vllm.sampler import TreeRejectionSampler, check_supported
+from vllm_batches import PARENTS, ancestors, make_batch
+
+VOCAB = 32
+
+
+def metadata(num_reqs: int, temperature=None, top_k=None, generators=None, **overrides) -> SamplingMetadata:
+    values = dict(
+        temperature=temperature, all_greedy=temperature is None, all_random=temperature is not None,
+        top_p=None, top_k=top_k, generators=generators or {}, max_num_logprobs=None, no_penalties=True,
+        prompt_token_ids=None, frequency_penalties=torch.zeros(num_reqs), presence_penalties=torch.zeros(num_reqs),
+        repetition_penalties=torch.ones(num_reqs), output_token_ids=[[] for _ in range(num_reqs)],
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+    values.update(overrides)
+    return SamplingMetadata(**values)
+
+
+def peaked_logits(argmax_per_row: list[int]) -> torch.Tensor:
+    logits = torch.randn(len(argmax_per_row), VOCAB)
+    logits[torch.arange(len(argmax_per_row)), torch.tensor(argmax_per_row)] = 10.0
+    return logits
+
+
+def test_greedy_walk_emits_accepted_tokens_then_the_bonus():
+    plan = make_batch().plan  # r0 nodes 1..5 = tokens 11..15, r1 root only, r2 nodes 1..3 = 21..23
+    # Rows: r0 nodes 0..5, r1 root, r2 nodes 0..3 (vLLM's logits_indices order).
+    argmax = [12, 0, 7, 0, 0, 0] + [5] + [22, 0, 23, 9]
+    output, result = TreeRejectionSampler()(plan, plan.to_device(torch.device("cpu")), peaked_logits(argmax),
+                                            metadata(3))
+    assert output.sampled_token_ids.dtype == torch.int32
+    assert output.sampled_token_ids.tolist() == [[12, 7, -1, -1, -1, -1], [5, -1, -1, -1, -1, -1],
+                                                 [22, 23, 9, -1, -1, -1]]
+    assert output.logprobs_tensors is None
+    assert result.num_accepted.tolist() == [1, 0, 2]
+    assert result.accepted_path.tolist() == [[0, 2, -1, -1], [0, -1, -1, -1], [0, 2, 3, -1]]
+
+
+def test_seeded_requests_are_reproducible_and_top_k_1_is_greedy():
+    plan = make_batch().plan
+    trees = plan.to_device(torch.device("cpu"))
+    logits = torch.randn(11, VOCAB)
+    temperature = torch.tensor([1.0, 1.0, 1.0])
+
+    def run(seed):
+        gens = {i: torch.Generator().manual_seed(seed + i) for i in range(3)}
+        return TreeRejectionSampler()(plan, trees, logits, metadata(3, temperature, generators=gens))[0]
+
+    assert torch.equal(run(7).sampled_token_ids, run(7).sampled_token_ids)
+    top1 = metadata(3, temperature, top_k=torch.tensor([1, 1, 1]))
+    greedy = TreeRejectionSampler()(plan, trees, logits, metadata(3))[0]
+    assert torch.equal(TreeRejectionSampler()(plan, trees, logits, top1)[0].sampled_token_ids,
+                       greedy.sampled_token_ids)
+
+
+def test_unsupported_batches_are_refused():
+    check_supported(metadata(2))
+    for overrides in (dict(no_penalties=False), dict(max_num_logprobs=0), dict(bad_words_token_ids={0: [[1]]}),
+                      dict(allowed_token_ids_mask=torch.zeros(2, VOCAB, dtype=torch.bool))):
+        with pytest.raises(RuntimeError, match="must be rejected at admission"):
+            check_supported(metadata(2, **overrides))
+
+
+def test_feature_store_positions_validity_and_rewrites():
+    store = ContextFeatureStore(num_features=3, dtype=torch.float32, device=torch.device("cpu"), initial_capacity=2)
+    store.write("a", 0, torch.ones(4, 3))
+    store.write("a", 4, 2 * torch.ones(2, 3))  # grows past the initial capacity
+    store.write("b", 3, torch.ones(1, 3))  # positions 0..2 were never computed (prefix-cache hit)
+    features, valid = store.gather(["a", "b", "missing"], [5, 4, 2])
+    assert features.shape == (3, 5, 3)
+    assert valid.tolist() == [[True] * 5, [False, False, False, True, False], [False] * 5]
+    assert features[0, 4].tolist() == [2.0, 2.0, 2.0]
+    store.write("a", 2, torch.zeros(1, 3))  # recompute from position 2: later positions are stale
+    _, valid = store.gather(["a"], [6])
+    assert valid.tolist() == [[True, True, True, False, False, False]]
+    store.drop("a")
+    assert "a" not in store and "b" in store
+
+
+def test_pytorch_tree_attention_matches_per_branch_attention():
+    torch.manual_seed(0)
+    heads, kv_heads, dim, ctx_len = 4, 2, 16, 9
+    parents = PARENTS["r0"]
+    n = len(parents)
+    q = torch.randn(n, heads, dim)
+    ctx_k, ctx_v = torch.randn(ctx_len, kv_heads, dim), torch.randn(ctx_len, kv_heads, dim)
+    node_k, node_v = torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
+    mask = torch.zeros(n - 1, n, dtype=torch.bool)
+    for row, node in enumerate(range(1, n)):
+        mask[row, ancestors(parents, node)] = True
+    out = tree_rows_attention(q[1:], ctx_k, ctx_v, node_k, node_v, mask, scale=0.25)
+    for row, node in enumerate(range(1, n)):
+        path = ancestors(parents, node)
+        k = torch.cat([ctx_k, node_k[path]]).repeat_interleave(2, dim=1).transpose(0, 1)
+        v = torch.cat([ctx_v, node_v[path]]).repeat_interleave(2, dim=1).transpose(0, 1)
+        ref = F.scaled_dot_product_attention(q[node][:, None], k, v, scale=0.25)[:, 0]
+        torch.testing.assert_close(out[row], ref)
+
+
+def test_gather_from_flash_attention_layout():
+    num_blocks, kv_heads, block_size, dim = 4, 2, 8, 16
+    kv_cache = torch.zeros(num_blocks, kv_heads, block_size, 2 * dim)
+    key_cache, _ = kv_cache.transpose(1, 2).split(dim, dim=-1)  # FlashAttentionImpl's view
+    block_ids = torch.tensor([2, 0, 3], dtype=torch.int32)
+    tokens = torch.randn(20, kv_heads, dim)
+    for pos in range(20):
+        key_cache[block_ids[pos // block_size], pos % block_size] = tokens[pos]
+    assert torch.equal(gather_paged_tokens(key_cache, block_ids, 20), tokens)

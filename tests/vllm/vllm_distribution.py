@@ -1,0 +1,61 @@
+"""Exact-distribution checks for sampled continuations of a tiny-vocabulary model.
+
+Generalised from the helpers of ``tests/unit/test_reference_decoder.py`` (vocabulary,
+horizon and prompt are arguments here): the exact joint law of the next ``horizon``
+tokens is enumerated with the HF model and :func:`ubtree_vllm.verify.sampling.processed_probs`
+(vLLM's temperature / top-k / top-p semantics), then per-position marginals and
+adjacent-pair joints of the samples are compared with Pearson chi-square tests.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+import torch
+from scipy import stats
+
+from ubtree_vllm.config import SamplingConfig
+from ubtree_vllm.verify.sampling import SamplingTensors, processed_probs
+
+
+@torch.no_grad()
+def exact_joint(model: torch.nn.Module, prompt: Sequence[int], vocab_size: int, horizon: int,
+                sampling: SamplingConfig) -> torch.Tensor:
+    """p(x_1..x_H | prompt) for all vocab**horizon continuations. -> [vocab] * horizon float64."""
+    seqs = torch.tensor(list(itertools.product(range(vocab_size), repeat=horizon)))
+    ids = torch.cat([torch.tensor(list(prompt)).expand(len(seqs), -1), seqs], dim=1)
+    logits = model(input_ids=ids).logits[:, len(prompt) - 1: -1]  # [S, H, V]
+    probs = processed_probs(logits, SamplingTensors.from_configs([sampling] * len(seqs), "cpu"))
+    p = probs.double().gather(2, seqs[:, :, None]).squeeze(2).prod(dim=1)
+    return p.view([vocab_size] * horizon)
+
+
+def chi2_pvalue(observed: torch.Tensor, expected_p: torch.Tensor) -> float:
+    """Pearson chi-square; impossible cells must stay empty, cells with expected count < 5 are pooled."""
+    obs = observed.flatten().double()
+    exp = expected_p.flatten() / expected_p.sum() * obs.sum()
+    impossible = exp == 0
+    if obs[impossible].sum() > 0:
+        return 0.0
+    obs, exp = obs[~impossible], exp[~impossible]
+    small = exp < 5
+    if small.any():
+        obs = torch.cat([obs[~small], obs[small].sum()[None]])
+        exp = torch.cat([exp[~small], exp[small].sum()[None]])
+    if len(obs) < 2:
+        return 1.0
+    return float(stats.chisquare(obs.numpy(), exp.numpy()).pvalue)
+
+
+def distribution_pvalues(samples: torch.Tensor, joint: torch.Tensor) -> list[float]:
+    """p-values of each position's marginal and each adjacent pair's joint. samples [N, H] int64."""
+    vocab_size, horizon = joint.shape[0], joint.dim()
+    dims = list(range(horizon))
+    pvals = []
+    for t in dims:
+        obs = torch.bincount(samples[:, t], minlength=vocab_size)
+        pvals.append(chi2_pvalue(obs, joint.sum(dim=[d for d in dims if d != t])))
+    for t in dims[:-1]:
+        obs = torch.bincount(samples[:, t] * vocab_size + samples[:, t + 1], minlength=vocab_size ** 2)
+        pvals.append(chi2_pvalue(obs, joint.sum(dim=[d for d in dims if d not in (t, t + 1)])))
+    return pvals

@@ -1,0 +1,25 @@
+"""Engine settings and subprocess environment shared by the vLLM tests (imported by name;
+``conftest`` is not importable reliably when several conftest.py files exist)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Settings every in-process test engine shares (fp32 keeps tree-vs-chain rounding far below
+# any argmax gap; a small KV cache and block size keep start-up and tree scratch cheap).
+ENGINE_KWARGS = dict(
+    skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=512,
+    kv_cache_memory_bytes=64 << 20, max_num_seqs=16, seed=0, block_size=32, disable_log_stats=False,
+)
+# The tree every tiny-model test uses: B = 8, W = 3, K = 4 over the drafter's gamma = 4.
+TINY_TREE = {"num_speculative_tokens": 8, "beam_width": 3, "top_k": 4}
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for vLLM subprocesses: default (multiprocess) engine, repo importable."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env

@@ -1,0 +1,118 @@
+"""Tiny targets and drafters saved to disk for the vLLM tests (random or hand-built weights).
+
+* :func:`save_tiny_llama`        -- random tiny Llama (optionally with a real tokenizer).
+* :func:`save_tiny_qwen`         -- random tiny Qwen2 / Qwen3 (the other supported architectures).
+* :func:`save_untrained_drafter` -- a UBTree drafter folder with random weights for a target.
+* :func:`save_copy_pair`         -- a hand-built target whose greedy continuation of token t
+  is perm(t), perm(perm(t)), ... and a drafter whose *weights* make it propose exactly
+  that chain: it exercises the production path end to end with long acceptances.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+from ubtree_vllm.drafter.config import DrafterConfig
+from ubtree_vllm.drafter.io import save_drafter
+from ubtree_vllm.drafter.proposer import UBTreeDrafter
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def save_tiny_llama(path: Path, *, vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 4,
+                    num_heads: int = 2, num_kv_heads: int = 1, init_range: float = 0.1, seed: int = 0,
+                    tokenizer_from: Path | None = None, **overrides: object) -> Path:
+    """A random fp32 Llama; with ``tokenizer_from`` it also gets that folder's tokenizer files."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                      num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                      num_key_value_heads=num_kv_heads, max_position_embeddings=1024,
+                      tie_word_embeddings=False, initializer_range=init_range, **overrides)
+    LlamaForCausalLM(cfg).float().save_pretrained(path)
+    if tokenizer_from is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_from) / name).is_file():
+                shutil.copy(Path(tokenizer_from) / name, Path(path) / name)
+    return Path(path)
+
+
+def save_untrained_drafter(target: Path, path: Path, *, block_size: int = 4, top_k: int = 16,
+                           seed: int = 0, **overrides: object) -> Path:
+    """A drafter folder for ``target`` with random weights (lossless tests, not acceptance)."""
+    torch.manual_seed(seed)
+    cfg = DrafterConfig.for_target(AutoConfig.from_pretrained(target), Path(target).name, block_size=block_size,
+                                   top_k=top_k, num_layers=1, selector_rank=16, **overrides)
+    return save_drafter(UBTreeDrafter(cfg), path, dtype=torch.float32)
+
+
+@torch.no_grad()
+def save_tiny_qwen(path: Path, family: str, *, vocab_size: int = 512, seed: int = 0) -> Path:
+    """A random fp32 Qwen2 or Qwen3 (family "qwen2" / "qwen3"): hidden 64, 3 layers, head_dim 32."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+    torch.manual_seed(seed)
+    cfg = config_cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
+                     tie_word_embeddings=False, initializer_range=0.1)
+    model_cls(cfg).float().save_pretrained(path)
+    return Path(path)
+
+
+def copy_permutation(vocab_size: int) -> list[int]:
+    """The copy target's next-token map t -> (5t + 3) mod V (a bijection for even V)."""
+    return [(5 * t + 3) % vocab_size for t in range(vocab_size)]
+
+
+@torch.no_grad()
+def save_copy_pair(target_path: Path, drafter_path: Path, *, vocab_size: int = 64, block_size: int = 4) -> tuple[Path, Path]:
+    """Hand-built target (next token = perm(token)) and a drafter that copies it.
+
+    Target: one-hot embeddings (hidden = vocab), attention and MLP outputs zeroed, so the
+    final hidden state of token t is 8 e_t and the LM head P (P[perm(t), t] = 1) puts
+    logit 8 on perm(t). Drafter: backbone outputs are zeroed too, so its hidden state is
+    a constant; the selector's codebooks are phi(a) = e_a, psi(b) = e_{perm^-1(b)}, its
+    per-depth unary weight is 0 and the pair weight makes b = perm(a) win by ~20 nats:
+    the beam's best path is the target's greedy chain.
+    """
+    hidden = vocab_size
+    perm = torch.tensor(copy_permutation(vocab_size))
+    # P[perm(t), t] = 1
+    p_matrix = torch.zeros(vocab_size, vocab_size).index_put_((perm, torch.arange(vocab_size)), torch.ones(vocab_size))
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=3,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    target = LlamaForCausalLM(cfg).float()
+    eye = torch.eye(vocab_size)
+    target.model.embed_tokens.weight.copy_(eye)
+    for layer in target.model.layers:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    target.lm_head.weight.copy_(p_matrix)
+    target.save_pretrained(target_path)
+
+    dcfg = DrafterConfig.for_target(cfg, "copy-target", block_size=block_size, top_k=vocab_size, num_layers=1,
+                                    selector_rank=vocab_size, selector_hidden=vocab_size)
+    drafter = UBTreeDrafter(dcfg)
+    for layer in drafter.backbone.layers:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    gain = 10.0
+    scale = torch.nn.functional.silu(torch.tensor(gain))
+    sel = drafter.selector
+    sel.pred_codebook.up.weight.copy_(gain * eye)
+    sel.pred_codebook.down.weight.copy_(eye / scale)
+    sel.succ_codebook.up.weight.copy_(gain * eye)
+    # psi(b) = e_{perm^-1(b)}: down[perm^-1(b), b] = 1, i.e. down = P^T.
+    sel.succ_codebook.down.weight.copy_(p_matrix.t() / scale)
+    # The backbone's hidden state at every mask slot is norm(e_mask) = sqrt(V) e_mask.
+    sel.hidden_proj.weight.zero_()
+    sel.hidden_proj.weight[:, dcfg.mask_token_id] = 20.0 / vocab_size ** 0.5
+    sel.unary_weight.zero_()
+    sel.pair_weight.fill_(1.0)
+    save_drafter(drafter, drafter_path, dtype=torch.float32)
+    return Path(target_path), Path(drafter_path)

@@ -1,0 +1,1 @@
+"""Benchmark records (records.jsonl) and the generated benchmark report."""

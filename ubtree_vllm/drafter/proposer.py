@@ -1,0 +1,114 @@
+"""UBTree drafter = unigram proposer (DFlash backbone + target LM head) + bigram selector.
+
+`draft_tree` is the whole drafting stage of a round: one backbone forward, top-K per
+depth, one selector matmul, and the beam/prune tree construction (no neural compute).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ubtree_vllm.config import UBTreeConfig
+from ubtree_vllm.drafter.config import DrafterConfig
+from ubtree_vllm.drafter.model import DFlashBackbone
+from ubtree_vllm.selector.bigram import BigramSelector
+from ubtree_vllm.tree.search import build_tree
+from ubtree_vllm.tree.topology import DraftTree
+from ubtree_vllm.types import DraftContext
+
+
+@dataclass
+class Candidates:
+    """Top-K proposer candidates for each of the gamma block depths."""
+
+    # [N, gamma, K] int64, sorted by proposer log-prob (descending)
+    tokens: torch.Tensor
+    # [N, gamma, K] float32 full-vocabulary log-probs of those tokens
+    logp: torch.Tensor
+    # [N, gamma, H] proposer hidden state at each depth (input of the selector)
+    hidden: torch.Tensor
+
+
+class UBTreeDrafter(nn.Module):
+    """Trainable drafter parameters; the target's embedding and LM head are bound, not owned."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = DFlashBackbone(cfg)
+        self.selector = BigramSelector(cfg.hidden_size, cfg.selector_hidden, cfg.selector_rank, cfg.block_size)
+        self._embed_weight: torch.Tensor | None = None
+        self._lm_head_weight: torch.Tensor | None = None
+
+    # ---- binding to the target ---------------------------------------------------------
+    def bind_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        """Share the target's frozen embedding [V, H] and LM head [V, H]."""
+        for name, w in (("embedding", embed_weight), ("lm_head", lm_head_weight)):
+            if tuple(w.shape) != (self.cfg.vocab_size, self.cfg.hidden_size):
+                raise ValueError(f"target {name} has shape {tuple(w.shape)}, the drafter expects "
+                                 f"({self.cfg.vocab_size}, {self.cfg.hidden_size}) (vocab_size, hidden_size)")
+        self._embed_weight = embed_weight.detach()
+        self._lm_head_weight = lm_head_weight.detach()
+        if not self.selector.training:
+            self.selector.precompute_tables(self._embed_weight)
+
+    def bind_hf_target(self, target: nn.Module) -> None:
+        self.cfg.check_hf_target(target.config)
+        self.bind_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        if self._embed_weight is None:
+            raise RuntimeError("drafter is not bound to a target: call bind_target() first")
+        return self._embed_weight
+
+    def eval(self) -> "UBTreeDrafter":
+        super().eval()
+        if self._embed_weight is not None:
+            self.selector.precompute_tables(self._embed_weight)
+        return self
+
+    # ---- proposer --------------------------------------------------------------------
+    def block_hidden(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, ctx_features: torch.Tensor,
+                     ctx_pos: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
+        """Hidden states at the gamma mask slots of each block.
+
+        anchor/anchor_pos: [N, nb]; ctx_features [N, L, F]; ctx_pos/ctx_valid [N, L].
+        Returns [N, nb, gamma, H].
+        """
+        gamma = self.cfg.block_size
+        num_seqs, nb = anchor.shape
+        offsets = torch.arange(gamma + 1, device=anchor.device)
+        block_pos = anchor_pos[:, :, None] + offsets  # [N, nb, gamma + 1]
+        block_ids = torch.full((num_seqs, nb, gamma + 1), self.cfg.mask_token_id, dtype=torch.long, device=anchor.device)
+        block_ids[:, :, 0] = anchor
+        embeds = self.embed_weight[block_ids].to(self.backbone.fc.weight.dtype)
+        hidden = self.backbone(embeds, block_pos, ctx_features, ctx_pos, ctx_valid)
+        return hidden[:, :, 1:]
+
+    def proposer_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V] float32 with the target's LM head."""
+        return torch.matmul(hidden, self._lm_head_weight.to(hidden.dtype).t()).float()
+
+    def propose(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, ctx_features: torch.Tensor,
+                ctx_pos: torch.Tensor, ctx_valid: torch.Tensor, top_k: int) -> Candidates:
+        """One block forward for one block per request: anchor/anchor_pos [N]."""
+        hidden = self.block_hidden(anchor[:, None], anchor_pos[:, None], ctx_features, ctx_pos, ctx_valid)[:, 0]
+        logp = torch.log_softmax(self.proposer_logits(hidden), dim=-1)  # [N, gamma, V]
+        # torch.topk is deterministic for identical inputs on one device; exact logit ties
+        # between distinct tokens do not change which K tokens are kept except at the K-th slot.
+        cand_logp, cand_tokens = torch.topk(logp, top_k, dim=-1)
+        return Candidates(cand_tokens, cand_logp, hidden)
+
+    @torch.no_grad()
+    def draft_tree(self, ctx: DraftContext, tree_cfg: UBTreeConfig) -> DraftTree:
+        """The drafting stage of one round: proposer -> selector -> tree search."""
+        if tree_cfg.block_size != self.cfg.block_size:
+            raise ValueError(f"block_size must equal the drafter's block size {self.cfg.block_size}, "
+                             f"got {tree_cfg.block_size}")
+        cands = self.propose(ctx.anchor, ctx.anchor_pos, ctx.features, ctx.positions, ctx.valid, tree_cfg.top_k)
+        root_logp, trans_logp = self.selector.score_tree_edges(ctx.anchor, cands.tokens, cands.logp, cands.hidden,
+                                                               self.embed_weight)
+        return build_tree(ctx.anchor, cands.tokens, root_logp, trans_logp, tree_cfg)

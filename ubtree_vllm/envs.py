@@ -1,0 +1,82 @@
+"""Every ``UBTREE_*`` environment variable, documented in one place.
+
+Contract:
+
+* :data:`ENVIRONMENT_VARIABLES` is the registry: name -> :class:`EnvVar`
+  (default, parser, documentation).  Adding a variable means adding one entry.
+* Values are read lazily, on every attribute access (``envs.UBTREE_CACHE_DIR``),
+  through the module ``__getattr__``.  Nothing is cached, so a value set with
+  ``os.environ`` or ``monkeypatch.setenv`` after import is honoured.
+* No other module calls ``os.getenv``/``os.environ`` for a ``UBTREE_*`` name;
+  they import this module and read the attribute.
+* An unknown ``UBTREE_*`` attribute raises :class:`AttributeError` (typos fail
+  loudly instead of silently reading the default).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable: its unparsed default, its parser and its meaning."""
+
+    # Value used when the variable is unset or empty (still passed through `parse`).
+    default: str
+    # Converts the raw string into the typed value handed to callers.
+    parse: Callable[[str], Any]
+    # One or two sentences for users; rendered by `describe()`.
+    doc: str
+
+
+def _path(raw: str) -> Path:
+    return Path(os.path.expandvars(os.path.expanduser(raw))).absolute()
+
+
+ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
+    "UBTREE_CACHE_DIR": EnvVar(
+        default="~/.cache/ubtree_vllm",
+        parse=_path,
+        doc=(
+            "Directory for files the plugin derives once and reuses, e.g. the bf16 "
+            "HF folder of the default target converted from its GGUF file."
+        ),
+    ),
+    "UBTREE_COMMIT": EnvVar(
+        default="",
+        parse=str,
+        doc=(
+            "Commit recorded in benchmark records when the working tree has no git "
+            "metadata (e.g. a copy on a remote GPU machine); empty means ask git."
+        ),
+    ),
+}
+
+
+def get(name: str) -> Any:
+    """Return the parsed current value of ``name``; ``KeyError`` if it is not registered."""
+    var = ENVIRONMENT_VARIABLES[name]
+    raw = os.environ.get(name, "")
+    return var.parse(raw if raw != "" else var.default)
+
+
+def describe() -> str:
+    """Human-readable table of every variable, its default and its meaning."""
+    lines = []
+    for name, var in ENVIRONMENT_VARIABLES.items():
+        lines.append(f"{name} (default: {var.default})\n    {var.doc}")
+    return "\n".join(lines)
+
+
+def __getattr__(name: str) -> Any:
+    if name in ENVIRONMENT_VARIABLES:
+        return get(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(ENVIRONMENT_VARIABLES))

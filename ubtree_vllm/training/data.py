@@ -1,0 +1,461 @@
+"""Training data: prompts answered by the target itself, stored as token-id shards.
+
+Recipe. Prompts come only from the two training prompt files (ShareGPT first human turns
+and GSM8K train), never from a benchmark set. Each prompt is wrapped in the target's chat
+template (`add_generation_prompt=True`) and answered by the target at temperature
+T_train (1.0 by default; 0.0 for the ablation). A sample is `prompt + response`, the
+response ending in an EOS token when the target stopped before `max_new_tokens`.
+
+Target hidden states are not stored. The trainer recomputes them online with one frozen,
+no-grad target forward per batch: for SmolLM2-135M that forward costs a few percent of a
+training step on the GPU, while storing 5 layers x 576 bf16 features is ~5.8 KB per token
+(~17 GB for 3M tokens), which would dominate disk, I/O and the data-generation time.
+
+On-disk format (a folder):
+  manifest.json            settings, target identity, per-shard counts (see `Manifest`)
+  shard-00000.safetensors  one shard of `shard_size` consecutive prompts:
+      input_ids    [num_tokens] int32   all samples concatenated (prompt + response)
+      offsets      [num_samples + 1] int64  sample i is input_ids[offsets[i]:offsets[i+1]]
+      prompt_lens  [num_samples] int32  prompt tokens at the start of each sample
+Shard i always holds prompts [i * shard_size, (i + 1) * shard_size) of the deterministic
+prompt order, so generation is resumable: a shard listed in the manifest is complete (it
+is written to a temporary name, renamed, then recorded) and is skipped on the next run.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT = "ubtree-train-data"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+# The only prompt files training may read: (file name, JSON field holding the prompt).
+PROMPT_SOURCES: dict[str, tuple[str, str]] = {
+    "sharegpt": ("sharegpt_first_human_turns.jsonl", "prompt"),
+    "gsm8k": ("gsm8k_train.jsonl", "question"),
+}
+# Benchmark prompt files; reading them for training would leak the evaluation set.
+BENCHMARK_FILES = frozenset({"spec_bench_question.jsonl", "mt_bench_question.jsonl", "HumanEval.jsonl.gz"})
+
+
+@dataclass
+class DataGenConfig:
+    """Settings of one data-generation run (the `data:` section of a run YAML)."""
+
+    # HF folder of the target ("default": the embedded SmolLM2-135M-Instruct).
+    target: str = "default"
+    # Short target name written into the manifest and the drafter config.
+    target_name: str | None = None
+    # Output folder (manifest + shards).
+    out_dir: str = "runs/data"
+    # Folder with the prompt files (PROMPT_SOURCES).
+    data_root: str = "../shared/data"
+    sources: tuple[str, ...] = ("sharegpt", "gsm8k")
+    num_prompts: int = 1024
+    # Prompts longer than this after chat templating are skipped (never truncated).
+    max_prompt_tokens: int = 1024
+    max_new_tokens: int = 512
+    # T_train: 1.0 (recipe) or 0.0 (greedy ablation).
+    temperature: float = 1.0
+    backend: str = "hf"
+    shard_size: int = 1024
+    # HF backend: prompts per generate() call.  vLLM schedules a whole shard itself.
+    batch_size: int = 16
+    seed: int = 0
+    # Stop after the shard that crosses this wall-clock budget (None: no limit).
+    max_minutes: float | None = None
+    # vLLM backend only: fraction of GPU memory vLLM may take.
+    gpu_memory_utilization: float = 0.85
+
+    def __post_init__(self) -> None:
+        self.sources = tuple(self.sources)
+        unknown = [s for s in self.sources if s not in PROMPT_SOURCES]
+        if unknown or not self.sources:
+            raise ValueError(f"sources must be a non-empty subset of {sorted(PROMPT_SOURCES)}, got {list(self.sources)}")
+        if self.backend not in ("hf", "vllm"):
+            raise ValueError(f"backend must be 'hf' or 'vllm', got {self.backend!r}")
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        for name in ("num_prompts", "max_prompt_tokens", "max_new_tokens", "shard_size", "batch_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> DataGenConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown data setting(s) {unknown}; allowed keys: {sorted(known)}")
+        return cls(**dict(values))
+
+    def identity(self) -> dict[str, Any]:
+        """Settings that define the dataset's content; a resumed run must match them."""
+        keys = ("sources", "num_prompts", "max_prompt_tokens", "max_new_tokens", "temperature", "backend",
+                "shard_size", "seed")
+        return {k: (list(v) if isinstance(v := getattr(self, k), tuple) else v) for k in keys}
+
+
+# ---- target identity ------------------------------------------------------------------
+def resolve_target_path(target: str) -> Path:
+    """`"default"` -> the embedded default target folder; anything else is a path."""
+    if target == "default":
+        from ubtree_vllm.models.default_target import default_target_path
+
+        return default_target_path()
+    path = Path(target).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"target {target!r} is not an HF model folder (no config.json)")
+    return path
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """SHA-256 over the token -> id map: equal iff two tokenizers map every token alike."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
+def eos_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
+    """EOS ids from the tokenizer and the model's generation config (deduplicated, sorted)."""
+    ids: set[int] = set()
+    for source in (tokenizer, generation_config):
+        value = getattr(source, "eos_token_id", None)
+        if value is None:
+            continue
+        ids.update([value] if isinstance(value, int) else value)
+    if not ids:
+        raise ValueError("the target's tokenizer defines no EOS token")
+    return sorted(ids)
+
+
+def _default_name(target: str) -> str | None:
+    if target != "default":
+        return None
+    from ubtree_vllm.models.default_target import DEFAULT_TARGET_NAME
+
+    return DEFAULT_TARGET_NAME
+
+
+def _max_positions(target_path: Path) -> int | None:
+    cfg = json.loads((target_path / "config.json").read_text())
+    return cfg.get("text_config", cfg).get("max_position_embeddings")
+
+
+def target_identity(target_path: Path, tokenizer: Any, name: str | None) -> dict[str, Any]:
+    cfg = json.loads((target_path / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    return {
+        "name": name or target_path.name,
+        "path": str(target_path),
+        "vocab_size": text["vocab_size"],
+        "tokenizer_vocab_size": len(tokenizer),
+        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+    }
+
+
+# ---- prompts ---------------------------------------------------------------------------
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_prompt_texts(data_root: str | Path, sources: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """All prompt texts of `sources` in file order, and each file's SHA-256."""
+    texts, digests = [], {}
+    for source in sources:
+        file_name, key = PROMPT_SOURCES[source]
+        assert file_name not in BENCHMARK_FILES
+        path = Path(data_root) / file_name
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt file {path} not found (data_root={str(data_root)!r})")
+        digests[file_name] = _sha256_file(path)
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                text = json.loads(line).get(key)
+                if isinstance(text, str) and text.strip():
+                    texts.append(text)
+    return texts, digests
+
+
+def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """One user turn in the target's chat template, ready for the assistant's answer."""
+    templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=False)
+    return tokenizer(templated, add_special_tokens=False)["input_ids"]
+
+
+def select_prompts(texts: Sequence[str], tokenizer: Any, num_prompts: int, max_prompt_tokens: int,
+                   seed: int) -> list[list[int]]:
+    """Deterministic prompt order: shuffle with `seed`, template, skip over-long prompts."""
+    order = list(range(len(texts)))
+    random.Random(seed).shuffle(order)
+    prompts: list[list[int]] = []
+    for i in order:
+        ids = chat_prompt_ids(tokenizer, texts[i])
+        if len(ids) <= max_prompt_tokens:
+            prompts.append(ids)
+            if len(prompts) == num_prompts:
+                break
+    if len(prompts) < num_prompts:
+        raise ValueError(f"num_prompts={num_prompts} but only {len(prompts)} prompts fit max_prompt_tokens="
+                         f"{max_prompt_tokens}")
+    return prompts
+
+
+# ---- generation backends ---------------------------------------------------------------
+# (prompts, seed) -> responses, each ending at the first EOS when the target stopped.
+GenerateFn = Callable[[Sequence[Sequence[int]], int], list[list[int]]]
+
+
+def truncate_at_eos(tokens: Iterable[int], eos: set[int]) -> list[int]:
+    """Tokens up to and including the first EOS."""
+    out = []
+    for t in tokens:
+        out.append(int(t))
+        if t in eos:
+            break
+    return out
+
+
+def hf_generator(target_path: Path, cfg: DataGenConfig, eos: list[int], device: str | None = None) -> GenerateFn:
+    """Batched HF `generate` (left-padded); sampling restarts from `seed` for every call."""
+    from transformers import AutoModelForCausalLM
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(dev).eval()
+    eos_set = set(eos)
+
+    @torch.no_grad()
+    def generate(prompts: Sequence[Sequence[int]], seed: int) -> list[list[int]]:
+        torch.manual_seed(seed)
+        # Sort by length so each generate() call pads little; results go back in order.
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        results: list[list[int]] = [[] for _ in prompts]
+        for start in range(0, len(order), cfg.batch_size):
+            chunk = order[start:start + cfg.batch_size]
+            width = max(len(prompts[i]) for i in chunk)
+            ids = torch.full((len(chunk), width), eos[0], dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, i in enumerate(chunk):
+                ids[row, width - len(prompts[i]):] = torch.tensor(list(prompts[i]))
+                mask[row, width - len(prompts[i]):] = 1
+            out = model.generate(
+                input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=cfg.max_new_tokens,
+                do_sample=cfg.temperature > 0, temperature=cfg.temperature if cfg.temperature > 0 else None,
+                top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=eos[0])  # [b, width + new]
+            for row, i in enumerate(chunk):
+                results[i] = truncate_at_eos(out[row, width:].tolist(), eos_set)
+        return results
+
+    return generate
+
+
+def vllm_generator(target_path: Path, cfg: DataGenConfig, eos: list[int]) -> GenerateFn:
+    """vLLM offline engine (GPU). Token ids in, token ids out; no detokenization."""
+    from vllm import LLM, SamplingParams  # lazy: vLLM is only needed for this backend
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=str(target_path), tokenizer=str(target_path), dtype="bfloat16", seed=cfg.seed,
+              max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,
+              gpu_memory_utilization=cfg.gpu_memory_utilization, generation_config="vllm")
+    eos_set = set(eos)
+
+    def generate(prompts: Sequence[Sequence[int]], seed: int) -> list[list[int]]:
+        # One engine-level seed per run; per-request seeds would force vLLM's slow
+        # per-request sampling path. Reproducibility is up to vLLM's batch schedule.
+        params = SamplingParams(temperature=cfg.temperature, top_p=1.0, top_k=0, max_tokens=cfg.max_new_tokens,
+                                stop_token_ids=eos, detokenize=False)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=True)
+        results = []
+        for out in outputs:
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            stop = completion.stop_reason
+            # vLLM may drop the stop token id from token_ids; keep EOS-terminated responses uniform.
+            if completion.finish_reason == "stop" and isinstance(stop, int) and (not tokens or tokens[-1] != stop):
+                tokens.append(stop)
+            results.append(truncate_at_eos(tokens, eos_set))
+        return results
+
+    return generate
+
+
+# ---- shards and manifest ---------------------------------------------------------------
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def write_shard(path: Path, samples: Sequence[tuple[Sequence[int], Sequence[int]]]) -> dict[str, int]:
+    """Write (prompt, response) pairs atomically; returns the shard's counts."""
+    lengths = [len(p) + len(r) for p, r in samples]
+    flat = [t for p, r in samples for t in (*p, *r)]
+    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    tensors = {
+        "input_ids": torch.tensor(flat, dtype=torch.int32),
+        "offsets": offsets,
+        "prompt_lens": torch.tensor([len(p) for p, _ in samples], dtype=torch.int32),
+    }
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+    return {"num_samples": len(samples), "num_tokens": len(flat),
+            "num_response_tokens": sum(len(r) for _, r in samples)}
+
+
+def _write_json_atomic(path: Path, value: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def generate_dataset(cfg: DataGenConfig, generator: GenerateFn | None = None, log: Callable[[str], None] = print
+                     ) -> dict[str, Any]:
+    """Generate (or resume) the dataset in `cfg.out_dir`; returns the manifest.
+
+    `generator` overrides the backend (tests). Raises ValueError if `out_dir` holds a
+    dataset made with other settings or for another tokenizer.
+    """
+    from transformers import AutoTokenizer, GenerationConfig
+
+    started = time.monotonic()
+    target_path = resolve_target_path(cfg.target)
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    try:
+        gen_cfg = GenerationConfig.from_pretrained(target_path)
+    except OSError:
+        gen_cfg = None
+    eos = eos_token_ids(tokenizer, gen_cfg)
+    max_positions = _max_positions(target_path)
+    if max_positions is not None and cfg.max_prompt_tokens + cfg.max_new_tokens > max_positions:
+        raise ValueError(f"max_prompt_tokens + max_new_tokens = {cfg.max_prompt_tokens + cfg.max_new_tokens} exceeds "
+                         f"the target's max_position_embeddings {max_positions}")
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    texts, digests = load_prompt_texts(cfg.data_root, cfg.sources)
+    manifest: dict[str, Any] = {
+        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "target": {**target_identity(target_path, tokenizer, cfg.target_name or _default_name(cfg.target)),
+                   "eos_token_ids": eos},
+        "generation": {**cfg.identity(), "source_sha256": digests},
+        "shards": [], "num_samples": 0, "num_tokens": 0, "num_response_tokens": 0, "complete": False,
+    }
+    manifest_path = out / MANIFEST_FILE
+    if manifest_path.is_file():
+        old = json.loads(manifest_path.read_text())
+        for section, keys in (("generation", None), ("target", ("tokenizer_sha256", "vocab_size"))):
+            mine, theirs = manifest[section], old.get(section, {})
+            diff = [k for k in (keys or set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+            if diff:
+                raise ValueError(f"{out} holds a dataset with different {section} settings {diff}; "
+                                 f"use another out_dir or delete it")
+        manifest["shards"] = old["shards"]
+    prompts = select_prompts(texts, tokenizer, cfg.num_prompts, cfg.max_prompt_tokens, cfg.seed)
+    num_shards = -(-cfg.num_prompts // cfg.shard_size)
+    done = {s["file"] for s in manifest["shards"]}
+    if generator is None and len(done) < num_shards:
+        factory = hf_generator if cfg.backend == "hf" else vllm_generator
+        generator = factory(target_path, cfg, eos)
+    for index in range(num_shards):
+        name = shard_name(index)
+        if name in done:
+            continue
+        if cfg.max_minutes is not None and time.monotonic() - started > cfg.max_minutes * 60:
+            log(f"gen-data: stopping at the time budget ({cfg.max_minutes} min) after {len(done)} of "
+                f"{num_shards} shards; run again to resume")
+            break
+        chunk = prompts[index * cfg.shard_size:(index + 1) * cfg.shard_size]
+        responses = generator(chunk, cfg.seed * 100003 + index)
+        counts = write_shard(out / name, list(zip(chunk, responses)))
+        manifest["shards"].append({"file": name, **counts})
+        done.add(name)
+        _finish_manifest(manifest, num_shards)
+        _write_json_atomic(manifest_path, manifest)
+        log(f"gen-data: wrote {name} ({counts['num_samples']} samples, {counts['num_response_tokens']} response "
+            f"tokens) [{len(done)}/{num_shards}] {time.monotonic() - started:.0f}s")
+    _finish_manifest(manifest, num_shards)
+    _write_json_atomic(manifest_path, manifest)
+    return manifest
+
+
+def _finish_manifest(manifest: dict[str, Any], num_shards: int) -> None:
+    manifest["shards"].sort(key=lambda s: s["file"])
+    for key in ("num_samples", "num_tokens", "num_response_tokens"):
+        manifest[key] = sum(s[key] for s in manifest["shards"])
+    manifest["complete"] = len(manifest["shards"]) == num_shards
+
+
+# ---- reading ---------------------------------------------------------------------------
+@dataclass
+class TokenDataset:
+    """All samples of a dataset folder in memory (token ids are small: 4 bytes each)."""
+
+    manifest: dict[str, Any]
+    # [num_tokens] int32, [num_samples + 1] int64, [num_samples] int32
+    input_ids: torch.Tensor
+    offsets: torch.Tensor
+    prompt_lens: torch.Tensor
+    root: Path = field(default=Path("."))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> TokenDataset:
+        root = Path(directory)
+        manifest_path = root / MANIFEST_FILE
+        if not manifest_path.is_file():
+            raise FileNotFoundError(f"{root} is not a training dataset (no {MANIFEST_FILE}); run `ubtree gen-data`")
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{manifest_path}: unsupported format {manifest.get('format')!r} "
+                             f"v{manifest.get('format_version')}")
+        if not manifest["shards"]:
+            raise ValueError(f"{root} holds no shards yet; run `ubtree gen-data` to completion")
+        ids, offsets, prompt_lens, base = [], [torch.zeros(1, dtype=torch.int64)], [], 0
+        for shard in manifest["shards"]:
+            t = load_file(str(root / shard["file"]))
+            ids.append(t["input_ids"])
+            offsets.append(t["offsets"][1:] + base)
+            prompt_lens.append(t["prompt_lens"])
+            base += int(t["input_ids"].numel())
+        return cls(manifest, torch.cat(ids), torch.cat(offsets), torch.cat(prompt_lens), root)
+
+    def __len__(self) -> int:
+        return int(self.prompt_lens.numel())
+
+    def sample(self, index: int) -> tuple[torch.Tensor, int]:
+        """(token ids [T] int64, prompt length) of sample `index`."""
+        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
+        return self.input_ids[start:end].long(), int(self.prompt_lens[index])
+
+    def check_target(self, tokenizer: Any, vocab_size: int) -> None:
+        """ValueError naming the field when this data was not made with this target's tokenizer."""
+        t = self.manifest["target"]
+        if t["vocab_size"] != vocab_size:
+            raise ValueError(f"dataset {self.root}: target.vocab_size is {t['vocab_size']} but the target model's "
+                             f"vocab_size is {vocab_size}; the data was made for another target")
+        if t["tokenizer_sha256"] != tokenizer_fingerprint(tokenizer):
+            raise ValueError(f"dataset {self.root}: target.tokenizer_sha256 does not match the target's tokenizer; "
+                             f"the data was tokenized for another target ({t['name']!r})")
+        if len(self) and int(self.input_ids.max()) >= vocab_size:
+            raise ValueError(f"dataset {self.root}: input_ids has token id {int(self.input_ids.max())} >= "
+                             f"vocab_size {vocab_size}")
+
+
+def manifest_summary(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The provenance fields the trainer copies into its outputs."""
+    return {"target": manifest["target"]["name"], **{k: manifest["generation"][k] for k in
+            ("temperature", "backend", "max_new_tokens", "num_prompts", "sources", "seed")},
+            "num_samples": manifest["num_samples"], "num_tokens": manifest["num_tokens"]}
+

@@ -1,0 +1,369 @@
+"""The drafter trainer: a library loop driven by `TrainConfig`; `ubtree train` is a thin CLI.
+
+Determinism and exact resume. The data order is a pure function of (seed, cursor):
+epoch e visits the samples in `randperm(num_samples)` drawn from seed (seed, e), and the
+cursor counts samples consumed. The anchors of step s are drawn from a CPU generator
+seeded by (seed, s). With the checkpointed weights, optimizer, scheduler and cursor, a
+resumed run therefore computes the same step s + 1 as the uninterrupted one.
+
+Time slices. `max_minutes` stops the loop at the first step boundary past the budget,
+writes a checkpoint and returns `status == "paused"`; running the same config again
+resumes from the newest checkpoint. When `max_steps` is reached the drafter is exported
+(export.py), checked by a round trip, and a `train` record is appended.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ubtree_vllm.drafter.config import DrafterConfig
+from ubtree_vllm.drafter.io import load_drafter
+from ubtree_vllm.drafter.proposer import UBTreeDrafter
+from ubtree_vllm.training import checkpoint as ckpt
+from ubtree_vllm.training.data import TokenDataset, manifest_summary, resolve_target_path
+from ubtree_vllm.training.export import check_round_trip, export_drafter
+from ubtree_vllm.training.losses import LossConfig, collate, drafter_loss, make_generator
+from ubtree_vllm.training.target import FrozenTarget
+
+SCHEDULES = ("cosine", "linear", "constant")
+# Settings that may change between time slices of one run; all others must match the checkpoint.
+SLICE_SETTINGS = frozenset({"max_minutes", "log_every", "checkpoint_every", "keep_checkpoints", "progress",
+                            "records_path", "export_dir", "device", "resume"})
+
+
+@dataclass
+class TrainConfig:
+    """One training run (the `train:` section of a run YAML). Unknown keys are an error."""
+
+    # HF folder of the target ("default": the embedded SmolLM2-135M-Instruct).
+    target: str = "default"
+    # Name written into the drafter config; default: the dataset manifest's target name.
+    target_name: str | None = None
+    data_dir: str = "runs/data"
+    output_dir: str = "runs/train"
+    # Where the final drafter folder goes (default: <output_dir>/drafter).
+    export_dir: str | None = None
+    # Optional drafter folder to start from (its config wins over `drafter`).
+    init_drafter: str | None = None
+    # Overrides of DrafterConfig.for_target (num_layers, block_size, top_k, mask_token_id, ...).
+    drafter: dict[str, Any] = field(default_factory=dict)
+    # Objective (losses.py).
+    selector_loss: str = "kl"
+    beta: float = 0.1
+    loss_decay: float | None = None
+    blocks_per_seq: int = 32
+    # Data: sequences per step and the truncation length.
+    batch_size: int = 8
+    max_seq_len: int = 1024
+    # Optimization.
+    max_steps: int = 1000
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    schedule: str = "cosine"
+    weight_decay: float = 0.01
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    seed: int = 0
+    # "auto": CUDA if available; bf16 autocast on CUDA, float32 on CPU.
+    device: str = "auto"
+    # Bookkeeping.
+    log_every: int = 10
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 2
+    max_minutes: float | None = None
+    resume: bool = True
+    progress: bool = True
+    records_path: str | None = "docs/benchmarks/records.jsonl"
+
+    def __post_init__(self) -> None:
+        self.adam_betas = tuple(self.adam_betas)  # type: ignore[assignment]
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        for name in ("batch_size", "max_steps", "log_every", "checkpoint_every", "keep_checkpoints"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        if not 0 <= self.warmup_steps:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1):
+            raise ValueError(f"lr must be > 0 and min_lr_ratio in [0, 1], got {self.lr}, {self.min_lr_ratio}")
+        if not isinstance(self.drafter, dict):
+            raise ValueError(f"drafter must be a mapping of DrafterConfig overrides, got {self.drafter!r}")  # noqa: TRY004
+        self.loss_config()  # validates selector_loss, beta, loss_decay, blocks_per_seq
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown train setting(s) {unknown}; allowed keys: {sorted(known)}")
+        return cls(**dict(values))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["adam_betas"] = list(self.adam_betas)
+        return out
+
+    def loss_config(self) -> LossConfig:
+        return LossConfig(self.selector_loss, self.beta, self.loss_decay, self.blocks_per_seq)
+
+    @property
+    def drafter_dir(self) -> Path:
+        return Path(self.export_dir) if self.export_dir else Path(self.output_dir) / "drafter"
+
+
+@dataclass
+class TrainResult:
+    # "finished" (max_steps reached, drafter exported) or "paused" (time budget)
+    status: str
+    step: int
+    history: list[dict[str, float]]
+    drafter_dir: Path | None
+    checkpoint: Path | None
+    wall_time_s: float
+    tokens_seen: int
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """LR multiplier at `step`: linear warmup, then cosine/linear decay to min_lr_ratio (or constant)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+
+class DataOrder:
+    """Sample indices for a cursor: epoch e is randperm(n) seeded by (seed, e)."""
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        if num_samples < 1:
+            raise ValueError("the dataset is empty")
+        self.num_samples, self.seed = num_samples, seed
+        self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+
+    def take(self, cursor: int, count: int) -> list[int]:
+        out = []
+        for c in range(cursor, cursor + count):
+            epoch, i = divmod(c, self.num_samples)
+            if epoch != self._epoch:
+                g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+                self._epoch, self._perm = epoch, torch.randperm(self.num_samples, generator=g)
+            out.append(int(self._perm[i]))
+        return out
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def build_drafter_config(cfg: TrainConfig, hf_config: Any, target_name: str) -> DrafterConfig:
+    """The drafter config of the run; errors name the `drafter.*` setting at fault."""
+    if cfg.init_drafter:
+        drafter_cfg = DrafterConfig.load(cfg.init_drafter)
+    else:
+        known = {f.name for f in dataclasses.fields(DrafterConfig)} - {"target_name", "vocab_size", "hidden_size",
+                                                                      "target_num_layers", "extra"}
+        unknown = sorted(set(cfg.drafter) - known)
+        if unknown:
+            raise ValueError(f"unknown drafter setting(s) {unknown}; allowed keys: {sorted(known)}")
+        overrides = dict(cfg.drafter)
+        if "target_layer_ids" in overrides:
+            overrides["target_layer_ids"] = tuple(overrides["target_layer_ids"])
+        try:
+            drafter_cfg = DrafterConfig.for_target(hf_config, target_name, **overrides)
+        except ValueError as exc:
+            raise ValueError(f"train config 'drafter': {exc}") from exc
+    drafter_cfg.check_hf_target(hf_config)
+    return drafter_cfg
+
+
+def _param_groups(drafter: UBTreeDrafter, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices only (not norms or per-depth mixing weights)."""
+    decay = [p for p in drafter.parameters() if p.ndim >= 2]
+    no_decay = [p for p in drafter.parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _check_resume(saved: Mapping[str, Any], cfg: TrainConfig) -> None:
+    mine = cfg.to_dict()
+    diff = sorted(k for k in mine if k not in SLICE_SETTINGS and saved.get(k) != mine[k])
+    if diff:
+        raise ValueError(f"cannot resume from {cfg.output_dir}: setting(s) {diff} differ from the checkpoint "
+                         f"(use a new output_dir, or restore them)")
+
+
+def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str], None] = print) -> TrainResult:
+    """Run (or resume) training; see the module docstring. `stop_at_step` pauses early (tests)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    started = time.monotonic()
+    device = resolve_device(cfg.device)
+    use_bf16 = device.type == "cuda"
+    out = Path(cfg.output_dir)
+    existing = ckpt.list_checkpoints(out)
+    if existing and not cfg.resume:
+        raise ValueError(f"{out} already has checkpoints; set resume: true to continue or use a new output_dir")
+
+    dataset = TokenDataset.load(cfg.data_dir)
+    if not dataset.manifest["complete"]:
+        raise ValueError(f"dataset {cfg.data_dir} is incomplete ({len(dataset)} of "
+                         f"{dataset.manifest['generation']['num_prompts']} samples); run `ubtree gen-data` again to "
+                         f"finish it")
+    data_identity = {k: dataset.manifest[k] for k in ("num_samples", "num_tokens")}
+    target_path = resolve_target_path(cfg.target)
+    hf_config = AutoConfig.from_pretrained(target_path)
+    dataset.check_target(AutoTokenizer.from_pretrained(target_path), hf_config.get_text_config().vocab_size)
+    target_name = cfg.target_name or dataset.manifest["target"]["name"]
+    drafter_cfg = build_drafter_config(cfg, hf_config, target_name)
+    target = FrozenTarget.from_pretrained(target_path, drafter_cfg.target_layer_ids, device,
+                                          torch.bfloat16 if use_bf16 else torch.float32)
+
+    torch.manual_seed(cfg.seed)
+    drafter = load_drafter(cfg.init_drafter) if cfg.init_drafter else UBTreeDrafter(drafter_cfg)
+    drafter = drafter.to(device=device, dtype=torch.float32)
+    drafter.bind_hf_target(target.model)
+    drafter.train()
+    optimizer = torch.optim.AdamW(_param_groups(drafter, cfg.weight_decay), lr=cfg.lr, betas=cfg.adam_betas)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+    step = cursor = tokens_seen = 0
+    wall_before = 0.0
+    history: list[dict[str, float]] = []
+    if existing:
+        state = ckpt.load_checkpoint(existing[-1])
+        _check_resume(state["config"], cfg)
+        if state["data"] != data_identity:
+            raise ValueError(f"cannot resume from {out}: the dataset changed since the checkpoint "
+                             f"({state['data']} -> {data_identity})")
+        drafter.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        ckpt.set_rng_state(state["rng"])
+        step, cursor, tokens_seen = state["step"], state["cursor"], state["tokens_seen"]
+        wall_before, history = state["wall_time_s"], state["history"]
+        log(f"train: resumed from {existing[-1]} (step {step}/{cfg.max_steps})")
+
+    start_step = step
+    loss_cfg = cfg.loss_config()
+    order = DataOrder(len(dataset), cfg.seed)
+    params = [p for p in drafter.parameters()]
+    sums: dict[str, torch.Tensor] = {}
+    window = 0
+    last_ckpt: Path | None = existing[-1] if existing else None
+
+    def save() -> Path:
+        payload = {"model": drafter.state_dict(), "optimizer": optimizer.state_dict(),
+                   "scheduler": scheduler.state_dict(), "rng": ckpt.rng_state(), "cursor": cursor,
+                   "tokens_seen": tokens_seen, "wall_time_s": wall_before + time.monotonic() - started,
+                   "history": history, "config": cfg.to_dict(), "drafter_config": drafter_cfg.to_hf_dict(),
+                   "data": data_identity}
+        path = ckpt.save_checkpoint(out, step, payload, cfg.keep_checkpoints)
+        ckpt.plot_history(history, out / "loss_curve.png", f"UBTree drafter for {target_name}")
+        (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+        return path
+
+    bar = None
+    if cfg.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.max_steps, initial=step, desc="train", dynamic_ncols=True)
+    status = "finished"
+    while step < cfg.max_steps:
+        if stop_at_step is not None and step >= stop_at_step:
+            status = "paused"
+            break
+        if cfg.max_minutes is not None and time.monotonic() - started > cfg.max_minutes * 60:
+            status = "paused"
+            break
+        batch = collate([dataset.sample(i) for i in order.take(cursor, cfg.batch_size)], cfg.max_seq_len)
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_bf16):
+            result = drafter_loss(drafter, target, batch.to(device), loss_cfg, make_generator(cfg.seed, step))
+        optimizer.zero_grad(set_to_none=True)
+        result.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        cursor += cfg.batch_size
+        tokens_seen += int(result.num_tokens)
+        for key, value in {**result.metrics, "grad_norm": grad_norm.detach()}.items():
+            sums[key] = sums.get(key, 0.0) + value.float()
+        window += 1
+        if bar is not None:
+            bar.update(1)
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            entry = {"step": step, "lr": scheduler.get_last_lr()[0], "tokens_seen": tokens_seen,
+                     **{k: float(v) / window for k, v in sums.items()}}  # SYNC: logging only
+            history.append(entry)
+            sums, window = {}, 0
+            if bar is not None:
+                bar.set_postfix(loss=f"{entry['loss']:.3f}", top1=f"{entry['top1']:.3f}",
+                                tau=f"{entry['chain_tau']:.2f}")
+            else:
+                log(f"step {step}: loss {entry['loss']:.4f} ce {entry['ce']:.4f} kl {entry['kl']:.4f} "
+                    f"top1 {entry['top1']:.3f} topk_hit {entry['topk_hit']:.3f}")
+        if step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
+            last_ckpt = save()
+    if bar is not None:
+        bar.close()
+    if window:  # flush a partial logging window so no step's metrics are lost
+        history.append({"step": step, "lr": scheduler.get_last_lr()[0], "tokens_seen": tokens_seen,
+                        **{k: float(v) / window for k, v in sums.items()}})
+    ran = step > start_step
+    if ran:
+        last_ckpt = save()
+    wall = wall_before + time.monotonic() - started
+    if status == "paused":
+        log(f"train: paused at step {step}/{cfg.max_steps} after {wall / 60:.1f} min of training; "
+            f"run the same command again to resume from {last_ckpt}")
+        return TrainResult(status, step, history, None, last_ckpt, wall, tokens_seen)
+
+    if not ran and (cfg.drafter_dir / "config.json").is_file():
+        log(f"train: already finished at step {step}; the drafter is in {cfg.drafter_dir}")
+        return TrainResult(status, step, history, cfg.drafter_dir, last_ckpt, wall, tokens_seen)
+    drafter_dir = _finish(cfg, drafter, dataset, history, step, tokens_seen, wall, target_name, log)
+    return TrainResult(status, step, history, drafter_dir, last_ckpt, wall, tokens_seen)
+
+
+def _finish(cfg: TrainConfig, drafter: UBTreeDrafter, dataset: TokenDataset, history: list[dict[str, float]],
+            step: int, tokens_seen: int, wall: float, target_name: str, log: Callable[[str], None]) -> Path:
+    """Export, round-trip check, and the `train` record."""
+    final = history[-1] if history else {}
+    provenance = {
+        "training": {"steps": step, "tokens_seen": tokens_seen, "wall_time_s": round(wall, 1),
+                     "final_metrics": final, "config": cfg.to_dict()},
+        "data": manifest_summary(dataset.manifest),
+    }
+    drafter_dir = export_drafter(drafter, cfg.drafter_dir, provenance)
+    check_round_trip(drafter, drafter_dir)
+    log(f"train: exported {drafter_dir} (round trip OK)")
+    if cfg.records_path:
+        from ubtree_vllm.bench.records import append_record
+
+        gen = dataset.manifest["generation"]
+        append_record({
+            "kind": "train", "method": "ubtree", "target": target_name, "drafter": str(drafter_dir),
+            "dataset": "+".join(gen["sources"]), "num_prompts": dataset.manifest["num_samples"],
+            "max_new_tokens": gen["max_new_tokens"], "temperature": gen["temperature"],
+            "batch_size": cfg.batch_size, "top_k": drafter.cfg.top_k, "block_size": drafter.cfg.block_size,
+            "loss": final.get("loss"), "tokens_seen": tokens_seen, "wall_time_s": round(wall, 1), "steps": step,
+            "notes": (f"selector_loss={cfg.selector_loss} beta={cfg.beta} loss_decay={cfg.loss_decay} "
+                      f"T_train={gen['temperature']} final top1={final.get('top1', float('nan')):.3f} "
+                      f"topk_hit={final.get('topk_hit', float('nan')):.3f} "
+                      f"chain_tau_proxy={final.get('chain_tau', float('nan')):.2f}"),
+        }, path=cfg.records_path)
+    return drafter_dir

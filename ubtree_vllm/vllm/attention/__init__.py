@@ -1,0 +1,10 @@
+"""Tree-aware subclasses of vLLM's attention backends and their hand-over state.
+
+* :mod:`.state`     -- the step's tree plan published by the runner; K/V stash for the commit.
+* :mod:`.cpu`       -- CPU_ATTN: tree rows on virtual per-node sequences, same C++ kernel.
+* :mod:`.flash`     -- FLASH_ATTN (CUDA): tree rows with the PyTorch reference below.
+* :mod:`.tree_sdpa` -- reference tree attention over a per-token paged cache.
+
+The backend modules import vLLM's backend classes; they are imported by vLLM's attention
+registry (see ``ubtree_vllm.patches.worker.patch_attention_backends``), not here.
+"""

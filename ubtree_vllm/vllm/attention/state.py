@@ -1,0 +1,83 @@
+"""The per-process hand-over between the UBTree runner and the tree-aware attention impls.
+
+vLLM's ``CommonAttentionMetadata`` has no field for a tree, so the runner publishes the
+step's :class:`~ubtree_vllm.vllm.tree_plan.TreeStepPlan` here right before the target
+forward (:meth:`TreeForwardState.begin`) and withdraws it right after
+(:meth:`TreeForwardState.end_forward`). Attention impls consult :meth:`active_plan`:
+``None`` means "behave exactly like the stock backend" -- which is what every other
+engine, every dummy/profile run and every step without trees sees.
+
+During a tree forward each attention layer also stashes the fresh K/V (and the slots)
+of the tree requests' rows (:meth:`stash_layer`), because the KV cache layout is
+backend-specific (CPU_ATTN even tiles it per ISA) while the backend's own
+``do_kv_cache_update`` can write any rows anywhere. :mod:`ubtree_vllm.vllm.kv_commit`
+replays the accepted rows from the stash into their committed slots after sampling. The
+stash lives until the next :meth:`begin`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ubtree_vllm.vllm.tree_plan import DeviceTrees, TreeStepPlan
+
+
+@dataclass
+class StashedLayer:
+    """Fresh K/V of one attention layer for the plan's stash rows."""
+
+    # the vLLM Attention module (gives impl, kv_cache and scales at commit time)
+    layer: Any
+    # [num_stash, num_kv_heads, head_size] the layer's key / value rows
+    key: torch.Tensor
+    value: torch.Tensor
+    # [num_stash] int64 KV slot each stash row was written to this step
+    slots: torch.Tensor
+
+
+class TreeForwardState:
+    """What the attention impls need to know about the forward in flight."""
+
+    def __init__(self) -> None:
+        self._plan: TreeStepPlan | None = None
+        self._trees: DeviceTrees | None = None
+        self._in_forward = False
+        self.stash: dict[str, StashedLayer] = {}
+        # Per-step scratch shared by the layers of one forward (e.g. virtual block tables).
+        self.step_cache: dict[Any, Any] = {}
+
+    def begin(self, plan: TreeStepPlan, device: torch.device) -> None:
+        """Publish ``plan`` for the next forward; drops the previous step's stash."""
+        self.stash.clear()
+        self.step_cache.clear()
+        self._plan = plan if plan.has_tree_rows else None
+        self._trees = plan.to_device(device) if self._plan is not None else None
+        self._in_forward = self._plan is not None
+
+    def end_forward(self) -> None:
+        """The target forward is over: attention goes back to stock behaviour."""
+        self._in_forward = False
+        self.step_cache.clear()
+
+    def active_plan(self) -> tuple[TreeStepPlan, DeviceTrees] | None:
+        if not self._in_forward:
+            return None
+        assert self._plan is not None and self._trees is not None
+        return self._plan, self._trees
+
+    def stash_layer(self, layer: Any, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Keep ``key/value/slot_mapping`` rows of the plan's stash rows for the KV commit."""
+        assert self._trees is not None
+        rows = self._trees.stash_rows
+        self.stash[layer.layer_name] = StashedLayer(layer=layer, key=key[rows], value=value[rows],
+                                                    slots=slot_mapping[rows].to(torch.int64))
+
+
+_STATE = TreeForwardState()
+
+
+def tree_forward_state() -> TreeForwardState:
+    """The process-wide hand-over object (one engine runs a forward at a time per process)."""
+    return _STATE

@@ -1,0 +1,209 @@
+"""``"method": "ubtree"`` for vLLM: the user's settings, validated once, in one object.
+
+The user writes (``LLM(speculative_config=...)`` or ``vllm serve --speculative-config``)::
+
+    {"method": "ubtree", "model": "<drafter folder>", "num_speculative_tokens": B,
+     "beam_width": W, "top_k": K}
+
+B is the tree budget (draft nodes per request; the target verifies B + 1 tokens), W and
+K are optional (defaults: W = min(12, B), K = the drafter's trained top-K capped at the
+vocabulary). gamma (the drafter's block size) and the target layers that condition it
+are read from the drafter's ``config.json``; they are not user settings.
+
+:func:`parse_speculative_config` turns that dict plus the target's shape into a
+:class:`UBTreeVllmConfig`, reusing the validation of :class:`ubtree_vllm.config.UBTreeConfig`
+and :class:`ubtree_vllm.drafter.config.DrafterConfig`. Every error is a ``ValueError``
+naming the offending field and the allowed values, raised in the process that builds the
+engine config, i.e. before any engine core, worker or KV cache exists.
+
+vLLM itself never sees ``"ubtree"``: :mod:`ubtree_vllm.patches.engine` rewrites the
+speculative config to vLLM's ``custom_class`` method with :data:`PROPOSER_CLASS_PATH`
+(which keeps vLLM on the V1 model runner, with synchronous scheduling and no draft
+model of its own) and stores :meth:`UBTreeVllmConfig.to_additional_config` under
+``VllmConfig.additional_config["ubtree"]``, which is hashed and pickled into every
+process. Workers rebuild the object with :func:`from_vllm_config`.
+
+This module imports neither vLLM nor torch at import time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from ubtree_vllm.config import PAPER_DEFAULTS, UBTreeConfig, max_tree_nodes
+from ubtree_vllm.drafter.config import CONFIG_FILE, WEIGHTS_FILE, DrafterConfig
+
+METHOD = "ubtree"
+# Key of VllmConfig.additional_config holding UBTreeVllmConfig.to_additional_config().
+ADDITIONAL_CONFIG_KEY = "ubtree"
+# What vLLM is told instead of "ubtree" (see the module docstring).
+VLLM_METHOD = "custom_class"
+PROPOSER_CLASS_PATH = "ubtree_vllm.vllm.proposer.UBTreeProposer"
+CPU_WORKER_CLASS_PATH = "ubtree_vllm.vllm.cpu_worker.UBTreeCPUWorker"
+GPU_WORKER_CLASS_PATH = "ubtree_vllm.vllm.gpu_worker.UBTreeGPUWorker"
+
+# Dense decoder-only targets whose vLLM model returns the aux hidden states of chosen
+# layers (SupportsEagle3) with 1-D RoPE positions. Hybrid (Mamba/GDN), M-RoPE and MoE
+# targets need tree support in their layers first.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# vLLM's V1 rejection sampler bounds the draft length (vllm.v1.sample.rejection_sampler
+# MAX_SPEC_LEN); its dummy sampler run at start-up uses num_speculative_tokens rows.
+MAX_TREE_BUDGET = 128
+
+# Keys accepted in the user's speculative config for method "ubtree".
+SPEC_KEYS = ("method", "model", "num_speculative_tokens", "beam_width", "top_k")
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """The facts about the target model that the UBTree settings are checked against."""
+
+    architectures: tuple[str, ...]
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+
+    @classmethod
+    def from_model_config(cls, model_config: Any) -> "TargetInfo":
+        """From a vLLM ``ModelConfig`` (its HF text config and resolved architectures)."""
+        text = model_config.hf_text_config
+        return cls(
+            architectures=tuple(model_config.architectures or ()),
+            vocab_size=int(text.vocab_size),
+            hidden_size=int(text.hidden_size),
+            num_layers=int(text.num_hidden_layers),
+        )
+
+
+@dataclass(frozen=True)
+class UBTreeVllmConfig:
+    """Validated UBTree settings for one vLLM engine.
+
+    drafter_dir: absolute path of the drafter folder (config.json + model.safetensors).
+    tree: B = tree_budget = num_speculative_tokens, W, K, gamma = the drafter's block size.
+    drafter: the drafter's architecture and the target it was built for.
+    """
+
+    drafter_dir: str
+    tree: UBTreeConfig
+    drafter: DrafterConfig
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """vLLM aux-hidden-state layer ids: HF hidden_states[i + 1] is vLLM aux layer i + 1."""
+        return tuple(i + 1 for i in self.drafter.target_layer_ids)
+
+    def to_additional_config(self) -> dict[str, Any]:
+        """Plain JSON for ``VllmConfig.additional_config["ubtree"]`` (hashed by vLLM)."""
+        return {"drafter": self.drafter_dir, **self.tree.to_dict()}
+
+    @classmethod
+    def from_additional_config(cls, values: Mapping[str, Any]) -> "UBTreeVllmConfig":
+        """Rebuild in a worker from :meth:`to_additional_config`; re-reads the drafter config."""
+        values = dict(values)
+        drafter_dir = values.pop("drafter", None)
+        if not isinstance(drafter_dir, str):
+            raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] has no 'drafter' path: {values}")
+        drafter = load_drafter_config(drafter_dir)
+        tree = UBTreeConfig.from_dict(values)
+        if tree.block_size != drafter.block_size:
+            raise ValueError(f"block_size {tree.block_size} does not match the drafter's gamma "
+                             f"{drafter.block_size} ({drafter_dir} changed since the engine was configured)")
+        return cls(drafter_dir=drafter_dir, tree=tree, drafter=drafter)
+
+
+def load_drafter_config(model: Any) -> DrafterConfig:
+    """Read ``<model>/config.json``; ValueErrors name ``speculative_config.model``."""
+    if not isinstance(model, str) or not model:
+        raise ValueError("speculative_config.model must be the path of a UBTree drafter folder "
+                         f"(with {CONFIG_FILE} and {WEIGHTS_FILE}), got {model!r}")
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"speculative_config.model: drafter folder {model!r} does not exist")
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (path / name).is_file():
+            raise ValueError(f"speculative_config.model: drafter folder {model!r} has no {name}")
+    try:
+        return DrafterConfig.load(path)
+    except (KeyError, TypeError, ValueError) as exc:
+        detail = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise ValueError(f"speculative_config.model: {path / CONFIG_FILE} is not a valid UBTree "
+                         f"drafter config: {detail}") from exc
+
+
+def _require_int(field: str, value: Any, lo: int, hi: int, meaning: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"speculative_config.{field} ({meaning}) must be an integer in [{lo}, {hi}], "
+                         f"got {value!r}")
+    return value
+
+
+def parse_speculative_config(spec: Mapping[str, Any], target: TargetInfo) -> UBTreeVllmConfig:
+    """Validate the user's ``{"method": "ubtree", ...}`` against the drafter and the target.
+
+    Raises ValueError (field and allowed values in the message) for: unknown keys, a
+    missing or malformed drafter folder, an unsupported target architecture, a drafter
+    built for another target (vocabulary, hidden size, number of layers), B outside
+    [1, min(128, nodes the beam can produce)], W outside [1, B], K outside [1, vocab].
+    """
+    unknown = sorted(set(spec) - set(SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in speculative_config for method {METHOD!r}; "
+                         f"allowed keys: {list(SPEC_KEYS)}")
+    if spec.get("method") != METHOD:
+        raise ValueError(f"speculative_config.method must be {METHOD!r}, got {spec.get('method')!r}")
+    if "model" not in spec:
+        raise ValueError("speculative_config.model (the UBTree drafter folder) is required for method 'ubtree'")
+    drafter = load_drafter_config(spec["model"])
+
+    supported = [a for a in target.architectures if a in SUPPORTED_ARCHITECTURES]
+    if not supported:
+        raise ValueError(f"target architecture {list(target.architectures)} is not supported by method "
+                         f"{METHOD!r}; supported: {list(SUPPORTED_ARCHITECTURES)}")
+    drafter.check_target(vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+                         num_layers=target.num_layers)
+
+    if "num_speculative_tokens" not in spec:
+        raise ValueError("speculative_config.num_speculative_tokens (the tree budget B) is required "
+                         "for method 'ubtree'")
+    budget = spec["num_speculative_tokens"]
+    top_k = spec.get("top_k", min(drafter.top_k, target.vocab_size))
+    _require_int("top_k", top_k, 1, target.vocab_size, "candidates per depth K, at most the vocabulary size")
+    budget_hi, meaning = MAX_TREE_BUDGET, f"tree budget B; vLLM verifies at most {MAX_TREE_BUDGET} drafts"
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1:
+        width = spec.get("beam_width", min(PAPER_DEFAULTS["beam_width"], budget))
+        _require_int("beam_width", width, 1, budget, "beam width W, at most num_speculative_tokens")
+        capacity = max_tree_nodes(width, top_k, drafter.block_size)
+        budget_hi = min(MAX_TREE_BUDGET, capacity)
+        meaning = (f"tree budget B; the beam yields {capacity} nodes for beam_width={width}, top_k={top_k}, "
+                   f"gamma={drafter.block_size} and vLLM verifies at most {MAX_TREE_BUDGET} drafts")
+    _require_int("num_speculative_tokens", budget, 1, budget_hi, meaning)
+    tree = UBTreeConfig(tree_budget=budget, beam_width=width, top_k=top_k, block_size=drafter.block_size)
+    tree.check_vocab(target.vocab_size)
+    return UBTreeVllmConfig(drafter_dir=str(Path(spec["model"]).expanduser().resolve()), tree=tree,
+                            drafter=drafter)
+
+
+def is_ubtree_speculative_config(speculative_config: Any) -> bool:
+    """Whether a vLLM ``SpeculativeConfig`` (or the dict form) is the rewritten ``ubtree`` one."""
+    if speculative_config is None:
+        return False
+    if isinstance(speculative_config, Mapping):
+        method, model = speculative_config.get("method"), speculative_config.get("model")
+    else:
+        method, model = getattr(speculative_config, "method", None), getattr(speculative_config, "model", None)
+    return method == VLLM_METHOD and model == PROPOSER_CLASS_PATH
+
+
+def from_vllm_config(vllm_config: Any) -> UBTreeVllmConfig | None:
+    """The engine's UBTree settings, or None when the engine does not use method 'ubtree'."""
+    if not is_ubtree_speculative_config(vllm_config.speculative_config):
+        return None
+    additional = vllm_config.additional_config
+    values = additional.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional, Mapping) else None
+    if values is None:
+        raise ValueError(f"speculative method {VLLM_METHOD!r} with {PROPOSER_CLASS_PATH} is internal to "
+                         f"ubtree_vllm; configure it with \"method\": {METHOD!r}")
+    return UBTreeVllmConfig.from_additional_config(values)
+

@@ -1,0 +1,20 @@
+"""vLLM's CPU worker for 'ubtree' engines (selected through ``ParallelConfig.worker_cls``).
+
+Before vLLM's ``CPUWorker`` builds anything, the worker stage of the patch manifest is
+applied in this process: ``CPU_ATTN`` resolves to the tree-aware backend and
+``CPUWorker.init_device`` builds :class:`ubtree_vllm.vllm.runner.UBTreeCPUModelRunner`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from ubtree_vllm import compat, patches
+
+
+class UBTreeCPUWorker(CPUWorker):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        compat.check_vllm_version()
+        patches.apply("worker")
+        super().__init__(*args, **kwargs)

@@ -1,0 +1,29 @@
+"""vLLM's GPU worker for 'ubtree' engines (selected through ``ParallelConfig.worker_cls``).
+
+Applies the worker stage of the patch manifest (``FLASH_ATTN`` resolves to the tree-aware
+backend) before vLLM's ``Worker`` builds anything, and builds the V1 UBTree runner through
+``Worker._make_model_runner`` -- the hook vLLM provides for this. vLLM already keeps
+``custom_class`` speculation (what 'ubtree' is translated to) off Model Runner V2.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.worker.gpu_worker import Worker
+
+from ubtree_vllm import compat, patches
+
+
+class UBTreeGPUWorker(Worker):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        compat.check_vllm_version()
+        patches.apply("worker")
+        super().__init__(*args, **kwargs)
+
+    def _make_model_runner(self) -> Any:
+        if self.use_v2_model_runner:
+            raise RuntimeError("speculative method 'ubtree' runs on the V1 model runner; "
+                               "unset VLLM_USE_V2_MODEL_RUNNER")
+        from ubtree_vllm.vllm.runner import UBTreeGPUModelRunner
+
+        return UBTreeGPUModelRunner(self.vllm_config, self.device)

@@ -1,0 +1,66 @@
+"""The UBTree drafter as the vLLM V1 runner's ``drafter`` object.
+
+vLLM builds it through its ``custom_class`` hook (``Class(vllm_config)``, see
+``vllm.v1.spec_decode.custom_class_proposer``) from the path
+:data:`ubtree_vllm.vllm.config.PROPOSER_CLASS_PATH`, and calls ``load_model(target)``
+after loading the target. The UBTree runner (:mod:`ubtree_vllm.vllm.runner`) then calls
+:meth:`UBTreeProposer.propose` with a :class:`ubtree_vllm.types.DraftContext` built from
+the target's aux hidden states; vLLM's own custom-class call path is never used.
+
+The drafter runs on the runner's device in the target's dtype and shares the target's
+embedding and LM head (first ``vocab_size`` rows: vLLM pads the vocabulary).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ubtree_vllm import compat
+from ubtree_vllm.drafter.io import load_drafter
+from ubtree_vllm.drafter.proposer import UBTreeDrafter
+from ubtree_vllm.tree.topology import DraftTree
+from ubtree_vllm.types import DraftContext
+from ubtree_vllm.vllm.config import METHOD, UBTreeVllmConfig, from_vllm_config
+
+
+def target_embeddings(target: nn.Module, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input embedding [V, H], LM head [V, H]) of a vLLM decoder (Llama/Qwen layout)."""
+    inner = getattr(target, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if embed is None:
+        raise ValueError(f"{type(target).__name__} has no model.embed_tokens; "
+                         f"method {METHOD!r} cannot bind the drafter to it")
+    head = getattr(target, "lm_head", None)
+    head_weight = getattr(head, "weight", None)
+    if head_weight is None:  # tied embeddings without a separate head module
+        head_weight = embed.weight
+    return embed.weight[:vocab_size], head_weight[:vocab_size]
+
+
+class UBTreeProposer:
+    """Loads the drafter next to the target and proposes one tree per request."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        compat.check_vllm_version()
+        config = from_vllm_config(vllm_config)
+        if config is None:
+            raise ValueError(f"{type(self).__name__} is the proposer of speculative method {METHOD!r}; "
+                             f"configure it with \"method\": {METHOD!r}")
+        self.config: UBTreeVllmConfig = config
+        self.drafter: UBTreeDrafter | None = None
+
+    def load_model(self, target: nn.Module) -> None:
+        """Load the drafter weights on the target's device/dtype and bind its embedding/head."""
+        embed, head = target_embeddings(target, self.config.drafter.vocab_size)
+        drafter = load_drafter(self.config.drafter_dir, device=embed.device, dtype=embed.dtype)
+        drafter.bind_target(embed, head)
+        self.drafter = drafter
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        """One tree of B + 1 nodes per request (node 0 = ctx.anchor), parents-first order."""
+        if self.drafter is None:
+            raise RuntimeError("UBTreeProposer.propose called before load_model")
+        return self.drafter.draft_tree(ctx, self.config.tree)

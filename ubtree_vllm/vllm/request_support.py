@@ -1,0 +1,55 @@
+"""Which per-request sampling options tree verification serves exactly.
+
+The tree rejection sampler (:mod:`ubtree_vllm.vllm.sampler`) draws the target's token at
+every tree node with temperature, top-k and top-p (vLLM semantics) and a per-request
+seeded generator when ``seed`` is set. Everything that makes the draw at a node depend
+on the tokens *before* it in the flattened batch, or that returns per-token data the
+sampler does not compute, would be wrong for a tree, so such requests are rejected at
+admission (HTTP 400 in the server) instead of getting different tokens than
+non-speculative decoding:
+
+* penalties (presence, frequency, repetition) -- the context of a node is its ancestors;
+* logprobs / logprob_token_ids -- not computed for tree rows yet;
+* bad_words, allowed_token_ids, logit_bias, min_p, min_tokens, thinking_token_budget --
+  vLLM logits processors that assume a chain of drafts;
+* structured outputs -- the grammar validates drafts as a chain;
+* trace replay and repetition detection -- not exercised with trees.
+
+``prompt_logprobs``, ``n``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos`` and
+``max_tokens`` are served exactly (prompt rows carry no tree; stop handling is the
+scheduler's and sees the same accepted tokens as a chain would).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+_EPS = 1e-6
+
+
+def unsupported_options(params: Any) -> list[str]:
+    """Names of the options of a vLLM ``SamplingParams`` that method 'ubtree' cannot serve."""
+    checks = (
+        ("presence_penalty", abs(params.presence_penalty) > _EPS),
+        ("frequency_penalty", abs(params.frequency_penalty) > _EPS),
+        ("repetition_penalty", abs(params.repetition_penalty - 1.0) > _EPS),
+        ("logprobs", params.logprobs is not None),
+        ("logprob_token_ids", bool(getattr(params, "logprob_token_ids", None))),
+        ("bad_words", bool(params.bad_words)),
+        ("allowed_token_ids", params.allowed_token_ids is not None),
+        ("logit_bias", bool(params.logit_bias)),
+        ("min_p", params.min_p > _EPS),
+        ("min_tokens", params.min_tokens > 0),
+        ("thinking_token_budget", getattr(params, "thinking_token_budget", None) is not None),
+        ("structured_outputs", params.structured_outputs is not None),
+        ("trace_decode_token_ids", bool(getattr(params, "trace_decode_token_ids", None))),
+        ("repetition_detection", getattr(params, "repetition_detection", None) is not None),
+    )
+    return [name for name, used in checks if used]
+
+
+def unsupported_message(names: list[str]) -> str:
+    """The client-facing explanation for :func:`unsupported_options`."""
+    return (f"sampling option(s) {names} are not supported with speculative decoding method 'ubtree' "
+            "(tree verification would not reproduce non-speculative decoding exactly); remove them or "
+            "use a server without speculative decoding. Supported: temperature, top_k, top_p, seed, n, "
+            "stop, stop_token_ids, ignore_eos, max_tokens, prompt_logprobs.")

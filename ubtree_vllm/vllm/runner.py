@@ -1,0 +1,205 @@
+"""The V1 model runner with UBTree rounds: vLLM's runner plus five overrides.
+
+One step of vLLM's V1 runner (``GPUModelRunner.execute_model`` + ``sample_tokens``) with
+the UBTree hooks, in call order:
+
+1. ``_prepare_inputs``  -- after vLLM computed positions and (linear) slot mappings, lay
+   the step's trees over the batch (:func:`ubtree_vllm.vllm.tree_plan.build_plan`), write
+   RoPE positions ``root_pos + depth`` for tree rows and publish the plan to the
+   attention backends (:mod:`ubtree_vllm.vllm.attention.state`);
+2. ``_model_forward``   -- the target forward (tree rows get the ancestor mask, their K/V
+   is stashed); the plan is withdrawn right after;
+3. ``_sample``          -- :class:`ubtree_vllm.vllm.sampler.TreeRejectionSampler`;
+4. ``_update_states_after_model_execute`` -- KV commit of the accepted paths
+   (:mod:`ubtree_vllm.vllm.kv_commit`);
+5. ``propose_draft_token_ids`` (after vLLM's bookkeeping, as for every ``custom_class``
+   proposer) -- write the committed rows' aux hidden states into the feature store, draft
+   a tree per decoding request and hand vLLM its B nodes as the draft tokens.
+
+Everything else (scheduling, KV allocation, stop handling, metrics) is vLLM's, unchanged.
+The runner requires the target to return aux hidden states (``SupportsEagle3``) for the
+drafter's layers, and every attention layer to use a tree-aware impl.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from ubtree_vllm import compat
+from ubtree_vllm.types import DraftContext
+from ubtree_vllm.verify.accept import AcceptResult
+from ubtree_vllm.vllm.attention.state import tree_forward_state
+from ubtree_vllm.vllm.config import from_vllm_config
+from ubtree_vllm.vllm.features import ContextFeatureStore
+from ubtree_vllm.vllm.kv_commit import commit_accepted_paths
+from ubtree_vllm.vllm.proposer import UBTreeProposer
+from ubtree_vllm.vllm.sampler import TreeRejectionSampler
+from ubtree_vllm.vllm.tree_plan import RequestTree, TreeStepPlan, build_plan
+
+
+class UBTreeRunnerMixin:
+    """UBTree overrides for a vLLM V1 ``GPUModelRunner`` subclass (see the module docstring)."""
+
+    def __init__(self, vllm_config: Any, device: torch.device) -> None:
+        compat.check_vllm_version()
+        config = from_vllm_config(vllm_config)
+        if config is None:
+            raise ValueError(f"{type(self).__name__} needs an engine configured with method 'ubtree'")
+        super().__init__(vllm_config, device)  # type: ignore[call-arg]
+        if not isinstance(getattr(self, "drafter", None), UBTreeProposer):
+            raise RuntimeError("the UBTree runner expects vLLM's custom_class drafter to be UBTreeProposer")
+        self.ubtree_config = config
+        # The target returns the aux hidden states of the drafter's layers (set before load_model).
+        self.use_aux_hidden_state_outputs = True
+        aux_ids = config.aux_layer_ids
+        sorted_ids = sorted(set(aux_ids))
+        # vLLM returns aux states in ascending layer order; the drafter wants its own order.
+        self._aux_order = [sorted_ids.index(i) for i in aux_ids]
+        self._tree_sampler = TreeRejectionSampler()
+        self._tree_state = tree_forward_state()
+        self._trees: dict[str, RequestTree] = {}
+        self._plan: TreeStepPlan | None = None
+        self._accept: AcceptResult | None = None
+        self._features = ContextFeatureStore(config.drafter.num_features, self.dtype, self.device)
+
+    # ---- model / aux layers ------------------------------------------------------------
+    def _get_eagle3_aux_layers_from_config(self) -> tuple[int, ...]:
+        return self.ubtree_config.aux_layer_ids
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)  # type: ignore[misc]
+        self._check_tree_attention()
+
+    def _check_tree_attention(self) -> None:
+        """Every decoder attention layer must run a tree-aware impl (else: wrong tokens)."""
+        from vllm.model_executor.layers.attention import Attention
+
+        layers = [m for m in self.compilation_config.static_forward_context.values() if isinstance(m, Attention)]
+        stock = sorted({type(m.impl).__name__ for m in layers if not getattr(m.impl, "ubtree_tree_aware", False)})
+        if not layers or stock:
+            raise RuntimeError(f"method 'ubtree' needs its tree-aware attention backend, but the target's "
+                               f"attention layers use {stock or 'no attention layers'}; was the backend "
+                               "selected before the ubtree worker patches were applied?")
+
+    # ---- 1. tree layout, positions -----------------------------------------------------
+    def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
+        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)  # type: ignore[misc]
+        num_reqs = self.input_batch.num_reqs
+        plan = build_plan(
+            self.input_batch.req_ids, self.query_start_loc.np[: num_reqs + 1], num_scheduled_tokens,
+            self.input_batch.num_computed_tokens_cpu[:num_reqs], self.input_ids.np,
+            scheduler_output.scheduled_spec_decode_tokens, self._trees)
+        rows, positions = plan.positions()
+        if len(rows):
+            self.positions[torch.from_numpy(rows).to(self.device)] = torch.from_numpy(positions).to(self.device)
+        self._plan, self._accept = plan, None
+        self._tree_state.begin(plan, self.device)
+        return result
+
+    # ---- 2. forward ---------------------------------------------------------------------
+    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super()._model_forward(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._tree_state.end_forward()
+
+    # ---- 3. sampling ---------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
+        if spec_decode_metadata is None or self._plan is None:
+            return super()._sample(logits, spec_decode_metadata)  # type: ignore[misc]
+        plan = self._plan
+        output, self._accept = self._tree_sampler(plan, plan.to_device(self.device), logits,
+                                                  self.input_batch.sampling_metadata)
+        return output
+
+    # ---- 4. KV commit --------------------------------------------------------------------
+    def _update_states_after_model_execute(self, output_token_ids: torch.Tensor, scheduler_output: Any) -> None:
+        super()._update_states_after_model_execute(output_token_ids, scheduler_output)  # type: ignore[misc]
+        if self._plan is not None and self._accept is not None:
+            commit_accepted_paths(self._tree_state, self._plan, self._accept.accepted_path,
+                                  self._accept.num_accepted)
+
+    # ---- 5. features and drafting ----------------------------------------------------------
+    def _input_fits_in_drafter(self, common_attn_metadata: Any) -> bool:
+        # Tree positions stay within root_pos + gamma and the drafter has no KV cache of its
+        # own, so drafting is always possible; vLLM's check would zero the drafts instead.
+        return common_attn_metadata is not None
+
+    def propose_draft_token_ids(self, scheduler_output: Any, sampled_token_ids: Any, sampling_metadata: Any,
+                                hidden_states: torch.Tensor, sample_hidden_states: torch.Tensor,
+                                aux_hidden_states: list[torch.Tensor] | None, spec_decode_metadata: Any,
+                                common_attn_metadata: Any, slot_mappings: Any) -> list[list[int]]:
+        """Commit this step's features, then draft a tree for every request that sampled a token."""
+        assert isinstance(sampled_token_ids, list) and aux_hidden_states is not None
+        plan = self._plan
+        assert plan is not None
+        features = torch.cat([aux_hidden_states[i] for i in self._aux_order], dim=-1)  # [T, F]
+        self._commit_features(scheduler_output, plan, features)
+        req_ids = list(self.input_batch.req_ids)
+        drafts: list[list[int]] = [[] for _ in req_ids]
+        drafting = [i for i, tokens in enumerate(sampled_token_ids) if tokens]
+        for i in set(range(len(req_ids))) - set(drafting):
+            self._trees.pop(req_ids[i], None)
+        if not drafting:
+            return drafts
+        anchor_pos = [int(self.input_batch.num_tokens_no_spec[i]) - 1 for i in drafting]
+        ctx = self._draft_context([req_ids[i] for i in drafting], drafting,
+                                  [sampled_token_ids[i][-1] for i in drafting], anchor_pos)
+        tree = self.drafter.propose(ctx)  # type: ignore[attr-defined]
+        # SYNC: vLLM's scheduler takes draft tokens as host lists (custom_class contract).
+        tokens = tree.tokens[:, 1:].tolist()
+        parents, depth = tree.parents.cpu().numpy(), tree.depth.cpu().numpy()
+        for k, i in enumerate(drafting):
+            drafts[i] = tokens[k]
+            self._trees[req_ids[i]] = RequestTree(draft_tokens=tokens[k], parents=parents[k], depth=depth[k])
+        return drafts
+
+    def _commit_features(self, scheduler_output: Any, plan: TreeStepPlan, features: torch.Tensor) -> None:
+        """Write each request's committed rows (prefix rows, root, accepted path) at their positions."""
+        accept = self._accept
+        # SYNC: the feature store is per request; accepted paths are needed on the host.
+        paths = accept.accepted_path.cpu().numpy() if accept is not None else None
+        num_accepted = accept.num_accepted.cpu().numpy() if accept is not None else None
+        query_start_loc = self.query_start_loc.np
+        for i, req_id in enumerate(self.input_batch.req_ids):
+            root = int(plan.root_rows[i])
+            start_row = int(query_start_loc[i])
+            start_pos = int(plan.root_positions[i]) - (root - start_row)
+            rows = list(range(start_row, root + 1))
+            if paths is not None and num_accepted is not None:
+                rows += [root + int(node) for node in paths[i, 1:1 + int(num_accepted[i])]]
+            index = torch.tensor(rows, dtype=torch.long, device=features.device)
+            self._features.write(req_id, start_pos, features[index])
+
+    def _draft_context(self, req_ids: list[str], batch_rows: list[int], anchors: list[int],
+                       anchor_pos: list[int]) -> DraftContext:
+        """DraftContext for the drafting requests: features of positions < anchor_pos."""
+        features, valid = self._features.gather(req_ids, anchor_pos)
+        width = features.shape[1]
+        device = features.device
+        positions = torch.arange(width, device=device)[None, :].expand(len(req_ids), -1)
+        tokens_np = self.input_batch.token_ids_cpu[batch_rows, :width].astype(np.int64)
+        valid = valid & (positions < torch.tensor(anchor_pos, device=device)[:, None])
+        return DraftContext(
+            anchor=torch.tensor(anchors, dtype=torch.long, device=device),
+            anchor_pos=torch.tensor(anchor_pos, dtype=torch.long, device=device),
+            features=features, positions=positions, valid=valid,
+            tokens=torch.from_numpy(tokens_np).to(device))
+
+    # ---- request lifecycle -----------------------------------------------------------------
+    def _on_request_state_removed(self, req_id: str, req_state: Any) -> None:
+        super()._on_request_state_removed(req_id, req_state)  # type: ignore[misc]
+        self._trees.pop(req_id, None)
+        self._features.drop(req_id)
+
+
+class UBTreeCPUModelRunner(UBTreeRunnerMixin, CPUModelRunner):
+    """vLLM's CPU V1 runner with UBTree rounds."""
+
+
+class UBTreeGPUModelRunner(UBTreeRunnerMixin, GPUModelRunner):
+    """vLLM's V1 GPU runner with UBTree rounds (the MRV2 fast path is a later step)."""

@@ -1,0 +1,104 @@
+"""Tree rejection sampler: node-wise acceptance, emitted in vLLM's rejection-sampler format.
+
+For every request of the step (trees, chains and requests without drafts alike) the
+target's token is drawn at every verified node exactly as non-speculative decoding
+would draw it at that node's position (:func:`ubtree_vllm.verify.sampling.processed_probs`:
+temperature, top-k, top-p with vLLM's semantics; argmax at temperature 0), then the
+tree is walked with :func:`ubtree_vllm.verify.accept.accept_tree`: accept the child
+carrying the drawn token, stop at the first node without one and emit its draw as the
+bonus token. That rule is lossless (see ``ubtree_vllm/verify/accept.py``).
+
+Randomness: one exponential race per node (argmax p / E, E ~ Exp(1)), with the
+request's own ``torch.Generator`` when it has a seed (vLLM's
+``SamplingMetadata.generators``), else the process RNG that vLLM seeds at start-up.
+
+Output contract (``vllm.v1.sample.rejection_sampler.RejectionSampler``):
+``sampled_token_ids [num_reqs, max_nodes]`` int32 holding the accepted draft tokens then
+the bonus token, ``-1`` padded, so the scheduler's accounting (accepted = emitted - 1)
+and spec-decode metrics need no change. The accepted node indices (for the KV commit
+and the drafter's features) are returned alongside.
+"""
+from __future__ import annotations
+
+import torch
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.metadata import SamplingMetadata
+
+from ubtree_vllm.tree.topology import DraftTree
+from ubtree_vllm.verify.accept import AcceptResult, accept_tree
+from ubtree_vllm.verify.sampling import SamplingTensors, processed_probs
+from ubtree_vllm.vllm.tree_plan import DeviceTrees, TreeStepPlan
+
+# vLLM's threshold below which a temperature means greedy (vllm.v1.sample.sampler).
+_SAMPLING_EPS = 1e-5
+
+
+def check_supported(metadata: SamplingMetadata) -> None:
+    """Defence in depth behind the admission check: refuse a batch the sampler cannot serve."""
+    problems = [name for name, used in (
+        ("penalties", not metadata.no_penalties),
+        ("logprobs", metadata.max_num_logprobs is not None),
+        ("logprob_token_ids", bool(metadata.logprob_token_ids)),
+        ("bad_words", bool(metadata.bad_words_token_ids)),
+        ("allowed_token_ids", metadata.allowed_token_ids_mask is not None)) if used]
+    if problems:
+        raise RuntimeError(f"ubtree tree sampler got a batch using {problems}; such requests must be "
+                           "rejected at admission (ubtree_vllm.patches sampling_params_spec_decode)")
+
+
+def sampling_tensors(metadata: SamplingMetadata, num_reqs: int, device: torch.device) -> SamplingTensors:
+    """vLLM's batch sampling parameters as the algorithm core's SamplingTensors."""
+    if metadata.all_greedy or metadata.temperature is None:
+        temperature = torch.zeros(num_reqs, dtype=torch.float32, device=device)
+    else:
+        temp = metadata.temperature[:num_reqs].float()
+        temperature = torch.where(temp < _SAMPLING_EPS, 0.0, temp)
+    top_k = (metadata.top_k[:num_reqs].long() if metadata.top_k is not None
+             else torch.zeros(num_reqs, dtype=torch.long, device=device))
+    top_p = (metadata.top_p[:num_reqs].float() if metadata.top_p is not None
+             else torch.ones(num_reqs, dtype=torch.float32, device=device))
+    return SamplingTensors(temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def draw_node_tokens(node_logits: torch.Tensor, metadata: SamplingMetadata,
+                     params: SamplingTensors) -> torch.Tensor:
+    """The target's draw at every node. node_logits [N, n, V] -> [N, n] int64."""
+    greedy = node_logits.argmax(dim=-1)
+    if metadata.all_greedy:
+        return greedy
+    probs = processed_probs(node_logits, params)  # [N, n, V] float32
+    noise = torch.empty_like(probs).exponential_(1.0)
+    for req_idx, generator in metadata.generators.items():
+        if req_idx < noise.shape[0]:
+            noise[req_idx].exponential_(1.0, generator=generator)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(params.temperature[:, None] > 0, sampled, greedy)
+
+
+class TreeRejectionSampler:
+    """Replaces the V1 runner's chain RejectionSampler for UBTree steps."""
+
+    def __call__(self, plan: TreeStepPlan, trees: DeviceTrees, logits: torch.Tensor,
+                 metadata: SamplingMetadata) -> tuple[SamplerOutput, AcceptResult]:
+        """logits: [sum(num_nodes), V], request-major, node j of request r at start_r + j
+        (vLLM's spec-decode ``logits_indices`` order)."""
+        check_supported(metadata)
+        device = logits.device
+        num_reqs, max_nodes = plan.num_reqs, plan.max_nodes
+        if logits.shape[0] != int(plan.num_nodes.sum()):
+            raise RuntimeError(f"tree sampler expected {int(plan.num_nodes.sum())} logits rows, got {logits.shape[0]}")
+        # [num_reqs, max_nodes] row of each node's logits (padding nodes repeat the last node).
+        start = torch.from_numpy(plan.num_nodes.cumsum() - plan.num_nodes).to(device)
+        last = torch.from_numpy(plan.num_nodes - 1).to(device)
+        node = torch.arange(max_nodes, device=device)
+        index = start[:, None] + torch.minimum(node[None, :], last[:, None])
+        node_logits = logits[index]  # [num_reqs, max_nodes, V]
+        params = sampling_tensors(metadata, num_reqs, device)
+        draws = draw_node_tokens(node_logits, metadata, params)
+        tree = DraftTree(tokens=trees.tokens, parents=trees.parents, depth=trees.depth,
+                         scores=torch.zeros_like(trees.depth, dtype=torch.float32))
+        result = accept_tree(tree, draws, plan.max_depth)
+        sampled = torch.full((num_reqs, max_nodes), -1, dtype=torch.int32, device=device)
+        width = min(max_nodes, result.output_tokens.shape[1])
+        sampled[:, :width] = result.output_tokens[:, :width].to(torch.int32)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None), result
