@@ -1,30 +1,19 @@
 """The reference decoder is lossless: greedy token equality on SmolLM2, exact sampling on a tiny model."""
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
-from scipy import stats
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from chat_prompts import CHAT_PROMPTS
+from exact_distribution import distribution_pvalues, exact_joint
 from oracle_drafter import OracleDrafter
 from ubtree_vllm.config import SamplingConfig, UBTreeConfig
 from ubtree_vllm.decoding.reference import ReferenceDecoder
 from ubtree_vllm.drafter.config import DrafterConfig
 from ubtree_vllm.drafter.proposer import UBTreeDrafter
-from ubtree_vllm.verify.sampling import SamplingTensors, processed_probs
+from ubtree_vllm.verify.sampling import processed_probs
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain photosynthesis in two sentences.",
-    "List three prime numbers.",
-    "How do I reverse a list in Python?",
-    "Translate 'good morning' into Spanish.",
-    "What is 12 times 7?",
-    "Give me a tip for staying focused.",
-]
 NEW_TOKENS = 64
 
 
@@ -34,7 +23,7 @@ def smollm(default_target_dir):
     # float32 keeps tree-vs-chain rounding differences far below any argmax gap.
     model = AutoModelForCausalLM.from_pretrained(default_target_dir, dtype=torch.float32).eval()
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                       tokenize=True, return_dict=False) for p in PROMPTS]
+                                       tokenize=True, return_dict=False) for p in CHAT_PROMPTS]
     plain = ReferenceDecoder(model).generate(prompts, NEW_TOKENS)
     assert all(len(o.token_ids) == NEW_TOKENS for o in plain)
     return model, prompts, [o.token_ids for o in plain]
@@ -89,47 +78,6 @@ def tiny_target():
     return LlamaForCausalLM(cfg).float().eval()
 
 
-@torch.no_grad()
-def exact_joint(model, sampling: SamplingConfig) -> torch.Tensor:
-    """p(x_1..x_H | prompt) for all VOCAB**HORIZON continuations, by enumeration. -> [V]*H"""
-    seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=HORIZON)))
-    ids = torch.cat([torch.tensor(PROMPT).expand(len(seqs), -1), seqs], dim=1)
-    logits = model(input_ids=ids).logits[:, len(PROMPT) - 1 : -1]  # [S, H, V]
-    probs = processed_probs(logits, SamplingTensors.from_configs([sampling] * len(seqs), "cpu"))
-    p = probs.double().gather(2, seqs[:, :, None]).squeeze(2).prod(dim=1)
-    return p.view([VOCAB] * HORIZON)
-
-
-def chi2_pvalue(observed: torch.Tensor, expected_p: torch.Tensor) -> float:
-    """Pearson chi-square; impossible cells must stay empty, cells with expected count < 5 are pooled."""
-    obs = observed.flatten().double()
-    exp = expected_p.flatten() / expected_p.sum() * obs.sum()
-    impossible = exp == 0
-    if obs[impossible].sum() > 0:
-        return 0.0
-    obs, exp = obs[~impossible], exp[~impossible]
-    small = exp < 5
-    if small.any():
-        obs = torch.cat([obs[~small], obs[small].sum()[None]])
-        exp = torch.cat([exp[~small], exp[small].sum()[None]])
-    if len(obs) < 2:
-        return 1.0
-    return float(stats.chisquare(obs.numpy(), exp.numpy()).pvalue)
-
-
-def distribution_pvalues(samples: torch.Tensor, joint: torch.Tensor) -> list[float]:
-    """p-values for each position's marginal and each adjacent pair's joint."""
-    pvals = []
-    dims = list(range(HORIZON))
-    for t in dims:
-        obs = torch.bincount(samples[:, t], minlength=VOCAB)
-        pvals.append(chi2_pvalue(obs, joint.sum(dim=[d for d in dims if d != t])))
-    for t in dims[:-1]:
-        obs = torch.bincount(samples[:, t] * VOCAB + samples[:, t + 1], minlength=VOCAB**2)
-        pvals.append(chi2_pvalue(obs, joint.sum(dim=[d for d in dims if d not in (t, t + 1)])))
-    return pvals
-
-
 def spec_samples(model, sampling: SamplingConfig, decoder_cls=ReferenceDecoder, seed: int = 0) -> torch.Tensor:
     torch.manual_seed(1)
     dcfg = DrafterConfig.for_target(model.config, "tiny", block_size=3, top_k=6, num_layers=1, head_dim=8,
@@ -151,7 +99,8 @@ ALPHA = 1e-3
 
 @pytest.mark.parametrize("sampling", SAMPLING_CASES, ids=str)
 def test_sampling_matches_target_distribution(tiny_target, sampling):
-    pvals = distribution_pvalues(spec_samples(tiny_target, sampling), exact_joint(tiny_target, sampling))
+    joint = exact_joint(tiny_target, PROMPT, VOCAB, HORIZON, sampling)
+    pvals = distribution_pvalues(spec_samples(tiny_target, sampling), joint)
     assert min(pvals) > ALPHA / len(pvals), pvals
 
 
@@ -178,5 +127,6 @@ class GreedyWalkDecoder(ReferenceDecoder):
 def test_sampling_test_detects_wrong_rules(tiny_target, decoder_cls):
     """The chi-square test above has the power to reject plausible wrong acceptance rules."""
     sampling = SAMPLING_CASES[0]
-    pvals = distribution_pvalues(spec_samples(tiny_target, sampling, decoder_cls), exact_joint(tiny_target, sampling))
+    joint = exact_joint(tiny_target, PROMPT, VOCAB, HORIZON, sampling)
+    pvals = distribution_pvalues(spec_samples(tiny_target, sampling, decoder_cls), joint)
     assert min(pvals) < ALPHA / len(pvals) / 100, pvals

@@ -3,7 +3,7 @@
 Vocabulary-8 random Llama (head_dim 32, the CPU kernel's minimum), untrained drafter
 with K = 6 of the 8 tokens per depth so that trees are often partly accepted; 3000
 continuations of 4 tokens per setting, chi-square against the enumerated law of the HF
-model with the same weights (see ``vllm_distribution``).
+model with the same weights (see ``tests/exact_distribution.py``).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from vllm.inputs import TokensPrompt
 
 from vllm_engines import ENGINE_KWARGS
 from ubtree_vllm.config import SamplingConfig
-from vllm_distribution import distribution_pvalues, exact_joint
+from exact_distribution import distribution_pvalues, exact_joint
 from vllm_models import save_tiny_llama, save_untrained_drafter
 
 VOCAB, HORIZON, NUM_SAMPLES, PROMPT = 8, 4, 3000, [1, 2, 3]

@@ -8,6 +8,7 @@ tied embeddings, 49k vocabulary) rather than acceptance.
 from __future__ import annotations
 
 import pytest
+from chat_prompts import CHAT_PROMPTS
 from transformers import AutoTokenizer
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
@@ -17,16 +18,6 @@ from vllm_models import save_untrained_drafter
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain photosynthesis in two sentences.",
-    "List three prime numbers.",
-    "How do I reverse a list in Python?",
-    "Translate 'good morning' into Spanish.",
-    "What is 12 times 7?",
-    "Give me a tip for staying focused.",
-]
 MAX_TOKENS = 32
 
 
@@ -34,7 +25,7 @@ MAX_TOKENS = 32
 def prompts(default_target_dir):
     tok = AutoTokenizer.from_pretrained(default_target_dir)
     return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
-                                    return_dict=False) for p in PROMPTS]
+                                    return_dict=False) for p in CHAT_PROMPTS]
 
 
 def generate(llm: LLM, prompts) -> list[list[int]]:

@@ -124,6 +124,18 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
+def load_tokenizer_and_eos(target_path: str | Path) -> tuple[Any, list[int]]:
+    """The target's tokenizer and its EOS ids (tokenizer + generation config, if any)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    try:
+        gen_cfg = GenerationConfig.from_pretrained(target_path)
+    except OSError:
+        gen_cfg = None
+    return tokenizer, eos_token_ids(tokenizer, gen_cfg)
+
+
 def eos_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
     """EOS ids from the tokenizer and the model's generation config (deduplicated, sorted)."""
     ids: set[int] = set()
@@ -329,16 +341,9 @@ def generate_dataset(cfg: DataGenConfig, generator: GenerateFn | None = None, lo
     `generator` overrides the backend (tests). Raises ValueError if `out_dir` holds a
     dataset made with other settings or for another tokenizer.
     """
-    from transformers import AutoTokenizer, GenerationConfig
-
     started = time.monotonic()
     target_path = resolve_target_path(cfg.target)
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
-    try:
-        gen_cfg = GenerationConfig.from_pretrained(target_path)
-    except OSError:
-        gen_cfg = None
-    eos = eos_token_ids(tokenizer, gen_cfg)
+    tokenizer, eos = load_tokenizer_and_eos(target_path)
     max_positions = _max_positions(target_path)
     if max_positions is not None and cfg.max_prompt_tokens + cfg.max_new_tokens > max_positions:
         raise ValueError(f"max_prompt_tokens + max_new_tokens = {cfg.max_prompt_tokens + cfg.max_new_tokens} exceeds "

@@ -35,7 +35,7 @@ import torch
 from ubtree_vllm.config import SamplingConfig, UBTreeConfig
 from ubtree_vllm.decoding.reference import ReferenceDecoder
 from ubtree_vllm.drafter.io import load_drafter
-from ubtree_vllm.training.data import chat_prompt_ids, eos_token_ids, resolve_target_path
+from ubtree_vllm.training.data import chat_prompt_ids, load_tokenizer_and_eos, resolve_target_path
 
 EVAL_DATASETS = ("spec_bench", "mt_bench", "humaneval")
 # CLI method name -> record method name
@@ -134,7 +134,7 @@ def evaluate(drafter_dir: str | Path, target: str = "default", datasets: Sequenc
              device: str = "auto", seed: int = 0, records_path: str | None = "docs/benchmarks/records.jsonl",
              log: Callable[[str], None] = print) -> list[TauResult]:
     """Measure tau for every (dataset, method, temperature); one e2e record each."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     for m in methods:
         if m not in METHODS:
@@ -142,12 +142,7 @@ def evaluate(drafter_dir: str | Path, target: str = "default", datasets: Sequenc
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     target_path = resolve_target_path(target)
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
-    try:
-        gen_cfg = GenerationConfig.from_pretrained(target_path)
-    except OSError:
-        gen_cfg = None
-    eos = eos_token_ids(tokenizer, gen_cfg)
+    tokenizer, eos = load_tokenizer_and_eos(target_path)
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(dev).eval()
     drafter_dir = Path(drafter_dir)
     drafter = load_drafter(drafter_dir, device=dev, dtype=dtype)

@@ -31,7 +31,7 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadata)
 
-from ubtree_vllm.vllm.attention.state import tree_forward_state
+from ubtree_vllm.vllm.attention.state import begin_tree_rows, tree_forward_state
 from ubtree_vllm.vllm.tree_plan import DeviceTrees, TreeStepPlan
 
 
@@ -122,15 +122,11 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         """query [T, H, D]; key/value [T, H_kv, D]; kv_cache [num_blocks, H_kv, block, 2D]."""
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                  output_scale, output_block_scale)
-        state = tree_forward_state()
-        active = state.active_plan()
-        if active is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
+        active = begin_tree_rows(self, layer, key, value, attn_metadata, self.attn_type == AttentionType.DECODER)
+        if active is None:
             return output
         plan, trees = active
-        if key is None or self.kv_sharing_target_layer_name is not None:
-            raise NotImplementedError("ubtree tree attention needs each layer's own K/V "
-                                      "(KV-sharing layers are not supported)")
-        state.stash_layer(layer, key, value, attn_metadata.slot_mapping)
+        state = tree_forward_state()
         block_size = kv_cache.shape[2]
         layout = state.step_cache.get(("cpu_layout", block_size))
         if layout is None:

@@ -23,7 +23,7 @@ from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashA
                                                    FlashAttentionMetadataBuilder)
 
 from ubtree_vllm.tree.topology import ancestor_mask
-from ubtree_vllm.vllm.attention.state import tree_forward_state
+from ubtree_vllm.vllm.attention.state import begin_tree_rows, tree_forward_state
 from ubtree_vllm.vllm.attention.tree_sdpa import gather_paged_tokens, tree_rows_attention
 from ubtree_vllm.vllm.tree_plan import TreeStepPlan
 
@@ -73,15 +73,11 @@ class TreeFlashAttentionImpl(FlashAttentionImpl):
         """query [T, H, D]; key/value [T, H_kv, D]; kv_cache [num_blocks, H_kv, block, 2D] (logical)."""
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                  output_scale, output_block_scale)
-        state = tree_forward_state()
-        active = state.active_plan()
-        if active is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
+        active = begin_tree_rows(self, layer, key, value, attn_metadata, self.attn_type == AttentionType.DECODER)
+        if active is None:
             return output
         plan, trees = active
-        if key is None or self.kv_sharing_target_layer_name is not None:
-            raise NotImplementedError("ubtree tree attention needs each layer's own K/V "
-                                      "(KV-sharing layers are not supported)")
-        state.stash_layer(layer, key, value, attn_metadata.slot_mapping)
+        state = tree_forward_state()
         masks = state.step_cache.get("ancestor_masks")
         if masks is None:
             masks = ancestor_mask(trees.parents.clamp(min=-1), plan.max_depth)  # [num_reqs, n, n]

@@ -81,3 +81,23 @@ _STATE = TreeForwardState()
 def tree_forward_state() -> TreeForwardState:
     """The process-wide hand-over object (one engine runs a forward at a time per process)."""
     return _STATE
+
+
+def begin_tree_rows(impl: Any, layer: Any, key: torch.Tensor | None, value: torch.Tensor | None,
+                    attn_metadata: Any, is_decoder: bool) -> tuple[TreeStepPlan, DeviceTrees] | None:
+    """Shared prologue of the tree-aware attention impls, run after the stock forward.
+
+    Returns the active (plan, trees) when this layer must recompute tree rows, after stashing
+    the layer's fresh K/V for the KV commit; None when the step has no trees (or the layer is
+    not a decoder self-attention layer). KV-sharing layers are refused: tree rows need each
+    layer's own K/V.
+    """
+    state = tree_forward_state()
+    active = state.active_plan()
+    if active is None or attn_metadata is None or not is_decoder:
+        return None
+    if key is None or impl.kv_sharing_target_layer_name is not None:
+        raise NotImplementedError("ubtree tree attention needs each layer's own K/V "
+                                  "(KV-sharing layers are not supported)")
+    state.stash_layer(layer, key, value, attn_metadata.slot_mapping)
+    return active

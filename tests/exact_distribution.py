@@ -1,6 +1,6 @@
 """Exact-distribution checks for sampled continuations of a tiny-vocabulary model.
 
-Generalised from the helpers of ``tests/unit/test_reference_decoder.py`` (vocabulary,
+Shared by the reference-decoder tests and the vLLM tests (vocabulary,
 horizon and prompt are arguments here): the exact joint law of the next ``horizon``
 tokens is enumerated with the HF model and :func:`ubtree_vllm.verify.sampling.processed_probs`
 (vLLM's temperature / top-k / top-p semantics), then per-position marginals and
