@@ -53,12 +53,17 @@ class BigramSelector(nn.Module):
             self._tables = None
         return super().train(mode)
 
-    def codes(self, tokens: torch.Tensor, embed_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """phi, psi for `tokens` [...] -> [..., r] each. Uses the tables when valid."""
+    def _codes(self, which: int, tokens: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
+        """Codes of `tokens` [...] -> [..., r] from codebook `which` (0 = phi, 1 = psi).
+
+        Serving reads the precomputed table. Training runs the MLP once per distinct token
+        (a batch repeats tokens many times over) and scatters the rows back.
+        """
         if self._tables is not None and not self.training:
-            return self._tables[0][tokens], self._tables[1][tokens]
-        e = embed_weight[tokens].to(self.hidden_proj.weight.dtype)
-        return self.pred_codebook(e), self.succ_codebook(e)
+            return self._tables[which][tokens]
+        mlp = self.pred_codebook if which == 0 else self.succ_codebook
+        unique, inverse = torch.unique(tokens, return_inverse=True)
+        return mlp(embed_weight[unique].to(self.hidden_proj.weight.dtype))[inverse]
 
     # ---- scoring ---------------------------------------------------------------------
     def edge_logprobs(self, pred_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_logp: torch.Tensor,
@@ -72,8 +77,8 @@ class BigramSelector(nn.Module):
         Returns [N, D, P, K] float32, each row a log-distribution over the K candidates.
         """
         num_depths = cand_tokens.shape[1]
-        phi, _ = self.codes(pred_tokens, embed_weight)  # [N, D, P, r]
-        _, psi = self.codes(cand_tokens, embed_weight)  # [N, D, K, r]
+        phi = self._codes(0, pred_tokens, embed_weight)  # [N, D, P, r]
+        psi = self._codes(1, cand_tokens, embed_weight)  # [N, D, K, r]
         u = self.hidden_proj(hidden.to(self.hidden_proj.weight.dtype))  # [N, D, r]
         # One diagonal-weighted batched matmul for all depths and pairs.
         pair = torch.matmul(phi * u[:, :, None, :], psi.transpose(-1, -2)).float()  # [N, D, P, K]
