@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from vllm import _custom_ops as ops
 from vllm import envs
-from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadata)
 
@@ -122,7 +121,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         """query [T, H, D]; key/value [T, H_kv, D]; kv_cache [num_blocks, H_kv, block, 2D]."""
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                  output_scale, output_block_scale)
-        active = begin_tree_rows(self, layer, key, value, attn_metadata, self.attn_type == AttentionType.DECODER)
+        active = begin_tree_rows(self, layer, key, value, attn_metadata)
         if active is None:
             return output
         plan, trees = active

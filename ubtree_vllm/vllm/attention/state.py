@@ -84,7 +84,7 @@ def tree_forward_state() -> TreeForwardState:
 
 
 def begin_tree_rows(impl: Any, layer: Any, key: torch.Tensor | None, value: torch.Tensor | None,
-                    attn_metadata: Any, is_decoder: bool) -> tuple[TreeStepPlan, DeviceTrees] | None:
+                    attn_metadata: Any) -> tuple[TreeStepPlan, DeviceTrees] | None:
     """Shared prologue of the tree-aware attention impls, run after the stock forward.
 
     Returns the active (plan, trees) when this layer must recompute tree rows, after stashing
@@ -94,7 +94,9 @@ def begin_tree_rows(impl: Any, layer: Any, key: torch.Tensor | None, value: torc
     """
     state = tree_forward_state()
     active = state.active_plan()
-    if active is None or attn_metadata is None or not is_decoder:
+    from vllm.v1.attention.backend import AttentionType
+
+    if active is None or attn_metadata is None or impl.attn_type != AttentionType.DECODER:
         return None
     if key is None or impl.kv_sharing_target_layer_name is not None:
         raise NotImplementedError("ubtree tree attention needs each layer's own K/V "
