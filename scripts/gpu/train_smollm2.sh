@@ -9,16 +9,57 @@
 #   train    train + export to checkpoints/smollm2-135m-instruct-ubtree
 #   eval     tau with the lossless reference decoder (single path vs UBTree, T=0 and T=1)
 #   pack     copy the drafter and the records to $OUT (files <= 16 MB each)
+#   install  install this checkout (non-editable, like a user) into /tmp/ub-site; every later
+#            phase imports the installed package (PYTHONSAFEPATH keeps the source tree off sys.path)
+#   gputest  tests/vllm/test_vllm_gpu.py with the shipped drafter (greedy equality + tok/s record)
+#   ablations  the training ablations, one pipeline each, run side by side until DEADLINE_S
+#            seconds after the phase starts (default 540): hard-label CE, beta=0, T_train=0
+#            (data, train, export to runs/ablations/, tau on the three sets). Every step is
+#            resumable or skipped when done, so calling the phase again continues.
+#   humaneval-t1  tau of UBTree at T=1 on HumanEval with the shipped drafter
+# Records go to $RECORDS (default docs/benchmarks/records.jsonl; on the device use runs/records.jsonl,
+# which survives between calls of one warm session, and append it to the local file afterwards).
 # The device copy has no .git: pass UBTREE_COMMIT=<local HEAD> so records name the commit.
 # checkpoints/ is not git-ignored, so the device tree loses it on the next call unless the
 # exported drafter is first copied back into the local checkout.
 set -euo pipefail
 source /tmp/gpu-env.sh || exit 3
 export UBTREE_CACHE_DIR=/tmp/ubcache
-export PYTHONPATH="$PWD:/tmp/gguf-site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="/tmp/ub-site:/tmp/gguf-site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONSAFEPATH=1
 ubtree() { python3 -m ubtree_vllm.cli "$@"; }
 CONFIG=examples/train_drafter_gpu.yaml
 DRAFTER=checkpoints/smollm2-135m-instruct-ubtree
+RECORDS=${RECORDS:-docs/benchmarks/records.jsonl}
+EVAL=(--data-dir .gpudata --num-prompts "${EVAL_PROMPTS:-80}" --batch-size 64 --records "$RECORDS")
+
+left_s() { echo $(( END_AT - $(date +%s) )); }
+minutes_left() { python3 -c "print(max(0.5, ($END_AT - $(date +%s) - ${1:-45}) / 60))"; }
+
+# One ablation: NAME DATA_DIR [train --set overrides...]. Logs to runs/ablations/NAME.log.
+ablation() {
+  local name=$1 data=$2; shift 2
+  local out=runs/ablations/$name
+  mkdir -p runs/ablations
+  {
+    if [ ! -f "$data/manifest.json" ] || ! grep -q '"complete": true' "$data/manifest.json"; then
+      [ "$data" = runs/smollm2/data-t0 ] || { echo "$name: waiting for $data"; return 0; }
+      ubtree gen-data --config "$CONFIG" --data-root .gpudata --temperature 0 --out "$data" \
+        --set gpu_memory_utilization=0.25 --max-minutes "$(minutes_left 120)" || return 0
+    fi
+    if [ ! -f "$out/drafter/model.safetensors" ]; then
+      ubtree train --config "$CONFIG" --data-dir "$data" --output-dir "$out/train" --set export_dir="$out/drafter" \
+        --set records_path="$RECORDS" --max-minutes "$(minutes_left 60)" "$@" || return 0
+    fi
+    for ds in spec_bench mt_bench humaneval; do
+      [ -f "$out/eval-$ds.done" ] && continue
+      [ "$(left_s)" -gt 240 ] || { echo "$name: no time left for eval $ds"; continue; }
+      ( ubtree eval-tau --drafter "$out/drafter" --datasets "$ds" --methods single,ubtree --temperatures 0,1 \
+          "${EVAL[@]}" && touch "$out/eval-$ds.done" ) &
+    done
+    wait
+  } > "runs/ablations/$name.log" 2>&1
+}
 
 for phase in "$@"; do
   echo "=== $phase $(date -u +%T)"
@@ -36,6 +77,27 @@ for phase in "$@"; do
       [ -f "$DRAFTER/model.safetensors" ] && split -b 15M -d "$DRAFTER/model.safetensors" "$OUT/model.safetensors.part"
       tar -cf "$OUT/small.tar" --exclude=model.safetensors "$DRAFTER" docs/benchmarks runs/smollm2/train-kl/*.png \
         runs/smollm2/train-kl/*.json* runs/smollm2/data-t1/manifest.json 2>/dev/null || true ;;
+    install)
+      python3 -m pip install -q --no-deps --no-index --no-build-isolation --upgrade --target /tmp/ub-site . ;;
+    gputest)
+      R=$PWD
+      ( cd /tmp && GPU_TEST_DRAFTER="$R/$DRAFTER" GPU_TEST_RECORDS="$R/$RECORDS" python3 -m pytest -q -s \
+          -p no:cacheprovider --rootdir "$R" "$R/tests/vllm/test_vllm_gpu.py" "$R/tests/vllm/test_vllm_patches.py" ) ;;
+    humaneval-t1)
+      [ -f runs/humaneval-t1.done ] || { ubtree eval-tau --drafter "$DRAFTER" --datasets humaneval --methods ubtree \
+        --temperatures 1 "${EVAL[@]}" && touch runs/humaneval-t1.done; } ;;
+    ablations)
+      END_AT=$(( $(date +%s) + ${DEADLINE_S:-540} ))
+      mkdir -p runs/ablations
+      ablation t0 runs/smollm2/data-t0 &
+      if ! grep -qs '"complete": true' runs/smollm2/data-t1/manifest.json; then
+        ubtree gen-data --config "$CONFIG" --data-root .gpudata --set gpu_memory_utilization=0.25 \
+          --max-minutes "$(minutes_left 200)" >> runs/data-t1.log 2>&1 || true
+      fi
+      ablation hard-ce runs/smollm2/data-t1 --set selector_loss=hard_ce &
+      ablation beta0 runs/smollm2/data-t1 --set beta=0 &
+      wait
+      tail -n 4 runs/data-t1.log runs/ablations/*.log || true ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

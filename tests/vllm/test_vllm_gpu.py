@@ -16,6 +16,7 @@ SmolLM2 (default: an untrained export, acceptance ~1, so no speed-up is expected
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -66,6 +67,7 @@ def run_pair(target, drafter):
     plain.generate(prompts[:1], params, use_tqdm=False)
     plain_s = time.perf_counter() - start
     del plain
+    gc.collect()  # the engine core process exits and frees its GPU memory before the next engine
     ubtree = engine(target, {"method": "ubtree", "model": str(drafter), **TREE})
     spec = [list(o.outputs[0].token_ids) for o in ubtree.generate(prompts, params, use_tqdm=False)]
     start = time.perf_counter()
