@@ -1,7 +1,7 @@
 """Shared pytest setup for every test directory.
 
 * Tests marked ``gpu`` are skipped automatically when torch sees no CUDA device
-  (torch is imported only if such a test was collected).
+  (the device is queried only if such a test was collected).
 * Every test starts from fixed seeds for ``random`` and, when already imported,
   numpy and torch.
 * ``default_target_dir``: the converted SmolLM2-135M-Instruct bf16 folder
@@ -10,10 +10,15 @@
   need it are skipped where it is absent.
 * ``fresh_python``: run a snippet in a new interpreter, for tests of import-time
   and process-global behaviour (plugin registration, lazy imports).
+* With a CPU-only torch build, ``TRITON_INTERPRET=1`` is set here, before anything
+  imports triton, so the ``triton_ops`` kernels run on CPU tensors under the Triton
+  interpreter (``@triton.jit`` picks the interpreter at decoration time; an explicit
+  value is kept). The build is read from ``torch.version``, which touches no driver.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -21,6 +26,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+
+if torch.version.cuda is None and torch.version.hip is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SEED = 0
@@ -30,8 +39,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")

@@ -1,9 +1,23 @@
 """Triton kernels for tree speculative decoding (installed as ``ubtree_vllm.triton_ops``).
 
-Nothing is exported yet.  The tree-attention, on-device tree-acceptance and
-state-copy kernels arrive with the GPU fast-path issue, each as a private
-``_*_kernel``, a public launcher that asserts its shape/stride/dtype contract,
-and a pure-torch twin in ``triton_ops/reference.py`` used as test oracle and
-CPU fallback.  Triton will be imported through ``vllm.triton_utils`` so that
-CPU-only environments can still import this package.
+Public launchers only:
+
+* :func:`tree_attention` -- tree rows attend to their committed paged context plus their
+  ancestors-or-self among the fresh K/V (used by the CUDA attention backend,
+  :mod:`ubtree_vllm.vllm.attention.flash`).
+
+Each kernel comes as a private ``_*_kernel``, a public launcher in ``triton_ops/<op>.py``
+that asserts its shape/stride/dtype contract and never syncs with the host, and a
+pure-torch twin in :mod:`.reference` (the test oracle, ``tests/triton``). The on-device
+tree-acceptance and state-copy kernels are still to come.
+
+Triton is imported directly and defensively (not through ``vllm.triton_utils``, which
+disables Triton on CPU builds and would rule out the interpreter the CPU tests run
+under, and which would make this package import vLLM): where triton is missing this
+package still imports and the launchers raise a clear error when called. On CPU tensors
+the kernels run under the Triton interpreter, which ``TRITON_INTERPRET=1`` selects when
+set before triton is first imported.
 """
+from ubtree_vllm.triton_ops.tree_attention import tree_attention
+
+__all__ = ["tree_attention"]

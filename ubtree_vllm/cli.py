@@ -27,7 +27,8 @@ import sys
 from typing import Callable, NamedTuple, Sequence
 
 from ubtree_vllm import __version__
-# argparse-only modules: their add_args functions build the training/report subparsers.
+# argparse-only modules: their add_args functions build the training/report/bench subparsers.
+from ubtree_vllm.bench import cli as _bench_cli
 from ubtree_vllm.bench import report as _report
 from ubtree_vllm.training import cli as _training_cli
 
@@ -119,6 +120,12 @@ COMMANDS: dict[str, Command] = {
         help="measure acceptance length with the lossless reference decoder; appends e2e records",
         add_args=_training_cli.add_eval_tau_args,
         run=lazy("ubtree_vllm.training.cli:run_eval_tau"),
+    ),
+    "bench": Command(
+        help="benchmarks through vLLM (e2e: tok/s, TPOT, tau, speedup vs AR) and microbenchmarks; "
+             "appends records and regenerates the report",
+        add_args=_bench_cli.add_bench_args,
+        run=lazy("ubtree_vllm.bench.cli:run_bench"),
     ),
     "report": Command(
         help="regenerate docs/benchmarks/README.md and plots from records.jsonl",

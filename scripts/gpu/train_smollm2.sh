@@ -17,6 +17,11 @@
 #            (data, train, export to runs/ablations/, tau on the three sets). Every step is
 #            resumable or skipped when done, so calling the phase again continues.
 #   humaneval-t1  tau of UBTree at T=1 on HumanEval with the shipped drafter
+#   tests    the GPU tests of triton_ops (bf16/fp16 kernel vs its PyTorch reference)
+#   bench    `ubtree bench e2e` at batch 1 (ar, dflash-chain, ubtree B=16/32/64), METHODS and
+#            BENCH_PROMPTS (per set, default 10) select a slice so each call stays < 10 minutes
+#   sweep    `ubtree bench e2e` concurrency 1,4,16,32 on MT-Bench, T=0, ar vs ubtree B=64
+#   microbench  `ubtree bench microbench` (draft post-processing per round)
 # Records go to $RECORDS (default docs/benchmarks/records.jsonl; on the device use runs/records.jsonl,
 # which survives between calls of one warm session, and append it to the local file afterwards).
 # The device copy has no .git: pass UBTREE_COMMIT=<local HEAD> so records name the commit.
@@ -83,6 +88,20 @@ for phase in "$@"; do
       R=$PWD
       ( cd /tmp && GPU_TEST_DRAFTER="$R/$DRAFTER" GPU_TEST_RECORDS="$R/$RECORDS" python3 -m pytest -q -s \
           -p no:cacheprovider --rootdir "$R" "$R/tests/vllm/test_vllm_gpu.py" "$R/tests/vllm/test_vllm_patches.py" ) ;;
+    tests)
+      R=$PWD
+      ( cd /tmp && python3 -m pytest -q -p no:cacheprovider --rootdir "$R" "$R/tests/triton" ) ;;
+    bench)
+      ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
+        --datasets spec_bench,mt_bench,humaneval --temperatures 0,1 --num-prompts "${BENCH_PROMPTS:-10}" \
+        --max-new-tokens 256 --methods "${METHODS:-ar,dflash-chain,ubtree}" --tree-budgets "${BUDGETS:-16,32,64}" \
+        --beam-width 12 --top-k 64 --concurrency 1 ;;
+    sweep)
+      ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
+        --datasets mt_bench --temperatures 0 --num-prompts 64 --max-new-tokens 256 --methods ar,ubtree \
+        --tree-budgets 64 --beam-width 12 --top-k 64 --concurrency 1,4,16,32 ;;
+    microbench)
+      ubtree bench microbench --drafter "$DRAFTER" --records "$RECORDS" --no-report ;;
     humaneval-t1)
       [ -f runs/humaneval-t1.done ] || { ubtree eval-tau --drafter "$DRAFTER" --datasets humaneval --methods ubtree \
         --temperatures 1 "${EVAL[@]}" && touch runs/humaneval-t1.done; } ;;

@@ -264,8 +264,29 @@ def test_empty_manifest_applies_nothing(monkeypatch):
     assert patches.apply("worker") == ()
 
 
-def test_triton_ops_exports_nothing_yet():
-    import ubtree_vllm.triton_ops as triton_ops
+def test_triton_ops_exports_the_launchers():
+    from ubtree_vllm import triton_ops
 
     assert triton_ops.__doc__
-    assert not [n for n in vars(triton_ops) if not n.startswith("_")]
+    assert triton_ops.__all__ == ["tree_attention"]
+    assert all(callable(getattr(triton_ops, name)) for name in triton_ops.__all__)
+
+
+def test_triton_ops_imports_without_triton_and_launchers_say_why(fresh_python):
+    proc = fresh_python(
+        """
+        import sys
+        sys.modules["triton"] = None  # import triton -> ImportError
+        import torch
+        from ubtree_vllm.triton_ops import tree_attention
+        q, kv = torch.zeros(2, 4, 16), torch.zeros(2, 2, 16)
+        cache = torch.zeros(3, 16, 2, 16)
+        idx = torch.zeros(1, dtype=torch.long)
+        try:
+            tree_attention(q, kv, kv, cache, cache, torch.zeros(1, 1, dtype=torch.int32), idx, idx, idx,
+                           idx[None], 0.25, torch.empty_like(q))
+        except RuntimeError as err:
+            print(err)
+        """
+    )
+    assert "tree_attention needs Triton, which is not installed" in proc.stdout

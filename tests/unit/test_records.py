@@ -91,3 +91,44 @@ def test_report_cli(tmp_path, capsys):
     assert cli.main(["report", "--records", str(path), "--out-dir", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "README.md").is_file()
     assert "README.md" in capsys.readouterr().out
+
+
+def test_report_ablation_pivot_speed_and_microbench_sections(tmp_path):
+    path = tmp_path / "records.jsonl"
+    shipped, ablation = "checkpoints/smollm2-ubtree", "runs/ablations/beta0/drafter"
+    single = {"method": "ubtree-single", "top_k": 1, "beam_width": 1, "tree_budget": 16}
+    for drafter, tau in ((ablation, 1.6), (shipped, 1.9)):  # the shipped one is listed first anyway
+        rec.append_record({**E2E, "drafter": drafter, "tree_budget": 64, "tau": tau - 0.5}, path=path)
+        rec.append_record({**E2E, "drafter": drafter, "tree_budget": 64, "tau": tau}, path=path)  # latest wins
+        rec.append_record({**E2E, **single, "drafter": drafter, "tau": 1.1}, path=path)
+    rec.append_record({**E2E, "drafter": shipped, "tree_budget": 32, "tau": 9.9}, path=path)  # not B = 64
+    rec.append_record({**E2E, "drafter": shipped, "dataset": "humaneval", "temperature": 1.0, "tree_budget": 64,
+                       "tau": 1.7}, path=path)
+    speed = {**E2E, "drafter": shipped, "dataset": "humaneval", "num_prompts": 2, "concurrency": 4, "batch_size": 4}
+    rec.append_record({**speed, "method": "ar", "tree_budget": None, "beam_width": None, "top_k": None,
+                       "block_size": None, "drafter": None, "tau": None, "output_tokens_per_s": 100.0,
+                       "tpot_ms": 9.5, "speedup_vs_ar": 1.0}, path=path)
+    rec.append_record({**speed, "tree_budget": 32, "tau": 2.25, "output_tokens_per_s": 250.0, "tpot_ms": 3.75,
+                       "speedup_vs_ar": 2.5}, path=path)
+    for metric, value in (("lm_head_topk_ms", 0.125), ("draft_postprocess_ms", 0.375)):
+        rec.append_record({"kind": "microbench", "method": "ubtree", "target": "t", "drafter": ablation,
+                           "metric": metric, "value": value, "unit": "ms", "tree_budget": 64, "beam_width": 12,
+                           "top_k": 64, "block_size": 16, "batch_size": 1}, path=path)
+    regenerate(path)
+    readme = (tmp_path / "README.md").read_text()
+    ablations = readme.split("## Ablations: tau by drafter")[1].split("\n## ")[0]
+    rows = [line for line in ablations.splitlines() if line.startswith("| ") and "drafter |" not in line]
+    assert rows[0].startswith("| smollm2-ubtree (shipped) | `checkpoints/smollm2-ubtree` |")
+    assert "| humaneval T=1.0 | mt_bench T=0.0 |" in ablations
+    assert rows[0].endswith("| 1.70 | 1.90 (1.10) |")  # humaneval T=1 has no single-path record
+    assert rows[1].startswith("| beta0 | `runs/ablations/beta0/drafter` | – | 1.60 (1.10) |")
+    assert "9.90" not in ablations
+    speed = readme.split("## Speed (vLLM end-to-end)")[1].split("\n## ")[0]
+    speed_rows = [line for line in speed.splitlines() if line.startswith("| ar") or line.startswith("| ubtree")]
+    assert speed_rows[0].startswith("| ar | smollm2-135m-instruct | – | – |")  # ar first
+    assert "| ubtree | smollm2-135m-instruct | smollm2-ubtree | 32 | 12 | 64 | humaneval | 0.0 | 4 | 2.25 | 250.00 | " \
+           "3.75 | 2.50 |" in speed_rows[1]
+    micro = readme.split("## Microbenchmarks")[1].split("\n## ")[0]
+    assert "| draft_postprocess_ms | 0.38 | ms | ubtree | t | beta0 | 64 | 12 | 64 | 16 | 1 |" in micro
+    assert readme.index("## End-to-end") < readme.index("## Ablations") < readme.index("## Speed") \
+        < readme.index("## Microbenchmarks")

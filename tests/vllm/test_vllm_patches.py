@@ -5,12 +5,23 @@ import importlib
 import types
 
 import pytest
+import torch
 from vllm.engine.arg_utils import EngineArgs
 
 from ubtree_vllm import patches
 from ubtree_vllm.patches._patching import MARK, is_patched, original_attr_name
-from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, CPU_WORKER_CLASS_PATH, PROPOSER_CLASS_PATH,
-                                     VLLM_METHOD)
+from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, CPU_WORKER_CLASS_PATH, GPU_WORKER_CLASS_PATH,
+                                     PROPOSER_CLASS_PATH, VLLM_METHOD)
+
+
+def on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+WORKER_CLASS_PATH = CPU_WORKER_CLASS_PATH if on_cpu() else GPU_WORKER_CLASS_PATH
+cpu_platform_only = pytest.mark.skipif(not on_cpu(), reason="exercises the CPU platform's worker and backend")
 
 TESTED_PATCHES = {"engine_args_speculative_config", "sampling_params_spec_decode", "cpu_worker_model_runner",
                   "attention_backends"}
@@ -42,7 +53,7 @@ def test_engine_args_rewrite_ubtree_to_vllm_config(tiny_target, tiny_drafter):
     spec = config.speculative_config
     assert (spec.method, spec.model, spec.num_speculative_tokens) == (VLLM_METHOD, PROPOSER_CLASS_PATH, 8)
     assert config.additional_config[ADDITIONAL_CONFIG_KEY]["tree_budget"] == 8
-    assert config.parallel_config.worker_cls == CPU_WORKER_CLASS_PATH
+    assert config.parallel_config.worker_cls == WORKER_CLASS_PATH
     assert config.scheduler_config.async_scheduling is False
     assert config.use_v2_model_runner is False
     from vllm.engine.arg_utils import EngineArgs as Patched
@@ -57,7 +68,7 @@ def test_engine_args_cli_flags_and_idempotent_apply(tiny_target, tiny_drafter):
     assert config.speculative_config.num_speculative_tokens == 6
     assert config.additional_config[ADDITIONAL_CONFIG_KEY]["beam_width"] == 6
     # The same EngineArgs can build its config again (worker class set on the new ParallelConfig).
-    assert args.create_engine_config().parallel_config.worker_cls == CPU_WORKER_CLASS_PATH
+    assert args.create_engine_config().parallel_config.worker_cls == WORKER_CLASS_PATH
     wrapped = EngineArgs.create_speculative_config
     importlib.import_module("ubtree_vllm.patches.engine.patch_engine_args_speculative_config").apply()
     assert EngineArgs.create_speculative_config is wrapped
@@ -67,7 +78,7 @@ def test_other_speculative_methods_are_untouched(tiny_target):
     config = engine_config(tiny_target, {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
     assert config.speculative_config.method == "ngram"
     assert ADDITIONAL_CONFIG_KEY not in config.additional_config
-    assert config.parallel_config.worker_cls != CPU_WORKER_CLASS_PATH
+    assert config.parallel_config.worker_cls not in (CPU_WORKER_CLASS_PATH, GPU_WORKER_CLASS_PATH)
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +123,8 @@ def test_bad_input_fails_before_any_engine_exists(tiny_target, tiny_drafter, cop
         model = gpt2_target
     elif case == "tensor_parallel":
         kwargs["tensor_parallel_size"] = 2
+        if not on_cpu() and torch.cuda.device_count() < 2:  # vLLM's own world-size check comes first
+            pattern = r"World size \(2\) is larger than the number of available GPUs"
     elif case == "worker_cls":
         kwargs["worker_cls"] = "my.Worker"
     with pytest.raises(ValueError, match=pattern):
@@ -143,6 +156,7 @@ def test_sampling_params_rejects_options_trees_cannot_serve():
 # --- cpu_worker_model_runner -----------------------------------------------------------------
 
 
+@cpu_platform_only
 def test_cpu_worker_builds_the_ubtree_runner_only_for_ubtree(monkeypatch):
     import vllm.v1.worker.cpu_worker as cpu_worker
 
@@ -182,6 +196,7 @@ def test_cpu_worker_patch_is_inert_off_the_cpu_platform(fresh_python):
 # --- attention_backends ----------------------------------------------------------------------
 
 
+@cpu_platform_only
 def test_cpu_attention_resolves_to_the_tree_backend():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -193,3 +208,13 @@ def test_cpu_attention_resolves_to_the_tree_backend():
     assert backend.get_impl_cls() is TreeCPUAttentionImpl
     importlib.import_module("ubtree_vllm.patches.worker.patch_attention_backends").apply()  # idempotent
     assert AttentionBackendEnum.CPU_ATTN.get_class() is TreeCPUAttentionBackend
+
+
+@pytest.mark.gpu
+def test_flash_attention_resolves_to_the_tree_backend_on_cuda():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from ubtree_vllm.vllm.attention.flash import TreeFlashAttentionBackend
+
+    importlib.import_module("ubtree_vllm.patches.worker.patch_attention_backends").apply()
+    assert AttentionBackendEnum.FLASH_ATTN.get_class() is TreeFlashAttentionBackend

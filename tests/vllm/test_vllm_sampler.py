@@ -1,16 +1,17 @@
-"""Tree rejection sampler, feature store and the PyTorch tree attention (no engine)."""
+"""Tree rejection sampler and feature store (no engine).
+
+Tree attention is tested against its reference in tests/triton.
+"""
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 
-from ubtree_vllm.vllm.attention.tree_sdpa import gather_paged_tokens, tree_rows_attention
 from ubtree_vllm.vllm.features import ContextFeatureStore
 from ubtree_vllm.vllm.sampler import TreeRejectionSampler, check_supported
-from vllm_batches import PARENTS, ancestors, make_batch
+from vllm_batches import make_batch
 
 VOCAB = 32
 
@@ -85,34 +86,3 @@ def test_feature_store_positions_validity_and_rewrites():
     assert valid.tolist() == [[True, True, True, False, False, False]]
     store.drop("a")
     assert "a" not in store and "b" in store
-
-
-def test_pytorch_tree_attention_matches_per_branch_attention():
-    torch.manual_seed(0)
-    heads, kv_heads, dim, ctx_len = 4, 2, 16, 9
-    parents = PARENTS["r0"]
-    n = len(parents)
-    q = torch.randn(n, heads, dim)
-    ctx_k, ctx_v = torch.randn(ctx_len, kv_heads, dim), torch.randn(ctx_len, kv_heads, dim)
-    node_k, node_v = torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
-    mask = torch.zeros(n - 1, n, dtype=torch.bool)
-    for row, node in enumerate(range(1, n)):
-        mask[row, ancestors(parents, node)] = True
-    out = tree_rows_attention(q[1:], ctx_k, ctx_v, node_k, node_v, mask, scale=0.25)
-    for row, node in enumerate(range(1, n)):
-        path = ancestors(parents, node)
-        k = torch.cat([ctx_k, node_k[path]]).repeat_interleave(2, dim=1).transpose(0, 1)
-        v = torch.cat([ctx_v, node_v[path]]).repeat_interleave(2, dim=1).transpose(0, 1)
-        ref = F.scaled_dot_product_attention(q[node][:, None], k, v, scale=0.25)[:, 0]
-        torch.testing.assert_close(out[row], ref)
-
-
-def test_gather_from_flash_attention_layout():
-    num_blocks, kv_heads, block_size, dim = 4, 2, 8, 16
-    kv_cache = torch.zeros(num_blocks, kv_heads, block_size, 2 * dim)
-    key_cache, _ = kv_cache.transpose(1, 2).split(dim, dim=-1)  # FlashAttentionImpl's view
-    block_ids = torch.tensor([2, 0, 3], dtype=torch.int32)
-    tokens = torch.randn(20, kv_heads, dim)
-    for pos in range(20):
-        key_cache[block_ids[pos // block_size], pos % block_size] = tokens[pos]
-    assert torch.equal(gather_paged_tokens(key_cache, block_ids, 20), tokens)

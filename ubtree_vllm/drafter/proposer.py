@@ -96,6 +96,10 @@ class UBTreeDrafter(nn.Module):
                 ctx_pos: torch.Tensor, ctx_valid: torch.Tensor, top_k: int) -> Candidates:
         """One block forward for one block per request: anchor/anchor_pos [N]."""
         hidden = self.block_hidden(anchor[:, None], anchor_pos[:, None], ctx_features, ctx_pos, ctx_valid)[:, 0]
+        return self.top_k_candidates(hidden, top_k)
+
+    def top_k_candidates(self, hidden: torch.Tensor, top_k: int) -> Candidates:
+        """LM head + top-K over the block's hidden states [N, gamma, H] (timed by `ubtree bench microbench`)."""
         logp = torch.log_softmax(self.proposer_logits(hidden), dim=-1)  # [N, gamma, V]
         # torch.topk is deterministic for identical inputs on one device; exact logit ties
         # between distinct tokens do not change which K tokens are kept except at the K-th slot.

@@ -2,8 +2,8 @@
 
 * :mod:`.state`     -- the step's tree plan published by the runner; K/V stash for the commit.
 * :mod:`.cpu`       -- CPU_ATTN: tree rows on virtual per-node sequences, same C++ kernel.
-* :mod:`.flash`     -- FLASH_ATTN (CUDA): tree rows with the PyTorch reference below.
-* :mod:`.tree_sdpa` -- reference tree attention over a per-token paged cache.
+* :mod:`.flash`     -- FLASH_ATTN (CUDA): tree rows with one launch of the Triton kernel
+  :func:`ubtree_vllm.triton_ops.tree_attention` per layer.
 
 The backend modules import vLLM's backend classes; they are imported by vLLM's attention
 registry (see ``ubtree_vllm.patches.worker.patch_attention_backends``), not here.

@@ -1,13 +1,19 @@
-"""FLASH_ATTN with tree rows (CUDA): stock FlashAttention, then tree rows in PyTorch.
+"""FLASH_ATTN with tree rows (CUDA): stock FlashAttention, then one Triton launch for tree rows.
 
-The correct-first GPU path of the V1 runner; the fused Triton kernel comes with the GPU
-fast-path work. FlashAttention's paged cache is per token (``kv_cache.transpose(1, 2)
-.split(head_size, -1)`` gives ``[num_blocks, block_size, num_kv_heads, head_size]`` key
-and value views), so tree rows are recomputed with
-:func:`ubtree_vllm.vllm.attention.tree_sdpa.tree_rows_attention` over the gathered
-context and the fresh node K/V. The Python per-request loop runs eagerly, so the
-builder reports ``AttentionCGSupport.NEVER``: vLLM then captures PIECEWISE CUDA graphs
-around attention (attention is a splitting op) instead of FULL graphs.
+FlashAttention computes every row causally; the rows of non-root tree nodes are then
+overwritten by :func:`ubtree_vllm.triton_ops.tree_attention`, one launch per layer over
+the step's :class:`~ubtree_vllm.vllm.tree_plan.DeviceTrees` (``row_index``, ``row_req``,
+``row_context_len``, ``row_path``) and the metadata's block table. Each tree row attends
+to its request's committed context, read from FlashAttention's per-token paged cache
+(``kv_cache.transpose(1, 2).split(head_size, -1)`` gives ``[num_blocks, block_size,
+num_kv_heads, head_size]`` key and value views), plus its ancestors-or-self among the
+fresh K/V of this forward. The launch reads no device value.
+
+The builder still reports ``AttentionCGSupport.NEVER``: the plan's tensors (number of
+tree rows, path width) change shape every step and are published outside the attention
+metadata, so a captured graph would replay stale addresses and shapes. vLLM then
+captures PIECEWISE CUDA graphs around attention (attention is a splitting op) instead
+of FULL graphs.
 
 Sliding windows, soft caps, ALiBi and sinks are refused at construction (not implemented
 for tree rows); fp8 KV caches are refused by the UBTree engine config.
@@ -22,14 +28,13 @@ from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashA
                                                    FlashAttentionMetadata,
                                                    FlashAttentionMetadataBuilder)
 
-from ubtree_vllm.tree.topology import ancestor_mask
-from ubtree_vllm.vllm.attention.state import begin_tree_rows, tree_forward_state
-from ubtree_vllm.vllm.attention.tree_sdpa import gather_paged_tokens, tree_rows_attention
-from ubtree_vllm.vllm.tree_plan import TreeStepPlan
+from ubtree_vllm.triton_ops import tree_attention
+from ubtree_vllm.vllm.attention.state import begin_tree_rows
+from ubtree_vllm.vllm.tree_plan import DeviceTrees
 
 
 class TreeFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
-    """FlashAttention metadata; never captured in FULL graphs (tree rows run in Python)."""
+    """FlashAttention metadata; never captured in FULL graphs (the tree plan changes shape per step)."""
 
     _cudagraph_support = AttentionCGSupport.NEVER
 
@@ -51,7 +56,7 @@ class TreeFlashAttentionBackend(FlashAttentionBackend):
 
 
 class TreeFlashAttentionImpl(FlashAttentionImpl):
-    """Stock FlashAttention, then tree rows recomputed under the ancestor mask."""
+    """Stock FlashAttention, then tree rows recomputed by the Triton tree-attention kernel."""
 
     # Checked by the UBTree runner after model load.
     ubtree_tree_aware = True
@@ -76,28 +81,19 @@ class TreeFlashAttentionImpl(FlashAttentionImpl):
         active = begin_tree_rows(self, layer, key, value, attn_metadata)
         if active is None:
             return output
-        plan, trees = active
-        state = tree_forward_state()
-        masks = state.step_cache.get("ancestor_masks")
-        if masks is None:
-            masks = ancestor_mask(trees.parents.clamp(min=-1), plan.max_depth)  # [num_reqs, n, n]
-            state.step_cache["ancestor_masks"] = masks
-        self._attend_tree_rows(query, key, value, kv_cache, attn_metadata.block_table, output, plan, masks)
+        _, trees = active
+        self._attend_tree_rows(query, key, value, kv_cache, attn_metadata.block_table, output, trees)
         return output
 
     def _attend_tree_rows(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                          block_table: torch.Tensor, output: torch.Tensor, plan: TreeStepPlan,
-                          masks: torch.Tensor) -> None:
-        """Overwrite output rows of non-root tree nodes. masks: [num_reqs, n, n] ancestor-or-self."""
+                          block_table: torch.Tensor, output: torch.Tensor, trees: DeviceTrees) -> None:
+        """Overwrite the output rows of non-root tree nodes (``trees.row_index``); one launch.
+
+        query [T, H, D]; key/value [T, H_kv, D]; kv_cache [num_blocks, H_kv, block_size, 2D]
+        (logical); block_table [num_reqs, max_blocks] int32; output [T, H, D] (mutable).
+        """
         # (B, H, N, 2D) -> ((B, N, H, D), (B, N, H, D)), as FlashAttentionImpl reads the cache.
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
-        # Host loop over tree requests: the plan is host data, no device value is read.
-        for req in plan.is_tree.nonzero()[0].tolist():
-            ctx_len, n = int(plan.root_positions[req]), int(plan.num_nodes[req])
-            root = int(plan.root_rows[req])
-            block_ids = block_table[req]
-            rows = slice(root + 1, root + n)
-            output[rows] = tree_rows_attention(
-                query[rows], gather_paged_tokens(key_cache, block_ids, ctx_len),
-                gather_paged_tokens(value_cache, block_ids, ctx_len), key[root:root + n], value[root:root + n],
-                masks[req, 1:n, :n], self.scale).to(output.dtype)
+        tree_attention(query, key, value, key_cache, value_cache, block_table,
+                       trees.row_index, trees.row_req, trees.row_context_len, trees.row_path,
+                       self.scale, output)  # output: mutable

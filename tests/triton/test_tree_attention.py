@@ -1,0 +1,219 @@
+"""triton_ops.tree_attention against its torch twin, and the twin against per-branch attention.
+
+Without CUDA the kernel runs under the Triton interpreter on CPU tensors (fp32 only):
+tests/conftest.py sets ``TRITON_INTERPRET=1`` for CPU-only torch builds before triton is
+imported. On CUDA the same cases run on the GPU, plus bf16/fp16 and head size 256.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from ubtree_vllm.triton_ops import tree_attention
+from ubtree_vllm.triton_ops.reference import tree_attention_reference
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA device and TRITON_INTERPRET is not 1 (set it before triton is imported)",
+                allow_module_level=True)
+
+# Per request: (committed context length, parents of its tree nodes, root first).
+# Context lengths: empty, shorter than a block, not a multiple of the block size, more than
+# one BLOCK_N tile (64 tokens); trees: a star, a deep branch, a chain.
+REQUESTS = [
+    (0, [-1, 0, 0, 1]),
+    (5, [-1, 0, 1, 2, 0, 4]),
+    (37, [-1, 0, 0, 0]),
+    (70, [-1, 0, 1]),
+]
+
+
+@dataclass
+class Case:
+    """Inputs of one launch; ``args()`` gives them in launcher order (without ``out``)."""
+
+    # [T, H, D] / [T, H_kv, D] / [T, H_kv, D]
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    # [num_blocks, block_size, H_kv, D] non-contiguous views of one FlashAttention kv_cache
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    # [num_reqs, max_blocks] int32, shuffled block ids
+    block_table: torch.Tensor
+    # [M] int64 each; [M, P] int64 root-first, -1 padded
+    row_index: torch.Tensor
+    row_req: torch.Tensor
+    row_context_len: torch.Tensor
+    row_path: torch.Tensor
+    scale: float
+
+    def args(self) -> tuple:
+        return (self.query, self.key, self.value, self.key_cache, self.value_cache, self.block_table,
+                self.row_index, self.row_req, self.row_context_len, self.row_path, self.scale)
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def make_case(requests=REQUESTS, *, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+              dtype=torch.float32, extra_path_pad=1, index_dtype=torch.int64) -> Case:
+    """Requests laid out as vLLM flattens them: 3 prefill rows first, then root + nodes per request."""
+    gen = torch.Generator().manual_seed(0)
+    prefill_rows = 3
+    num_tokens = prefill_rows + sum(len(parents) for _, parents in requests)
+    max_blocks = max(-(-ctx // block_size) for ctx, _ in requests) + 1
+    num_blocks = len(requests) * max_blocks + 3
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+    query = randn(num_tokens, num_heads, head_size)
+    key, value = randn(num_tokens, num_kv_heads, head_size), randn(num_tokens, num_kv_heads, head_size)
+    kv_cache = randn(num_blocks, num_kv_heads, block_size, 2 * head_size)
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)  # FlashAttentionImpl's view
+    perm = torch.randperm(num_blocks, generator=gen)[:len(requests) * max_blocks]
+    block_table = perm.view(len(requests), max_blocks).to(DEVICE, torch.int32)
+
+    max_depth = max(len(path_to(p, n)) for _, p in requests for n in range(len(p)))
+    rows, reqs, ctx_lens, paths = [], [], [], []
+    root = prefill_rows
+    for req, (ctx, parents) in enumerate(requests):
+        for node in range(1, len(parents)):
+            path = [root + n for n in path_to(parents, node)]
+            rows.append(root + node)
+            reqs.append(req)
+            ctx_lens.append(ctx)
+            paths.append(path + [-1] * (max_depth + extra_path_pad - len(path)))
+        root += len(parents)
+
+    def index(x):
+        return torch.tensor(x, dtype=index_dtype, device=DEVICE)
+
+    return Case(query, key, value, key_cache, value_cache, block_table, index(rows), index(reqs),
+                index(ctx_lens), index(paths).view(len(rows), max_depth + extra_path_pad),
+                scale=head_size ** -0.5)
+
+
+def run_both(case: Case, out_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel, reference) outputs, both starting from the same NaN-filled buffer."""
+    out = torch.full_like(case.query, float("nan"), dtype=out_dtype or case.query.dtype)
+    ref = tree_attention_reference(*case.args(), out.clone())
+    got = tree_attention(*case.args(), out)
+    assert got is out
+    return got, ref
+
+
+def assert_rows_match(got: torch.Tensor, ref: torch.Tensor, case: Case, atol: float, rtol: float) -> None:
+    rows = case.row_index.long()
+    torch.testing.assert_close(got[rows], ref[rows], atol=atol, rtol=rtol)
+    untouched = torch.ones(got.shape[0], dtype=torch.bool, device=got.device)
+    untouched[rows] = False
+    assert torch.isnan(got[untouched]).all(), "rows outside row_index were written"
+
+
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_kernel_matches_reference(block_size, num_heads, num_kv_heads, head_size):
+    case = make_case(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size)
+    got, ref = run_both(case)
+    assert_rows_match(got, ref, case, atol=1e-4, rtol=1e-4)
+
+
+def test_int32_indices_and_no_path_padding():
+    case = make_case(index_dtype=torch.int32, extra_path_pad=0)
+    got, ref = run_both(case)
+    assert_rows_match(got, ref, case, atol=1e-4, rtol=1e-4)
+
+
+def test_path_longer_than_one_path_tile():
+    """A 70-deep chain: the path loop runs over two BLOCK_P = 64 tiles."""
+    case = make_case([(20, [-1] + list(range(69)))], num_heads=2, num_kv_heads=1, head_size=16)
+    keep = case.row_index.shape[0] - 1  # only the deepest node: path of 70 rows
+    case.row_index, case.row_req = case.row_index[keep:], case.row_req[keep:]
+    case.row_context_len, case.row_path = case.row_context_len[keep:], case.row_path[keep:]
+    got, ref = run_both(case)
+    assert_rows_match(got, ref, case, atol=1e-4, rtol=1e-4)
+
+
+def test_no_tree_rows_leaves_out_untouched():
+    case = make_case()
+    empty = case.row_index[:0]
+    case.row_index, case.row_req, case.row_context_len = empty, empty, empty
+    case.row_path = case.row_path[:0]
+    out = torch.full_like(case.query, float("nan"))
+    assert tree_attention(*case.args(), out) is out
+    assert torch.isnan(out).all()
+
+
+def test_reference_is_causal_attention_along_each_branch():
+    """Independent check of the oracle: a tree row == causal SDPA over context + its branch."""
+    case = make_case(num_heads=8, num_kv_heads=2, head_size=16, block_size=16)
+    ref = tree_attention_reference(*case.args(), torch.zeros_like(case.query))
+    group = 4
+    for r in range(case.row_index.shape[0]):
+        req, ctx = int(case.row_req[r]), int(case.row_context_len[r])
+        slots = [(int(case.block_table[req, p // 16]), p % 16) for p in range(ctx)]
+        path = [p for p in case.row_path[r].tolist() if p >= 0]
+        k = torch.stack([case.key_cache[b, s] for b, s in slots] + [case.key[p] for p in path])
+        v = torch.stack([case.value_cache[b, s] for b, s in slots] + [case.value[p] for p in path])
+        q = case.query[path]  # the branch's own queries, last one is the row
+        k, v = k.repeat_interleave(group, dim=1).transpose(0, 1), v.repeat_interleave(group, dim=1).transpose(0, 1)
+        causal = torch.ones(len(path), ctx + len(path), dtype=torch.bool, device=DEVICE).tril(ctx)
+        branch = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=causal, scale=case.scale)
+        torch.testing.assert_close(ref[int(case.row_index[r])], branch[:, -1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+def test_kernel_matches_reference_half_precision_on_cuda(dtype, head_size, num_heads, num_kv_heads):
+    case = make_case(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
+    got, ref = run_both(case)
+    assert_rows_match(got.float(), ref.float(), case, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_fp32_output_from_bf16_inputs_on_cuda():
+    case = make_case(dtype=torch.bfloat16)
+    got, ref = run_both(case, out_dtype=torch.float32)
+    assert_rows_match(got, ref, case, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda c: setattr(c, "key", c.key.half()), "key dtype torch.float16 != query dtype"),
+    (lambda c: setattr(c, "query", c.query.long()), "query dtype must be bf16/fp16/fp32"),
+    (lambda c: setattr(c, "query", c.query[..., :32]), "head size mismatch: query 32, key 64"),
+    (lambda c: setattr(c, "query", c.query[:, :6]), "GQA needs num_heads (6) divisible by num_kv_heads (4)"),
+    (lambda c: setattr(c, "row_path", c.row_path.float()), "row_path must be int32/int64"),
+    (lambda c: setattr(c, "row_req", c.row_req[1:]), "row_req must be [M="),
+    (lambda c: setattr(c, "query", c.query.transpose(1, 2).contiguous().transpose(1, 2)),
+     "query must have a unit last-dim stride"),
+    (lambda c: setattr(c, "key_cache", c.key_cache[:, :, :, None]), "key_cache/value_cache must both be"),
+])
+def test_launcher_contract_errors(change, message):
+    case = make_case(num_heads=8, num_kv_heads=4)
+    change(case)
+    out = torch.empty_like(case.query)
+    with pytest.raises(AssertionError) as err:
+        tree_attention(*case.args(), out)
+    assert message in str(err.value)
+
+
+def test_head_size_must_be_a_power_of_two():
+    case = make_case(head_size=48)
+    with pytest.raises(AssertionError, match="power of two >= 16, got 48"):
+        tree_attention(*case.args(), torch.empty_like(case.query))

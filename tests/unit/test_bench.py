@@ -1,0 +1,217 @@
+"""`ubtree bench`: the pure parts of e2e (tau, TPOT, speedup, records, flag checks) and the microbench on CPU."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from ubtree_vllm import cli
+from ubtree_vllm.bench import cli as bench_cli
+from ubtree_vllm.bench import records as rec
+from ubtree_vllm.bench.measurement import (NUM_ACCEPTED, NUM_DRAFTS, RunResult, SpeedupTable, e2e_record,
+                                           mean_tpot_ms, request_tpot_s, spec_counters, summarize_run,
+                                           tau_from_deltas)
+from ubtree_vllm.bench.microbench import MICROBENCHES, MicrobenchSettings, run_microbenches
+from ubtree_vllm.bench.settings import (BenchArgumentError, E2ESettings, MethodRun, planned_methods,
+                                        settings_from_args, ubtree_chain_run, ubtree_run, validate)
+from ubtree_vllm.drafter.config import DrafterConfig
+from ubtree_vllm.drafter.io import save_drafter
+from ubtree_vllm.drafter.proposer import UBTreeDrafter
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory) -> Path:
+    """Untrained tiny drafter: vocab 512, hidden 64, gamma 4, K 16."""
+    torch.manual_seed(0)
+    target = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1)
+    cfg = DrafterConfig.for_target(target, "tiny-llama", block_size=4, top_k=16, num_layers=1, selector_rank=16)
+    return save_drafter(UBTreeDrafter(cfg), tmp_path_factory.mktemp("bench") / "drafter", dtype=torch.float32)
+
+
+# ---- measurement -------------------------------------------------------------------------
+
+def counter(name, value, engine="0"):
+    return SimpleNamespace(name=name, value=value, labels={"engine": engine})
+
+
+def output(tokens, first=None, last=None):
+    metrics = None if first is None else SimpleNamespace(first_token_ts=first, last_token_ts=last)
+    return SimpleNamespace(metrics=metrics, outputs=[SimpleNamespace(token_ids=list(range(tokens)))])
+
+
+def test_spec_counters_sum_label_sets_and_ignore_other_metrics():
+    metrics = [counter(NUM_DRAFTS, 10), counter(NUM_DRAFTS, 5, engine="1"), counter(NUM_ACCEPTED, 7),
+               counter("vllm:num_requests_running", 3)]
+    assert spec_counters(metrics) == {NUM_DRAFTS: 15.0, NUM_ACCEPTED: 7.0}
+    assert spec_counters([]) == {NUM_DRAFTS: 0.0, NUM_ACCEPTED: 0.0}
+
+
+def test_tau_is_one_plus_accepted_per_draft_over_the_deltas():
+    before = {NUM_DRAFTS: 100.0, NUM_ACCEPTED: 80.0}  # warm-up and earlier runs
+    after = {NUM_DRAFTS: 140.0, NUM_ACCEPTED: 180.0}
+    assert tau_from_deltas(before, after) == (1.0 + 100 / 40, 40, 100)
+    assert tau_from_deltas(before, before) == (None, 0, 0)  # no speculation in this run
+    with pytest.raises(ValueError, match="backwards"):
+        tau_from_deltas(after, before)
+
+
+def test_tpot_excludes_the_prefill_token_and_skips_short_or_statless_requests():
+    assert request_tpot_s(SimpleNamespace(first_token_ts=10.0, last_token_ts=10.9), 10) == pytest.approx(0.1)
+    assert request_tpot_s(SimpleNamespace(first_token_ts=10.0, last_token_ts=10.0), 1) is None
+    assert request_tpot_s(None, 10) is None
+    assert request_tpot_s(SimpleNamespace(first_token_ts=0.0, last_token_ts=0.0), 10) is None  # never filled
+    outputs = [output(10, 1.0, 1.9), output(5, 2.0, 2.8), output(1, 3.0, 3.0), output(8)]
+    assert mean_tpot_ms(outputs) == pytest.approx(1000 * (0.1 + 0.2) / 2)
+    assert mean_tpot_ms([output(1, 3.0, 3.0)]) is None
+
+
+def test_summarize_run_counts_tokens_over_wall_time():
+    result = summarize_run([output(10, 1.0, 1.9), output(6, 2.0, 2.5)], 2.0,
+                           {NUM_DRAFTS: 0.0, NUM_ACCEPTED: 0.0}, {NUM_DRAFTS: 8.0, NUM_ACCEPTED: 6.0})
+    assert (result.num_requests, result.output_tokens, result.tokens_per_s) == (2, 16, 8.0)
+    assert result.tau == pytest.approx(1.75) and result.tpot_ms == pytest.approx(100.0)
+
+
+def test_speedup_pairs_with_ar_of_the_same_dataset_temperature_and_concurrency():
+    table = SpeedupTable()
+    assert table.speedup("ubtree", "mt_bench", 0.0, 1, 300.0) is None  # no ar yet
+    assert table.speedup("ar", "mt_bench", 0.0, 1, 100.0) == 1.0
+    assert table.speedup("ar", "mt_bench", 1.0, 1, 50.0) == 1.0
+    assert table.speedup("ubtree", "mt_bench", 0, 1, 300.0) == pytest.approx(3.0)
+    assert table.speedup("ubtree", "mt_bench", 1.0, 1, 100.0) == pytest.approx(2.0)
+    assert table.speedup("ubtree", "mt_bench", 0.0, 4, 300.0) is None  # other concurrency
+    assert table.speedup("ubtree", "humaneval", 0.0, 1, 300.0) is None  # other dataset
+
+
+def test_e2e_record_is_valid_and_carries_the_tree_fields(tmp_path):
+    result = RunResult(num_requests=80, output_tokens=20480, wall_s=10.0, tpot_ms=1.25, tau=3.456789,
+                       num_drafts=100, num_accepted=246)
+    settings = E2ESettings(drafter="checkpoints/d", block_size=16)
+    record = e2e_record(ubtree_run(settings, 32), result, target="smollm2-135m-instruct", drafter="checkpoints/d",
+                        dataset="mt_bench", temperature=1, concurrency=4, max_new_tokens=256, cuda_graphs=True,
+                        speedup=2.5)
+    written = rec.append_record(record, tmp_path / "records.jsonl")
+    assert written["output_tokens_per_s"] == 2048.0 and written["tau"] == 3.4568 and written["speedup_vs_ar"] == 2.5
+    assert (written["tree_budget"], written["beam_width"], written["top_k"], written["block_size"]) == (32, 12, 64, 16)
+    assert written["temperature"] == 1.0 and written["batch_size"] == written["concurrency"] == 4
+    assert "246 accepted / 100 drafts" in written["notes"] and written["drafter"] == "checkpoints/d"
+    ar = e2e_record(MethodRun("ar"), RunResult(80, 20480, 20.0, 2.5, None, 0, 0), target="t", drafter="checkpoints/d",
+                    dataset="mt_bench", temperature=0.0, concurrency=1, max_new_tokens=256, cuda_graphs=False,
+                    speedup=1.0)
+    rec.validate_record({**dict.fromkeys(rec.FIELDS), **ar})
+    assert ar["tau"] is None and ar["drafter"] is None and ar["tree_budget"] is None
+    assert "no speculation" in ar["notes"]
+
+
+def test_fallback_chain_run_is_a_single_path_through_the_plugin():
+    run = ubtree_chain_run(E2ESettings(drafter="d", block_size=16), note="why")
+    assert run.method == "ubtree-chain" and run.note == "why"
+    assert run.speculative_config == {"method": "ubtree", "model": "d", "num_speculative_tokens": 16,
+                                      "beam_width": 1, "top_k": 1}
+    assert ubtree_run(E2ESettings(drafter="d", block_size=16), 8).beam_width == 8  # W capped at B
+
+
+# ---- flag validation ---------------------------------------------------------------------
+
+def e2e_args(**overrides) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_cli._add_e2e_args(parser)
+    args = parser.parse_args([])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_e2e_flags_are_parsed_and_ordered(drafter_dir):
+    settings = settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree,ar", tree_budgets="4,8",
+                                           beam_width=2, top_k=4, concurrency="1,4", temperatures="0,0.7"))
+    assert settings.concurrency == (1, 4) and settings.temperatures == (0.0, 0.7)
+    assert (settings.block_size, settings.vocab_size, settings.target_name) == (4, 512, "tiny-llama")
+    assert planned_methods(settings) == ["ar", "ubtree:4", "ubtree:8"]  # ar first, one engine per B
+    defaults = settings_from_args(e2e_args(drafter=str(drafter_dir), tree_budgets="16,32,48", top_k=16))
+    assert planned_methods(defaults) == ["ar", "dflash-chain", "ubtree:16", "ubtree:32", "ubtree:48"]
+    assert settings_from_args(e2e_args(methods="ar")).drafter is None  # ar needs no drafter
+
+
+@pytest.mark.parametrize("overrides,pattern", [
+    ({"methods": "ar,medusa"}, r"--methods: unknown method 'medusa'; allowed: ar, dflash-chain, ubtree"),
+    ({"methods": "ar,ar"}, r"--methods lists a method twice"),
+    ({"datasets": "mt_bench,gsm8k"}, r"--datasets: unknown dataset 'gsm8k'; allowed: spec_bench, mt_bench, humaneval"),
+    ({"tree_budgets": "16,2000"}, r"--tree-budgets: B=2000 is out of range \[1, 48\] for --beam-width 12, "
+                                  r"--top-k 16 and the drafter's block size 4"),
+    ({"tree_budgets": "0"}, r"--tree-budgets: B=0 is out of range"),
+    ({"tree_budgets": "16,x"}, r"--tree-budgets must be a comma-separated list of integers, got '16,x'"),
+    ({"concurrency": "1,0"}, r"--concurrency: each value must be >= 1, got 0"),
+    ({"concurrency": ""}, r"--concurrency must be a comma-separated list of integers"),
+    ({"temperatures": "0,-1"}, r"--temperatures: each value must be a finite number >= 0, got -1"),
+    ({"num_prompts": 0}, r"--num-prompts must be >= 1, got 0"),
+    ({"top_k": 600}, r"--top-k must be in \[1, 512\] \(the drafter's vocabulary\), got 600"),
+    ({"drafter": None}, r"--drafter is required for --methods ar,dflash-chain,ubtree"),
+    ({"drafter": "/no/such/drafter"}, r"--drafter: drafter folder not found: /no/such/drafter"),
+])
+def test_bad_e2e_flags_name_the_flag_and_the_allowed_values(drafter_dir, overrides, pattern):
+    args = e2e_args(drafter=str(drafter_dir), top_k=16, tree_budgets="16")
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    with pytest.raises(BenchArgumentError, match=pattern):
+        settings_from_args(args)
+
+
+def test_bad_flag_is_a_one_line_cli_error(capsys):
+    assert cli.main(["bench", "e2e", "--methods", "ar", "--concurrency", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "ubtree bench: error: --concurrency: each value must be >= 1, got 0"
+
+
+def test_injected_prompt_sets_skip_the_dataset_check(drafter_dir):
+    settings = E2ESettings(drafter=str(drafter_dir), datasets=("toy",), methods=("ar",))
+    assert validate(settings, check_datasets=False).datasets == ("toy",)
+    with pytest.raises(BenchArgumentError, match="--datasets"):
+        validate(settings)
+
+
+# ---- microbench --------------------------------------------------------------------------
+
+def test_microbench_names_match_the_registry():
+    assert tuple(MICROBENCHES) == bench_cli.MICROBENCH_NAMES
+
+
+def test_draft_postprocess_microbench_on_cpu(drafter_dir, tmp_path, capsys):
+    path = tmp_path / "records.jsonl"
+    status = cli.main(["bench", "microbench", "--drafter", str(drafter_dir), "--device", "cpu", "--iters", "2",
+                       "--warmup", "1", "--tree-budget", "8", "--beam-width", "3", "--top-k", "4",
+                       "--records", str(path)])
+    assert status == 0
+    records = rec.read_records(path)
+    assert [r["metric"] for r in records] == ["lm_head_topk_ms", "selector_scoring_ms", "tree_construction_ms",
+                                              "draft_postprocess_ms"]
+    for r in records:
+        assert r["kind"] == "microbench" and r["unit"] == "ms" and r["value"] > 0
+        assert (r["tree_budget"], r["beam_width"], r["top_k"], r["block_size"]) == (8, 3, 4, 4)
+        assert r["hardware"].startswith("CPU (") and r["drafter"] == str(drafter_dir)
+        assert "median over 2 rounds" in r["notes"]
+    stages = sum(r["value"] for r in records[:3])
+    assert records[3]["value"] == pytest.approx(stages, rel=0.5)
+    out = capsys.readouterr().out
+    assert "draft_postprocess_ms" in out and "README.md" in out
+    assert "## Microbenchmarks" in (tmp_path / "README.md").read_text()
+
+
+def test_microbench_without_records_and_its_errors(drafter_dir):
+    rows = run_microbenches(("draft-postprocess",), MicrobenchSettings(drafter=str(drafter_dir), device="cpu",
+                                                                         iters=2, warmup=0, tree_budget=48, top_k=16))
+    assert [(r["tree_budget"], r["beam_width"], r["top_k"], r["block_size"]) for r in rows] == [(48, 12, 16, 4)] * 4
+    with pytest.raises(BenchArgumentError, match="--which: unknown microbenchmark 'verify'"):
+        run_microbenches(("verify",), MicrobenchSettings(drafter=str(drafter_dir)))
+    with pytest.raises(BenchArgumentError, match="--drafter: drafter folder not found"):
+        run_microbenches(("draft-postprocess",), MicrobenchSettings(drafter="/no/such/drafter", device="cpu"))
+    with pytest.raises(BenchArgumentError, match="--tree-budget/--beam-width/--top-k: tree_budget must be in"):
+        run_microbenches(("draft-postprocess",), MicrobenchSettings(drafter=str(drafter_dir), device="cpu",
+                                                                      tree_budget=64, top_k=2, iters=1))
+    with pytest.raises(BenchArgumentError, match="--iters must be >= 1"):
+        run_microbenches(("draft-postprocess",), MicrobenchSettings(drafter=str(drafter_dir), iters=0))

@@ -1,0 +1,223 @@
+"""Tree-mask attention of speculative tree rows over a paged KV cache plus fresh path K/V.
+
+Tree row r (a non-root node of a draft tree) must attend to exactly what a
+non-speculative decode at that node would see:
+
+* the committed context: positions 0 .. row_context_len[r] - 1 of request row_req[r],
+  read from the paged cache through ``block_table[row_req[r]]``;
+* its ancestors-or-self: the fresh K/V rows ``key/value[row_path[r, j]]`` of this forward,
+  for the valid (>= 0) entries of the root-first, -1 padded path.
+
+Design: one program per (tree row, kv head) handles the whole GQA group of query heads
+(padded to ``GROUP_PAD`` >= 16 rows so both products are ``tl.dot``); it runs one online
+softmax (fp32 max / sum / accumulator, base-2 exponent) over the context in tiles of
+``BLOCK_N`` tokens -- each token's block id and offset come from the block table, so any
+block size and any (shuffled) table works -- then over the path in tiles of ``BLOCK_P``
+entries with the -1 mask, and finally writes ``acc / sum`` into ``out[row_index[r]]``.
+Rows of ``out`` not in ``row_index`` are never touched. A row with nothing to attend to
+(not produced by the plan: its path always holds the row itself) gets zeros.
+
+The launcher reads no device value (no host sync); the grid is ``(M, H_kv)``.
+Test oracle: :func:`ubtree_vllm.triton_ops.reference.tree_attention_reference`.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional at import time: CPU-only installs can import this module.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _online_softmax_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+        """Fold one K/V tile into the running (max, sum, acc); all statistics in base 2.
+
+        q [GROUP_PAD, D]; k, v [N, D]; valid [N] bool; m_i, l_i [GROUP_PAD] fp32;
+        acc [GROUP_PAD, D] fp32. Returns the updated (m_i, l_i, acc).
+        """
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: m_i starts at -1e30
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # masked entries: exp2(-inf) = 0
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _tree_attention_kernel(
+            # Outputs
+            out_ptr, stride_out_t, stride_out_h,
+            # Inputs
+            query_ptr, stride_q_t, stride_q_h,
+            key_ptr, stride_k_t, stride_k_h,
+            value_ptr, stride_v_t, stride_v_h,
+            key_cache_ptr, stride_kc_block, stride_kc_slot, stride_kc_h,
+            value_cache_ptr, stride_vc_block, stride_vc_slot, stride_vc_h,
+            block_table_ptr, stride_bt_req,
+            row_index_ptr, row_req_ptr, row_context_len_ptr,
+            row_path_ptr, stride_path_row,
+            # Scalars
+            qk_scale, path_len,
+            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr,
+            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
+        r = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        row = tl.load(row_index_ptr + r).to(tl.int64)
+        req = tl.load(row_req_ptr + r).to(tl.int64)
+        context_len = tl.load(row_context_len_ptr + r).to(tl.int32)
+
+        offs_g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD] query head within the group
+        head_ok = offs_g < GROUP
+        heads = kv_head * GROUP + offs_g
+        offs_d = tl.arange(0, HEAD_SIZE)
+        q = tl.load(query_ptr + row * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :],
+                    mask=head_ok[:, None], other=0.0)  # [GROUP_PAD, D]
+
+        m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_SIZE], dtype=tl.float32)
+
+        # (a) committed context, BLOCK_N tokens at a time through the block table.
+        offs_n = tl.arange(0, BLOCK_N)
+        for start in range(0, context_len, BLOCK_N):
+            pos = start + offs_n  # [BLOCK_N]
+            valid = pos < context_len
+            block_id = tl.load(block_table_ptr + req * stride_bt_req + pos // BLOCK_SIZE,
+                               mask=valid, other=0).to(tl.int64)
+            slot = pos % BLOCK_SIZE
+            k = tl.load(key_cache_ptr + (block_id * stride_kc_block + slot * stride_kc_slot
+                                         + kv_head * stride_kc_h)[:, None] + offs_d[None, :],
+                        mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
+            v = tl.load(value_cache_ptr + (block_id * stride_vc_block + slot * stride_vc_slot
+                                           + kv_head * stride_vc_h)[:, None] + offs_d[None, :],
+                        mask=valid[:, None], other=0.0)
+            m_i, l_i, acc = _online_softmax_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+
+        # (b) ancestors-or-self: fresh K/V rows of the path, -1 entries masked out.
+        offs_p = tl.arange(0, BLOCK_P)
+        for start in range(0, path_len, BLOCK_P):
+            idx = start + offs_p
+            path_row = tl.load(row_path_ptr + r * stride_path_row + idx, mask=idx < path_len, other=-1)
+            valid = path_row >= 0
+            path_row = tl.where(valid, path_row, 0).to(tl.int64)  # [BLOCK_P]
+            k = tl.load(key_ptr + (path_row * stride_k_t + kv_head * stride_k_h)[:, None] + offs_d[None, :],
+                        mask=valid[:, None], other=0.0)  # [BLOCK_P, D]
+            v = tl.load(value_ptr + (path_row * stride_v_t + kv_head * stride_v_h)[:, None] + offs_d[None, :],
+                        mask=valid[:, None], other=0.0)
+            m_i, l_i, acc = _online_softmax_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)  # empty row -> zeros instead of 0 / 0
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + row * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_LOG2E = 1.4426950408889634
+
+
+def _interpreting() -> bool:
+    """True when ``@triton.jit`` produced interpreter functions (TRITON_INTERPRET=1 at import)."""
+    return type(_tree_attention_kernel).__name__ == "InterpretedFunction"
+
+
+def tree_attention(
+        # [T, H, D] query rows of the forward
+        query: torch.Tensor,
+        # [T, H_kv, D] the layer's fresh key / value rows of the forward
+        key: torch.Tensor, value: torch.Tensor,
+        # [num_blocks, block_size, H_kv, D] paged cache views (may be non-contiguous)
+        key_cache: torch.Tensor, value_cache: torch.Tensor,
+        # [num_reqs, max_blocks] int32/int64 block ids per request
+        block_table: torch.Tensor,
+        # [M] int32/int64 global row of each tree row to compute
+        row_index: torch.Tensor,
+        # [M] int32/int64 request (row of block_table) of each tree row
+        row_req: torch.Tensor,
+        # [M] int32/int64 committed context length of the row's request
+        row_context_len: torch.Tensor,
+        # [M, P] int32/int64 global rows of the root->row path (ancestors-or-self), -1 padded
+        row_path: torch.Tensor,
+        scale: float,
+        # [T, H, D] mutable: rows row_index are overwritten, the others untouched
+        out: torch.Tensor) -> torch.Tensor:
+    """Write ``softmax(q K^T * scale) V`` of every tree row into ``out[row_index]``; returns ``out``.
+
+    See the module docstring for what each row attends to. Asserts the contract (ranks,
+    shapes, dtypes, devices, unit last-dim stride); reads no device value.
+    """
+    assert query.dim() == 3, f"query must be [T, H, D], got shape {tuple(query.shape)}"
+    assert key.dim() == 3 and value.shape == key.shape, (
+        f"key/value must both be [T, H_kv, D], got {tuple(key.shape)} and {tuple(value.shape)}")
+    assert key_cache.dim() == 4 and value_cache.shape == key_cache.shape, (
+        "key_cache/value_cache must both be [num_blocks, block_size, H_kv, D], got "
+        f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+    assert out.shape == query.shape, f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}"
+    num_heads, head_size = query.shape[1:]
+    num_kv_heads = key.shape[1]
+    assert key.shape[2] == head_size and key_cache.shape[3] == head_size, (
+        f"head size mismatch: query {head_size}, key {key.shape[2]}, kv cache {key_cache.shape[3]}")
+    assert head_size >= 16 and head_size & (head_size - 1) == 0, (
+        f"head size must be a power of two >= 16, got {head_size}")
+    assert key_cache.shape[2] == num_kv_heads, (
+        f"kv heads mismatch: key {num_kv_heads}, kv cache {key_cache.shape[2]}")
+    assert num_heads % num_kv_heads == 0, (
+        f"GQA needs num_heads ({num_heads}) divisible by num_kv_heads ({num_kv_heads})")
+    assert query.dtype in _FLOAT_DTYPES, f"query dtype must be bf16/fp16/fp32, got {query.dtype}"
+    for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
+        assert t.dtype == query.dtype, f"{name} dtype {t.dtype} != query dtype {query.dtype}"
+    assert out.dtype in _FLOAT_DTYPES, f"out dtype must be bf16/fp16/fp32, got {out.dtype}"
+    num_rows = row_index.shape[0]
+    assert block_table.dim() == 2, f"block_table must be [num_reqs, max_blocks], got {tuple(block_table.shape)}"
+    assert row_path.dim() == 2 and row_path.shape[0] == num_rows, (
+        f"row_path must be [M={num_rows}, P], got {tuple(row_path.shape)}")
+    for name, t in (("row_index", row_index), ("row_req", row_req), ("row_context_len", row_context_len)):
+        assert t.shape == (num_rows,), f"{name} must be [M={num_rows}], got {tuple(t.shape)}"
+    tensors = {"query": query, "key": key, "value": value, "key_cache": key_cache,
+               "value_cache": value_cache, "block_table": block_table, "row_index": row_index,
+               "row_req": row_req, "row_context_len": row_context_len, "row_path": row_path, "out": out}
+    for name in ("block_table", "row_index", "row_req", "row_context_len", "row_path"):
+        assert tensors[name].dtype in _INDEX_DTYPES, f"{name} must be int32/int64, got {tensors[name].dtype}"
+    for name, t in tensors.items():
+        assert t.device == query.device, f"{name} is on {t.device}, query on {query.device}"
+        assert t.numel() == 0 or t.dim() == 0 or t.stride(-1) == 1, (
+            f"{name} must have a unit last-dim stride, got strides {t.stride()}")
+    if num_rows == 0:
+        return out
+    if triton is None:
+        raise RuntimeError("tree_attention needs Triton, which is not installed "
+                           "(use triton_ops.reference.tree_attention_reference on CPU)")
+    if query.device.type == "cpu" and not _interpreting():
+        raise RuntimeError("tree_attention on CPU tensors needs the Triton interpreter: set "
+                           "TRITON_INTERPRET=1 before triton is first imported")
+
+    group = num_heads // num_kv_heads
+    path_len = row_path.shape[1]
+    block_n = 64 if head_size <= 128 else 32
+    grid = (num_rows, num_kv_heads)
+    _tree_attention_kernel[grid](
+        # Outputs
+        out, out.stride(0), out.stride(1),  # mutable
+        # Inputs
+        query, query.stride(0), query.stride(1),
+        key, key.stride(0), key.stride(1),
+        value, value.stride(0), value.stride(1),
+        key_cache, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache, value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table, block_table.stride(0),
+        row_index, row_req, row_context_len,
+        row_path, row_path.stride(0),
+        # Scalars
+        scale * _LOG2E, path_len,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_SIZE=head_size,
+        BLOCK_SIZE=key_cache.shape[1], BLOCK_N=block_n,
+        BLOCK_P=max(16, min(64, triton.next_power_of_2(path_len))),
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
+    return out

@@ -1,0 +1,87 @@
+"""Argument definitions and entry point of `ubtree bench e2e` and `ubtree bench microbench`.
+
+The top level imports only argparse (`ubtree_vllm.cli` builds every subparser on each
+invocation); `run_bench` imports vLLM / torch and the bench modules when called.
+Flag values are checked by `bench/settings.py` (e2e) and `bench/microbench.py`; a bad
+value becomes a one-line `ubtree bench: error: --flag ...` message.
+"""
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_RECORDS = "docs/benchmarks/records.jsonl"
+# Names of bench/microbench.py:MICROBENCHES (kept here so building the parser imports no torch;
+# tests/unit/test_bench.py checks that both lists agree).
+MICROBENCH_NAMES = ("draft-postprocess",)
+
+
+def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="default",
+                        help="target HF folder ('default': the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--drafter", default=None,
+                        help="UBTree drafter folder (required unless --methods is only 'ar')")
+    parser.add_argument("--datasets", default="spec_bench,mt_bench,humaneval",
+                        help="comma-separated: spec_bench, mt_bench, humaneval")
+    parser.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
+    parser.add_argument("--num-prompts", type=int, default=80, help="prompts per dataset")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--methods", default="ar,dflash-chain,ubtree",
+                        help="comma-separated: ar (no speculation), dflash-chain (vLLM 'dflash' with the "
+                             "drafter's proposer), ubtree (one engine per --tree-budgets value)")
+    parser.add_argument("--tree-budgets", default="16,32,64", help="comma-separated tree budgets B for ubtree")
+    parser.add_argument("--beam-width", type=int, default=12, help="W (capped at B)")
+    parser.add_argument("--top-k", type=int, default=64, help="K")
+    parser.add_argument("--concurrency", default="1",
+                        help="comma-separated numbers of requests in flight (1 = batch size 1)")
+    parser.add_argument("--records", default=DEFAULT_RECORDS, help=f"records file (default: {DEFAULT_RECORDS})")
+    parser.add_argument("--no-record", action="store_true", help="measure and print only")
+    parser.add_argument("--no-report", action="store_true", help="do not regenerate the report after appending")
+    parser.add_argument("--data-dir", default="../shared/data", help="folder with the benchmark prompt files")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                        help="share of device memory for vLLM (CPU backend: of host memory)")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="fixed KV-cache size (overrides --gpu-memory-utilization)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the target's")
+    parser.add_argument("--dtype", default="auto", help="vLLM dtype")
+    parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs")
+    parser.add_argument("--seed", type=int, default=0, help="engine seed")
+
+
+def _add_microbench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--drafter", required=True, help="UBTree drafter folder")
+    parser.add_argument("--which", default=",".join(MICROBENCH_NAMES),
+                        help=f"comma-separated microbenchmarks: {', '.join(MICROBENCH_NAMES)}")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cpu")
+    parser.add_argument("--iters", type=int, default=50, help="timed rounds (after --warmup)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed rounds first")
+    parser.add_argument("--tree-budget", type=int, default=64, help="B")
+    parser.add_argument("--beam-width", type=int, default=12, help="W (capped at B)")
+    parser.add_argument("--top-k", type=int, default=64, help="K")
+    parser.add_argument("--num-reqs", type=int, default=1, help="requests drafted per round")
+    parser.add_argument("--records", default=DEFAULT_RECORDS, help=f"records file (default: {DEFAULT_RECORDS})")
+    parser.add_argument("--no-record", action="store_true", help="measure and print only")
+    parser.add_argument("--no-report", action="store_true", help="do not regenerate the report after appending")
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    _add_e2e_args(sub.add_parser(
+        "e2e", help="vLLM end-to-end: tokens/s, TPOT, tau and speedup vs AR per method; appends e2e records",
+        description="One vLLM engine per method (ubtree: per tree budget), every dataset x temperature x "
+                    "concurrency; appends one e2e record per measurement and regenerates the report."))
+    _add_microbench_args(sub.add_parser(
+        "microbench", help="time UBTree's draft post-processing stages per round; appends microbench records"))
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from ubtree_vllm.bench.settings import BenchArgumentError
+    from ubtree_vllm.cli import CommandError
+
+    try:
+        if args.bench_command == "e2e":
+            from ubtree_vllm.bench.e2e import run_cli
+        else:
+            from ubtree_vllm.bench.microbench import run_cli
+        return run_cli(args)
+    except BenchArgumentError as exc:
+        raise CommandError(str(exc)) from exc

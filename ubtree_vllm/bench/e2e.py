@@ -1,0 +1,222 @@
+"""`ubtree bench e2e`: vLLM end-to-end speed of ar / dflash-chain / ubtree in one process.
+
+For each engine of `settings.planned_methods` (ar first; ubtree once per tree budget B):
+build one `vllm.LLM`, send one warm-up request, then for every concurrency, dataset and
+temperature run the dataset's prompts and append one e2e record; then shut the engine
+down (del + gc, `torch.cuda.empty_cache()` on CUDA) before building the next one, so only
+one engine holds device memory at a time.
+
+Concurrency c: a client-side sliding window over the engine's offline API. At most c
+requests are in flight: the first c are enqueued, and each time one finishes the next
+is enqueued (`LLM.enqueue` + `LLMEngine.step`), so c = 1 is batch size 1, requests one
+after the other. The engine is built with `max_num_seqs = max(--concurrency)`, so every
+concurrency of a sweep shares one engine (and its CUDA graphs).
+
+Sampling: `SamplingParams(temperature=T, max_tokens=--max-new-tokens, ignore_eos=False)`
+plus the target's EOS ids as stop ids; the engine seed is fixed (`--seed`), requests
+carry no per-request seed (that would put vLLM's sampler on its per-request generator
+path, which is not what serving measures). How tau, tok/s, TPOT and the speedup are
+computed: bench/measurement.py.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ubtree_vllm.bench.measurement import RunResult, SpeedupTable, e2e_record, spec_counters, summarize_run
+from ubtree_vllm.bench.prompts import PromptSet, dataset_prompt_sets
+from ubtree_vllm.bench.settings import (BenchArgumentError, E2ESettings, MethodRun, dflash_chain_run,
+                                        planned_methods, settings_from_args, ubtree_chain_run, ubtree_run)
+
+WARMUP_TOKENS = 32
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+Log = Callable[[str], None]
+
+
+def has_tokenizer(target_path: str | Path) -> bool:
+    return any((Path(target_path) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def build_engine(target_path: str | Path, run: MethodRun, engine_kwargs: dict[str, Any]) -> Any:
+    """One `vllm.LLM` for `run`; stats logging on (spec-decode counters, per-request metrics)."""
+    from vllm import LLM
+
+    kwargs = {"skip_tokenizer_init": not has_tokenizer(target_path), **engine_kwargs, "disable_log_stats": False}
+    if run.speculative_config is not None:
+        kwargs["speculative_config"] = dict(run.speculative_config)
+    return LLM(model=str(target_path), **kwargs)
+
+
+def stop_engine(llm: Any) -> None:
+    """Stop the engine core (its process in multiprocess mode); the caller then drops `llm`."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
+def release_memory() -> None:
+    """Collect the dropped engine and give its cached device memory back."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_requests(llm: Any, prompts: Sequence[Sequence[int]], params: Any, concurrency: int) -> tuple[list[Any], float]:
+    """Finished RequestOutputs (completion order) and wall seconds, <= `concurrency` in flight."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    queue = deque(prompts)
+    outputs: list[Any] = []
+    in_flight = 0
+    started = time.perf_counter()
+    while queue or in_flight:
+        while queue and in_flight < concurrency:
+            llm.enqueue(TokensPrompt(prompt_token_ids=list(queue.popleft())), params, use_tqdm=False)
+            in_flight += 1
+        if not engine.has_unfinished_requests():
+            raise RuntimeError(f"vLLM reports no unfinished request while {in_flight} are in flight")
+        for output in engine.step():
+            if output.finished:
+                outputs.append(output)
+                in_flight -= 1
+    return outputs, time.perf_counter() - started
+
+
+def measure(llm: Any, prompt_set: PromptSet, temperature: float, concurrency: int, max_new_tokens: int) -> RunResult:
+    """One measured run of a prompt set (counters read around it, see bench/measurement.py)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, ignore_eos=False, detokenize=False,
+                            stop_token_ids=list(prompt_set.stop_token_ids) or None)
+    before = spec_counters(llm.get_metrics())
+    outputs, wall_s = run_requests(llm, prompt_set.prompts, params, concurrency)
+    return summarize_run(outputs, wall_s, before, spec_counters(llm.get_metrics()))
+
+
+def _start_engine(label: str, settings: E2ESettings, target_path: Path, engine_kwargs: dict[str, Any],
+                  scratch: Path, log: Log) -> tuple[MethodRun, Any]:
+    """(the run, its engine) for a planned label; dflash-chain falls back to ubtree-chain."""
+    if label.startswith("ubtree:"):
+        run = ubtree_run(settings, int(label.split(":")[1]))
+    elif label == "dflash-chain":
+        from ubtree_vllm.training.export import META_FILE, export_dflash_proposer
+
+        proposer = export_dflash_proposer(settings.drafter, scratch / "dflash-proposer")
+        num_tokens = json.loads((proposer / META_FILE).read_text())["num_speculative_tokens"]
+        run = dflash_chain_run(settings, proposer, num_tokens)
+        try:
+            return run, build_engine(target_path, run, engine_kwargs)
+        except Exception as exc:  # vLLM re-raises loader errors from the engine core as various types
+            reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+            release_memory()
+            log(f"bench e2e: vLLM could not load the drafter's proposer as method 'dflash' ({reason}); "
+                f"falling back to ubtree-chain (B = block size {settings.block_size}, W = 1, K = 1)")
+            run = ubtree_chain_run(settings, note=f"fallback: vLLM 'dflash' failed to load ({reason})")
+    else:
+        run = MethodRun(label)
+    return run, build_engine(target_path, run, engine_kwargs)
+
+
+def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path: str | Path,
+            engine_kwargs: dict[str, Any], records_path: str | Path | None = None,
+            log: Log = print) -> list[dict[str, Any]]:
+    """Every planned engine x concurrency x prompt set x temperature; returns the records (appended if a path)."""
+    import torch
+
+    from ubtree_vllm.bench.records import append_record
+
+    if not prompt_sets or any(not ps.prompts for ps in prompt_sets):
+        raise BenchArgumentError("every dataset needs at least one prompt")
+    target_path = Path(target_path)
+    engine_kwargs = {"seed": settings.seed, "max_num_seqs": max(settings.concurrency), **engine_kwargs}
+    cuda_graphs = not engine_kwargs.get("enforce_eager", False) and torch.cuda.is_available()
+    target = settings.target_name or target_path.name
+    speedups = SpeedupTable()
+    warmup = dataclasses.replace(prompt_sets[0], prompts=prompt_sets[0].prompts[:1])
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="ubtree-bench-") as scratch:
+        for label in planned_methods(settings):
+            log(f"bench e2e: starting engine for {label}")
+            run, llm = _start_engine(label, settings, target_path, engine_kwargs, Path(scratch), log)
+            try:
+                measure(llm, warmup, 0.0, 1, min(WARMUP_TOKENS, settings.max_new_tokens))
+                for concurrency in settings.concurrency:
+                    for prompt_set in prompt_sets:
+                        for temperature in settings.temperatures:
+                            result = measure(llm, prompt_set, temperature, concurrency, settings.max_new_tokens)
+                            speedup = speedups.speedup(run.method, prompt_set.dataset, temperature, concurrency,
+                                                       result.tokens_per_s)
+                            record = e2e_record(run, result, target=target, drafter=settings.drafter,
+                                                dataset=prompt_set.dataset, temperature=temperature,
+                                                concurrency=concurrency, max_new_tokens=settings.max_new_tokens,
+                                                cuda_graphs=cuda_graphs, speedup=speedup)
+                            if records_path is not None:
+                                record = append_record(record, records_path)
+                            rows.append(record)
+                            log(f"bench e2e: {summary_line(record)}")
+            finally:
+                stop_engine(llm)
+                del llm
+                release_memory()
+    return rows
+
+
+SUMMARY_COLUMNS = (("method", "method", 12), ("B", "tree_budget", 4), ("dataset", "dataset", 10),
+                   ("T", "temperature", 4), ("conc", "concurrency", 4), ("tau", "tau", 6),
+                   ("tok/s", "output_tokens_per_s", 9), ("TPOT ms", "tpot_ms", 8), ("speedup", "speedup_vs_ar", 7))
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def summary_line(record: dict[str, Any]) -> str:
+    return " ".join(f"{name}={_cell(record[key])}" for name, key, _ in SUMMARY_COLUMNS)
+
+
+def summary_table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = [" ".join(f"{name:>{width}}" for name, _, width in SUMMARY_COLUMNS)]
+    lines += [" ".join(f"{_cell(r[key]):>{width}}" for _, key, width in SUMMARY_COLUMNS) for r in rows]
+    return "\n".join(lines)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from ubtree_vllm.training.data import resolve_target_path
+
+    settings = settings_from_args(args)
+    try:
+        target_path = resolve_target_path(args.target)
+    except FileNotFoundError as exc:
+        raise BenchArgumentError(f"--target: {exc}") from None
+    try:
+        prompt_sets = dataset_prompt_sets(target_path, settings.datasets, args.data_dir, settings.num_prompts)
+    except FileNotFoundError as exc:
+        raise BenchArgumentError(f"--data-dir: {exc}") from None
+    engine_kwargs = {"dtype": args.dtype, "enforce_eager": args.enforce_eager,
+                     "gpu_memory_utilization": args.gpu_memory_utilization}
+    if args.kv_cache_memory_bytes is not None:
+        engine_kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+    if args.max_model_len is not None:
+        engine_kwargs["max_model_len"] = args.max_model_len
+    records_path = None if args.no_record else args.records
+    rows = run_e2e(settings, prompt_sets, target_path, engine_kwargs, records_path)
+    print(summary_table(rows))
+    if records_path is not None and not args.no_report:
+        from ubtree_vllm.bench.report import regenerate
+
+        for path in regenerate(records_path):
+            print(path)
+    return 0

@@ -1,0 +1,168 @@
+"""`ubtree bench microbench`: per-round times of UBTree stages, appended as microbench records.
+
+Registry: :data:`MICROBENCHES` maps a `--which` name to a function
+`(MicrobenchSettings) -> list[record dict]`; adding a microbenchmark (e.g. the
+verification forward, or the tree-attention kernel against FlashAttention) means adding
+one function and one entry here (and its name to bench/cli.py:MICROBENCH_NAMES).
+
+draft-postprocess: everything of a drafting round after the drafter backbone, i.e. the
+serving path `UBTreeDrafter.draft_tree` minus `block_hidden`, calling the real functions:
+  lm_head_topk       `UBTreeDrafter.top_k_candidates`: target LM head over the gamma block
+                     hidden states, log-softmax, top-K per depth
+  selector_scoring   `BigramSelector.score_tree_edges`: all K + (gamma - 1) K^2 edges
+  tree_construction  `tree.search.build_tree`: depth-wise beam + pruning to B nodes
+  total              the three back to back (metric `draft_postprocess_ms`)
+Inputs are random but shaped and distributed like serving: the drafter's own weights
+(loaded from `--drafter`, bf16 on CUDA, fp32 on CPU), a random target embedding / LM head
+of the drafter's [V, H] (std 0.02; serving binds the real ones, whose values do not change
+the work), standard-normal block hidden states and random anchors; each stage consumes the
+previous stage's real output, so top-K tokens are distinct per depth as in serving.
+Selector tables are precomputed once, as at engine load. Timing: bench/timing.py.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ubtree_vllm.bench.settings import BenchArgumentError, parse_list
+from ubtree_vllm.bench.timing import TOTAL, summarize, time_stages
+
+# stage name (bench/timing.py) -> record metric
+DRAFT_POSTPROCESS_METRICS = {
+    "lm_head_topk": "lm_head_topk_ms",
+    "selector_scoring": "selector_scoring_ms",
+    "tree_construction": "tree_construction_ms",
+    TOTAL: "draft_postprocess_ms",
+}
+
+
+@dataclass(frozen=True)
+class MicrobenchSettings:
+    drafter: str
+    device: str = "auto"
+    iters: int = 50
+    warmup: int = 10
+    tree_budget: int = 64
+    beam_width: int = 12
+    top_k: int = 64
+    num_reqs: int = 1
+    seed: int = 0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cuda", "cpu") and not name.startswith("cuda:"):
+        raise BenchArgumentError(f"--device must be auto, cuda, cuda:N or cpu, got {name!r}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise BenchArgumentError(f"--device {name}: torch sees no CUDA device")
+    return torch.device(name)
+
+
+def _hardware(device: torch.device) -> str:
+    from ubtree_vllm.bench.records import hardware
+
+    return hardware() if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
+
+
+def draft_postprocess(settings: MicrobenchSettings) -> list[dict[str, Any]]:
+    """Records (one per stage + total) of the draft post-processing microbenchmark."""
+    from ubtree_vllm.config import UBTreeConfig
+    from ubtree_vllm.drafter.io import load_drafter
+    from ubtree_vllm.tree.search import build_tree
+
+    for flag, value in (("--iters", settings.iters), ("--num-reqs", settings.num_reqs)):
+        if value < 1:
+            raise BenchArgumentError(f"{flag} must be >= 1, got {value}")
+    if settings.warmup < 0:
+        raise BenchArgumentError(f"--warmup must be >= 0, got {settings.warmup}")
+    device = resolve_device(settings.device)
+    if not Path(settings.drafter).is_dir():
+        raise BenchArgumentError(f"--drafter: drafter folder not found: {settings.drafter}")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    drafter = load_drafter(settings.drafter, device=device, dtype=dtype)
+    cfg = drafter.cfg
+    try:
+        tree_cfg = UBTreeConfig(tree_budget=settings.tree_budget, beam_width=min(settings.beam_width,
+                                settings.tree_budget), top_k=settings.top_k, block_size=cfg.block_size)
+        tree_cfg.check_vocab(cfg.vocab_size)
+    except ValueError as exc:
+        raise BenchArgumentError(f"--tree-budget/--beam-width/--top-k: {exc}") from None
+
+    gen = torch.Generator(device=device).manual_seed(settings.seed)
+    embed = 0.02 * torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, device=device, dtype=dtype)
+    head = 0.02 * torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, device=device, dtype=dtype)
+    drafter.bind_target(embed, head)  # eval mode: precomputes the selector tables
+    # [N, gamma, H] block hidden states; [N] anchors
+    hidden = torch.randn(settings.num_reqs, cfg.block_size, cfg.hidden_size, generator=gen, device=device,
+                         dtype=dtype)
+    anchor = torch.randint(0, cfg.vocab_size, (settings.num_reqs,), generator=gen, device=device)
+
+    def score(cands):
+        root, trans = drafter.selector.score_tree_edges(anchor, cands.tokens, cands.logp, cands.hidden,
+                                                              drafter.embed_weight)
+        return cands, root, trans
+
+    stages = [
+        ("lm_head_topk", lambda h: drafter.top_k_candidates(h, tree_cfg.top_k)),
+        ("selector_scoring", score),
+        ("tree_construction", lambda x: build_tree(anchor, x[0].tokens, x[1], x[2], tree_cfg)),
+    ]
+    with torch.inference_mode():
+        medians = summarize(time_stages(stages, hidden, device, settings.iters, settings.warmup))
+    clock = "CUDA events" if device.type == "cuda" else "time.perf_counter"
+    notes = (f"median over {settings.iters} rounds after {settings.warmup} warm-up ({clock}), "
+             f"{device.type} {str(dtype).removeprefix('torch.')}, {settings.num_reqs} request(s) per round; "
+             f"random hidden states and random [V, H] embedding/LM head; stages: "
+             f"UBTreeDrafter.top_k_candidates, BigramSelector.score_tree_edges, tree.search.build_tree")
+    return [{
+        "kind": "microbench", "method": "ubtree", "target": cfg.target_name, "drafter": str(settings.drafter),
+        "metric": metric, "value": round(medians[stage], 5), "unit": "ms", "batch_size": settings.num_reqs,
+        "tree_budget": tree_cfg.tree_budget, "beam_width": tree_cfg.beam_width, "top_k": tree_cfg.top_k,
+        "block_size": tree_cfg.block_size, "cuda_graphs": False, "hardware": _hardware(device), "notes": notes,
+    } for stage, metric in DRAFT_POSTPROCESS_METRICS.items()]
+
+
+MICROBENCHES: dict[str, Callable[[MicrobenchSettings], list[dict[str, Any]]]] = {
+    "draft-postprocess": draft_postprocess,
+}
+
+
+def run_microbenches(names: tuple[str, ...], settings: MicrobenchSettings,
+                     records_path: str | Path | None = None) -> list[dict[str, Any]]:
+    """Run the named microbenchmarks; append their records when `records_path` is given."""
+    from ubtree_vllm.bench.records import append_record
+
+    unknown = [n for n in names if n not in MICROBENCHES]
+    if unknown:
+        raise BenchArgumentError(f"--which: unknown microbenchmark {unknown[0]!r}; allowed: "
+                                 f"{', '.join(MICROBENCHES)}")
+    rows = []
+    for name in names:
+        for record in MICROBENCHES[name](settings):
+            rows.append(append_record(record, records_path) if records_path is not None else record)
+    return rows
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    settings = MicrobenchSettings(drafter=args.drafter, device=args.device, iters=args.iters, warmup=args.warmup,
+                                  tree_budget=args.tree_budget, beam_width=args.beam_width, top_k=args.top_k,
+                                  num_reqs=args.num_reqs)
+    records_path = None if args.no_record else args.records
+    rows = run_microbenches(parse_list("--which", args.which, str, "microbenchmark names"), settings, records_path)
+    width = max(len(r["metric"]) for r in rows)
+    for r in rows:
+        print(f"{r['metric']:<{width}}  {r['value']:10.4f} {r['unit']}  (B={r['tree_budget']} W={r['beam_width']} "
+              f"K={r['top_k']} gamma={r['block_size']}, {r['hardware']})")
+    if records_path is not None and not args.no_report:
+        from ubtree_vllm.bench.report import regenerate
+
+        for path in regenerate(records_path):
+            print(path)
+    return 0

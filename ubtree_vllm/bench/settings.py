@@ -1,0 +1,192 @@
+"""What `ubtree bench e2e` runs: parsed, validated flags and one `MethodRun` per vLLM engine.
+
+Standard library only (plus the stdlib-only config modules), so the argument checks are
+unit-testable without vLLM. Every error is a `BenchArgumentError` that names the flag and
+the allowed values; the CLI prints it as one line.
+
+Methods (the `--methods` names) and the engines they become, in run order (ar first, so
+every later measurement can be paired with its AR baseline as soon as it is taken):
+  ar            no speculation
+  dflash-chain  vLLM's built-in "method": "dflash" with the drafter's proposer exported by
+                `training/export.py:export_dflash_proposer`; num_speculative_tokens = the
+                drafter's block size gamma (one draft per mask slot, as the export writes in
+                its meta file). If vLLM cannot load it the run falls back to `ubtree-chain`.
+  ubtree-chain  (fallback only) "method": "ubtree" with B = gamma, W = 1, K = 1: the same
+                single path, drafted by our plugin.
+  ubtree        "method": "ubtree", one engine per --tree-budgets value B, W = min(W, B), K.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ubtree_vllm.config import MAX_TREE_BUDGET, max_tree_nodes
+
+METHODS = ("ar", "dflash-chain", "ubtree")
+# Dataset names of training/evaluate.py:EVAL_DATASETS (that module imports torch).
+DATASETS = ("spec_bench", "mt_bench", "humaneval")
+
+
+class BenchArgumentError(ValueError):
+    """A bad `ubtree bench` flag value; the message names the flag and what is allowed."""
+
+
+@dataclass(frozen=True)
+class MethodRun:
+    """One vLLM engine of the benchmark and the tree fields its records carry."""
+
+    # record method: ar | dflash-chain | ubtree-chain | ubtree
+    method: str
+    # vLLM's speculative_config, None for ar
+    speculative_config: dict[str, Any] | None = None
+    tree_budget: int | None = None
+    beam_width: int | None = None
+    top_k: int | None = None
+    block_size: int | None = None
+    # free text carried into the records' notes (e.g. why a fallback was used)
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class E2ESettings:
+    """Validated `ubtree bench e2e` flags (see bench/cli.py for their meaning)."""
+
+    target: str = "default"
+    drafter: str | None = None
+    datasets: tuple[str, ...] = DATASETS
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    num_prompts: int = 80
+    max_new_tokens: int = 256
+    methods: tuple[str, ...] = METHODS
+    tree_budgets: tuple[int, ...] = (16, 32, 64)
+    beam_width: int = 12
+    top_k: int = 64
+    concurrency: tuple[int, ...] = (1,)
+    seed: int = 0
+    # Drafter facts read from its config.json (None without a drafter).
+    block_size: int | None = field(default=None, compare=False)
+    vocab_size: int | None = field(default=None, compare=False)
+    target_name: str | None = field(default=None, compare=False)
+
+
+def parse_list(flag: str, text: str, convert: Callable[[str], Any], what: str) -> tuple[Any, ...]:
+    """'a,b,c' -> (convert(a), ...); BenchArgumentError naming `flag` on an empty or bad item."""
+    items = [item.strip() for item in str(text).split(",")]
+    if not items or any(not item for item in items):
+        raise BenchArgumentError(f"{flag} must be a comma-separated list of {what}, got {text!r}")
+    try:
+        return tuple(convert(item) for item in items)
+    except ValueError:
+        raise BenchArgumentError(f"{flag} must be a comma-separated list of {what}, got {text!r}") from None
+
+
+def _check_members(flag: str, values: Sequence[str], allowed: Sequence[str], what: str) -> None:
+    for value in values:
+        if value not in allowed:
+            raise BenchArgumentError(f"{flag}: unknown {what} {value!r}; allowed: {', '.join(allowed)}")
+
+
+def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
+    """Check every value; returns `settings` with the drafter facts filled in.
+
+    `check_datasets=False` when the caller injects its own prompt sets (tests).
+    """
+    from ubtree_vllm.drafter.config import DrafterConfig
+
+    _check_members("--methods", settings.methods, METHODS, "method")
+    if len(set(settings.methods)) != len(settings.methods):
+        raise BenchArgumentError(f"--methods lists a method twice: {','.join(settings.methods)}")
+    if check_datasets:
+        _check_members("--datasets", settings.datasets, DATASETS, "dataset")
+    bad = [t for t in settings.temperatures if not 0.0 <= t < float("inf")]
+    if bad:
+        raise BenchArgumentError(f"--temperatures: each value must be a finite number >= 0, got {bad[0]}")
+    for flag, value in (("--num-prompts", settings.num_prompts), ("--max-new-tokens", settings.max_new_tokens),
+                        ("--beam-width", settings.beam_width), ("--top-k", settings.top_k)):
+        if value < 1:
+            raise BenchArgumentError(f"{flag} must be >= 1, got {value}")
+    bad = [c for c in settings.concurrency if c < 1]
+    if bad:
+        raise BenchArgumentError(f"--concurrency: each value must be >= 1, got {bad[0]}")
+
+    needs_drafter = any(m != "ar" for m in settings.methods)
+    if not needs_drafter:
+        return settings
+    if settings.drafter is None:
+        raise BenchArgumentError(f"--drafter is required for --methods {','.join(settings.methods)} "
+                                 f"(only 'ar' runs without a drafter)")
+    drafter_dir = Path(settings.drafter).expanduser()
+    if not drafter_dir.is_dir():
+        raise BenchArgumentError(f"--drafter: drafter folder not found: {settings.drafter}")
+    try:
+        cfg = DrafterConfig.load(drafter_dir)
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        raise BenchArgumentError(f"--drafter: {settings.drafter} is not a UBTree drafter folder: {exc}") from None
+    if settings.top_k > cfg.vocab_size:
+        raise BenchArgumentError(f"--top-k must be in [1, {cfg.vocab_size}] (the drafter's vocabulary), "
+                                 f"got {settings.top_k}")
+    if "ubtree" in settings.methods:
+        for budget in settings.tree_budgets:
+            width = min(settings.beam_width, budget) if budget >= 1 else settings.beam_width
+            hi = min(MAX_TREE_BUDGET, max_tree_nodes(width, settings.top_k, cfg.block_size))
+            if not 1 <= budget <= hi:
+                raise BenchArgumentError(
+                    f"--tree-budgets: B={budget} is out of range [1, {hi}] for --beam-width {settings.beam_width}, "
+                    f"--top-k {settings.top_k} and the drafter's block size {cfg.block_size}")
+        if len(set(settings.tree_budgets)) != len(settings.tree_budgets):
+            raise BenchArgumentError(f"--tree-budgets lists a budget twice: {settings.tree_budgets}")
+    return dataclasses.replace(settings, block_size=cfg.block_size, vocab_size=cfg.vocab_size,
+                               target_name=cfg.target_name)
+
+
+def settings_from_args(args: argparse.Namespace, check_datasets: bool = True) -> E2ESettings:
+    """Parse the comma-separated flags of `ubtree bench e2e` and validate them."""
+    return validate(E2ESettings(
+        target=args.target,
+        drafter=args.drafter,
+        datasets=parse_list("--datasets", args.datasets, str, "dataset names"),
+        temperatures=parse_list("--temperatures", args.temperatures, float, "numbers"),
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        methods=parse_list("--methods", args.methods, str, "method names"),
+        tree_budgets=parse_list("--tree-budgets", args.tree_budgets, int, "integers"),
+        beam_width=args.beam_width,
+        top_k=args.top_k,
+        concurrency=parse_list("--concurrency", args.concurrency, int, "integers"),
+        seed=args.seed,
+    ), check_datasets=check_datasets)
+
+
+def ubtree_run(settings: E2ESettings, budget: int) -> MethodRun:
+    width = min(settings.beam_width, budget)
+    return MethodRun("ubtree", {"method": "ubtree", "model": str(settings.drafter), "num_speculative_tokens": budget,
+                                "beam_width": width, "top_k": settings.top_k},
+                     tree_budget=budget, beam_width=width, top_k=settings.top_k, block_size=settings.block_size)
+
+
+def ubtree_chain_run(settings: E2ESettings, note: str = "") -> MethodRun:
+    """The single proposer path through the plugin: B = gamma, W = 1, K = 1."""
+    gamma = settings.block_size
+    return MethodRun("ubtree-chain", {"method": "ubtree", "model": str(settings.drafter),
+                                      "num_speculative_tokens": gamma, "beam_width": 1, "top_k": 1},
+                     tree_budget=gamma, beam_width=1, top_k=1, block_size=settings.block_size, note=note)
+
+
+def dflash_chain_run(settings: E2ESettings, proposer_dir: str | Path, num_speculative_tokens: int) -> MethodRun:
+    """vLLM's DFlash on the exported proposer folder (see training/export.py)."""
+    return MethodRun("dflash-chain", {"method": "dflash", "model": str(proposer_dir),
+                                      "num_speculative_tokens": num_speculative_tokens},
+                     tree_budget=num_speculative_tokens, beam_width=1, top_k=1, block_size=settings.block_size)
+
+
+def planned_methods(settings: E2ESettings) -> list[str]:
+    """Engine labels in run order: 'ar', 'dflash-chain', 'ubtree:B' per budget."""
+    order = [m for m in METHODS if m in settings.methods]
+    labels: list[str] = []
+    for method in order:
+        labels += [f"ubtree:{b}" for b in settings.tree_budgets] if method == "ubtree" else [method]
+    return labels
