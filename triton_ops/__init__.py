@@ -8,7 +8,9 @@ Public launchers only:
 
 Each kernel comes as a private ``_*_kernel``, a public launcher in ``triton_ops/<op>.py``
 that asserts its shape/stride/dtype contract and never syncs with the host, and a
-pure-torch twin in :mod:`.reference` (the test oracle, ``tests/triton``). The on-device
+pure-torch twin in :mod:`.reference` (the test oracle, ``tests/triton``);
+:mod:`.tree_attention_inputs` builds random paged inputs for the kernel tests and the
+tree-attention microbenchmark (not exported here). The on-device
 tree-acceptance and state-copy kernels are still to come.
 
 Triton is imported directly and defensively (not through ``vllm.triton_utils``, which

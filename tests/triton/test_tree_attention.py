@@ -7,7 +7,6 @@ imported. On CUDA the same cases run on the GPU, plus bf16/fp16 and head size 25
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ pytest.importorskip("triton")
 
 from ubtree_vllm.triton_ops import tree_attention
 from ubtree_vllm.triton_ops.reference import tree_attention_reference
+from ubtree_vllm.triton_ops.tree_attention_inputs import TreeAttentionInputs, make_inputs
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -35,78 +35,12 @@ REQUESTS = [
 ]
 
 
-@dataclass
-class Case:
-    """Inputs of one launch; ``args()`` gives them in launcher order (without ``out``)."""
-
-    # [T, H, D] / [T, H_kv, D] / [T, H_kv, D]
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    # [num_blocks, block_size, H_kv, D] non-contiguous views of one FlashAttention kv_cache
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-    # [num_reqs, max_blocks] int32, shuffled block ids
-    block_table: torch.Tensor
-    # [M] int64 each; [M, P] int64 root-first, -1 padded
-    row_index: torch.Tensor
-    row_req: torch.Tensor
-    row_context_len: torch.Tensor
-    row_path: torch.Tensor
-    scale: float
-
-    def args(self) -> tuple:
-        return (self.query, self.key, self.value, self.key_cache, self.value_cache, self.block_table,
-                self.row_index, self.row_req, self.row_context_len, self.row_path, self.scale)
-
-
-def path_to(parents: list[int], node: int) -> list[int]:
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
-
-
-def make_case(requests=REQUESTS, *, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
-              dtype=torch.float32, extra_path_pad=1, index_dtype=torch.int64) -> Case:
+def make_case(requests=REQUESTS, **kwargs) -> TreeAttentionInputs:
     """Requests laid out as vLLM flattens them: 3 prefill rows first, then root + nodes per request."""
-    gen = torch.Generator().manual_seed(0)
-    prefill_rows = 3
-    num_tokens = prefill_rows + sum(len(parents) for _, parents in requests)
-    max_blocks = max(-(-ctx // block_size) for ctx, _ in requests) + 1
-    num_blocks = len(requests) * max_blocks + 3
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
-
-    query = randn(num_tokens, num_heads, head_size)
-    key, value = randn(num_tokens, num_kv_heads, head_size), randn(num_tokens, num_kv_heads, head_size)
-    kv_cache = randn(num_blocks, num_kv_heads, block_size, 2 * head_size)
-    key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)  # FlashAttentionImpl's view
-    perm = torch.randperm(num_blocks, generator=gen)[:len(requests) * max_blocks]
-    block_table = perm.view(len(requests), max_blocks).to(DEVICE, torch.int32)
-
-    max_depth = max(len(path_to(p, n)) for _, p in requests for n in range(len(p)))
-    rows, reqs, ctx_lens, paths = [], [], [], []
-    root = prefill_rows
-    for req, (ctx, parents) in enumerate(requests):
-        for node in range(1, len(parents)):
-            path = [root + n for n in path_to(parents, node)]
-            rows.append(root + node)
-            reqs.append(req)
-            ctx_lens.append(ctx)
-            paths.append(path + [-1] * (max_depth + extra_path_pad - len(path)))
-        root += len(parents)
-
-    def index(x):
-        return torch.tensor(x, dtype=index_dtype, device=DEVICE)
-
-    return Case(query, key, value, key_cache, value_cache, block_table, index(rows), index(reqs),
-                index(ctx_lens), index(paths).view(len(rows), max_depth + extra_path_pad),
-                scale=head_size ** -0.5)
+    return make_inputs(requests, device=DEVICE, **kwargs)
 
 
-def run_both(case: Case, out_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+def run_both(case: TreeAttentionInputs, out_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(kernel, reference) outputs, both starting from the same NaN-filled buffer."""
     out = torch.full_like(case.query, float("nan"), dtype=out_dtype or case.query.dtype)
     ref = tree_attention_reference(*case.args(), out.clone())
@@ -115,7 +49,7 @@ def run_both(case: Case, out_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
     return got, ref
 
 
-def assert_rows_match(got: torch.Tensor, ref: torch.Tensor, case: Case, atol: float, rtol: float) -> None:
+def assert_rows_match(got: torch.Tensor, ref: torch.Tensor, case: TreeAttentionInputs, atol: float, rtol: float) -> None:
     rows = case.row_index.long()
     torch.testing.assert_close(got[rows], ref[rows], atol=atol, rtol=rtol)
     untouched = torch.ones(got.shape[0], dtype=torch.bool, device=got.device)

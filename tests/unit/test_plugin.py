@@ -169,6 +169,21 @@ def test_check_vllm_version_messages(monkeypatch):
 # --- envs -------------------------------------------------------------------------------
 
 
+def test_capture_flag_left_by_a_v1_engine_is_reopened():
+    from vllm.compilation import monitor
+
+    from ubtree_vllm import compat
+
+    monitor.set_cudagraph_capturing_enabled(False)  # what vLLM's V1 runner leaves after capture
+    try:
+        with pytest.raises(RuntimeError, match="inappropriate time"):
+            monitor.validate_cudagraph_capturing_enabled()
+        compat.allow_cudagraph_capture_for_next_engine()
+        monitor.validate_cudagraph_capturing_enabled()
+    finally:
+        monitor.set_cudagraph_capturing_enabled(True)
+
+
 def test_every_env_var_is_documented_and_prefixed():
     assert "UBTREE_CACHE_DIR" in envs.ENVIRONMENT_VARIABLES
     for name, var in envs.ENVIRONMENT_VARIABLES.items():

@@ -26,6 +26,8 @@ from vllm.inputs import TokensPrompt
 
 from vllm_models import save_untrained_drafter
 
+from ubtree_vllm import compat
+
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
 NEAR_TIE_NATS = 0.1
@@ -33,16 +35,10 @@ MAX_TOKENS = 128
 TREE = {"num_speculative_tokens": 16, "beam_width": 4, "top_k": 8}
 
 
-@pytest.fixture(autouse=True)
-def _engine_core_processes(monkeypatch):
-    """Each engine in its own engine-core process (vLLM's default), not in-process as in the
-    CPU tests: vLLM's V1 runner (UBTree) and Model Runner V2 (the plain engine) share a
-    process-wide "CUDA graph capture allowed" flag that V1 clears after capture and MRV2
-    never sets, so an MRV2 engine built after a V1 engine in one process cannot capture."""
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-
-
 def engine(model, speculative_config=None) -> LLM:
+    # Engines run in this process (the GPU machine's engine-core subprocess hangs, see
+    # ../shared/README.md): undo the capture flag a previous V1 (UBTree) engine left behind.
+    compat.allow_cudagraph_capture_for_next_engine()
     return LLM(model=str(model), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=2048, seed=0,
                skip_tokenizer_init=True, disable_log_stats=False, speculative_config=speculative_config)
 

@@ -12,7 +12,7 @@ import argparse
 DEFAULT_RECORDS = "docs/benchmarks/records.jsonl"
 # Names of bench/microbench.py:MICROBENCHES (kept here so building the parser imports no torch;
 # tests/unit/test_bench.py checks that both lists agree).
-MICROBENCH_NAMES = ("draft-postprocess",)
+MICROBENCH_NAMES = ("draft-postprocess", "tree-attention-vs-flash", "verify-forward")
 
 
 def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
@@ -48,16 +48,19 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_microbench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--drafter", required=True, help="UBTree drafter folder")
-    parser.add_argument("--which", default=",".join(MICROBENCH_NAMES),
-                        help=f"comma-separated microbenchmarks: {', '.join(MICROBENCH_NAMES)}")
+    parser.add_argument("--drafter", default=None, help="UBTree drafter folder (required for draft-postprocess)")
+    parser.add_argument("--which", default=MICROBENCH_NAMES[0],
+                        help=f"comma-separated microbenchmarks: {', '.join(MICROBENCH_NAMES)}, or 'all' "
+                             f"(default: {MICROBENCH_NAMES[0]}; the others need a CUDA device)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cpu")
+    parser.add_argument("--context-lens", default="512,2048",
+                        help="comma-separated context lengths of tree-attention-vs-flash")
     parser.add_argument("--iters", type=int, default=50, help="timed rounds (after --warmup)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed rounds first")
-    parser.add_argument("--tree-budget", type=int, default=64, help="B")
-    parser.add_argument("--beam-width", type=int, default=12, help="W (capped at B)")
-    parser.add_argument("--top-k", type=int, default=64, help="K")
-    parser.add_argument("--num-reqs", type=int, default=1, help="requests drafted per round")
+    parser.add_argument("--tree-budget", type=int, default=64, help="B (draft-postprocess)")
+    parser.add_argument("--beam-width", type=int, default=12, help="W (capped at B; draft-postprocess)")
+    parser.add_argument("--top-k", type=int, default=64, help="K (draft-postprocess)")
+    parser.add_argument("--num-reqs", type=int, default=1, help="requests drafted per round (draft-postprocess)")
     parser.add_argument("--records", default=DEFAULT_RECORDS, help=f"records file (default: {DEFAULT_RECORDS})")
     parser.add_argument("--no-record", action="store_true", help="measure and print only")
     parser.add_argument("--no-report", action="store_true", help="do not regenerate the report after appending")
@@ -70,7 +73,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         description="One vLLM engine per method (ubtree: per tree budget), every dataset x temperature x "
                     "concurrency; appends one e2e record per measurement and regenerates the report."))
     _add_microbench_args(sub.add_parser(
-        "microbench", help="time UBTree's draft post-processing stages per round; appends microbench records"))
+        "microbench", help="time UBTree's draft post-processing, tree attention vs FlashAttention, and the "
+                           "tree vs chain verification forward; appends microbench records"))
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -49,6 +49,9 @@ def build_engine(target_path: str | Path, run: MethodRun, engine_kwargs: dict[st
     """One `vllm.LLM` for `run`; stats logging on (spec-decode counters, per-request metrics)."""
     from vllm import LLM
 
+    from ubtree_vllm import compat
+
+    compat.allow_cudagraph_capture_for_next_engine()  # in-process engines: see compat
     kwargs = {"skip_tokenizer_init": not has_tokenizer(target_path), **engine_kwargs, "disable_log_stats": False}
     if run.speculative_config is not None:
         kwargs["speculative_config"] = dict(run.speculative_config)

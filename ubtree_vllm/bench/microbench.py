@@ -1,9 +1,17 @@
 """`ubtree bench microbench`: per-round times of UBTree stages, appended as microbench records.
 
-Registry: :data:`MICROBENCHES` maps a `--which` name to a function
-`(MicrobenchSettings) -> list[record dict]`; adding a microbenchmark (e.g. the
-verification forward, or the tree-attention kernel against FlashAttention) means adding
-one function and one entry here (and its name to bench/cli.py:MICROBENCH_NAMES).
+Registry: :data:`MICROBENCHES` maps a `--which` name to a :class:`Microbench`: a function
+`(MicrobenchSettings) -> list[record dict]` plus whether it needs a CUDA device and the
+drafter; adding a microbenchmark means adding one function and one entry here (and its
+name to bench/cli.py:MICROBENCH_NAMES). `run_microbenches` checks every requested entry
+(known name, CUDA present for GPU-only ones, `--drafter` for those that use it) before
+running any. Entries:
+
+  draft-postprocess        (CPU or GPU, uses --drafter) below
+  tree-attention-vs-flash  (GPU only) bench/attention_bench.py: Triton tree attention vs
+                           vLLM's FlashAttention on a Qwen3-8B layer, per --context-lens
+  verify-forward           (GPU only) bench/verify_bench.py: one vLLM forward of 65 vs 17
+                           new tokens on a dummy Qwen3-8B over a cached 1024-token context
 
 draft-postprocess: everything of a drafting round after the drafter backbone, i.e. the
 serving path `UBTreeDrafter.draft_tree` minus `block_hidden`, calling the real functions:
@@ -23,7 +31,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +53,7 @@ DRAFT_POSTPROCESS_METRICS = {
 
 @dataclass(frozen=True)
 class MicrobenchSettings:
-    drafter: str
+    drafter: str | None = None
     device: str = "auto"
     iters: int = 50
     warmup: int = 10
@@ -53,6 +62,11 @@ class MicrobenchSettings:
     top_k: int = 64
     num_reqs: int = 1
     seed: int = 0
+    # tree-attention-vs-flash: committed context lengths
+    context_lens: tuple[int, ...] = (512, 2048)
+    # verify-forward: Qwen3-8B config.json overrides (tests: fewer layers) and vLLM engine overrides
+    verify_config_overrides: Mapping[str, Any] | None = None
+    verify_engine_kwargs: Mapping[str, Any] | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -63,6 +77,14 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise BenchArgumentError(f"--device {name}: torch sees no CUDA device")
     return torch.device(name)
+
+
+def _check_counts(settings: MicrobenchSettings) -> None:
+    for flag, value in (("--iters", settings.iters), ("--num-reqs", settings.num_reqs)):
+        if value < 1:
+            raise BenchArgumentError(f"{flag} must be >= 1, got {value}")
+    if settings.warmup < 0:
+        raise BenchArgumentError(f"--warmup must be >= 0, got {settings.warmup}")
 
 
 def _hardware(device: torch.device) -> str:
@@ -77,12 +99,10 @@ def draft_postprocess(settings: MicrobenchSettings) -> list[dict[str, Any]]:
     from ubtree_vllm.drafter.io import load_drafter
     from ubtree_vllm.tree.search import build_tree
 
-    for flag, value in (("--iters", settings.iters), ("--num-reqs", settings.num_reqs)):
-        if value < 1:
-            raise BenchArgumentError(f"{flag} must be >= 1, got {value}")
-    if settings.warmup < 0:
-        raise BenchArgumentError(f"--warmup must be >= 0, got {settings.warmup}")
+    _check_counts(settings)
     device = resolve_device(settings.device)
+    if settings.drafter is None:
+        raise BenchArgumentError("--drafter is required for --which draft-postprocess")
     if not Path(settings.drafter).is_dir():
         raise BenchArgumentError(f"--drafter: drafter folder not found: {settings.drafter}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -129,9 +149,85 @@ def draft_postprocess(settings: MicrobenchSettings) -> list[dict[str, Any]]:
     } for stage, metric in DRAFT_POSTPROCESS_METRICS.items()]
 
 
-MICROBENCHES: dict[str, Callable[[MicrobenchSettings], list[dict[str, Any]]]] = {
-    "draft-postprocess": draft_postprocess,
+def _cuda_device(settings: MicrobenchSettings, name: str) -> torch.device:
+    """The CUDA device a GPU-only entry runs on; BenchArgumentError naming the entry otherwise."""
+    if not torch.cuda.is_available():
+        raise BenchArgumentError(f"--which {name} needs a CUDA device (torch.cuda.is_available() is False)")
+    device = resolve_device(settings.device)
+    if device.type != "cuda":
+        raise BenchArgumentError(f"--which {name} needs a CUDA device, got --device {settings.device}")
+    return device
+
+
+def tree_attention_vs_flash(settings: MicrobenchSettings) -> list[dict[str, Any]]:
+    """Records of the tree-attention kernel against FlashAttention, per context length (GPU only)."""
+    from ubtree_vllm.bench.attention_bench import attention_records, time_tree_vs_flash
+
+    _check_counts(settings)
+    if not settings.context_lens or any(c < 0 for c in settings.context_lens):
+        raise BenchArgumentError(f"--context-lens: each value must be >= 0, got {list(settings.context_lens)}")
+    device = _cuda_device(settings, "tree-attention-vs-flash")
+    timings = [time_tree_vs_flash(c, device, settings.iters, settings.warmup, settings.seed)
+               for c in settings.context_lens]
+    return attention_records(timings, iters=settings.iters, warmup=settings.warmup, hardware=_hardware(device))
+
+
+def verify_forward(settings: MicrobenchSettings) -> list[dict[str, Any]]:
+    """Records of the 65- vs 17-token verification forward on a dummy Qwen3-8B (GPU only)."""
+    from ubtree_vllm.bench.verify_bench import (CONTEXT_LEN, time_verify_forward, verify_records,
+                                                write_target_config)
+
+    _check_counts(settings)
+    device = _cuda_device(settings, "verify-forward")
+    overrides = dict(settings.verify_config_overrides or {})
+    engine_kwargs = dict(settings.verify_engine_kwargs or {})
+    with tempfile.TemporaryDirectory(prefix="ubtree-verify-") as folder:
+        write_target_config(folder, overrides)
+        medians, min_hits = time_verify_forward(folder, context_len=CONTEXT_LEN, iters=settings.iters,
+                                                warmup=settings.warmup, seed=settings.seed, **engine_kwargs)
+    target = "qwen3-8b-dummy" + "".join(f" {k}={v}" for k, v in sorted(overrides.items()))
+    return verify_records(medians, context_len=CONTEXT_LEN, iters=settings.iters, warmup=settings.warmup,
+                          hardware=_hardware(device), min_cache_hits=min_hits, target=target,
+                          cuda_graphs=not engine_kwargs.get("enforce_eager", False))
+
+
+@dataclass(frozen=True)
+class Microbench:
+    run: Callable[[MicrobenchSettings], list[dict[str, Any]]]
+    gpu_only: bool
+    uses_drafter: bool
+
+
+MICROBENCHES: dict[str, Microbench] = {
+    "draft-postprocess": Microbench(draft_postprocess, gpu_only=False, uses_drafter=True),
+    "tree-attention-vs-flash": Microbench(tree_attention_vs_flash, gpu_only=True, uses_drafter=False),
+    "verify-forward": Microbench(verify_forward, gpu_only=True, uses_drafter=False),
 }
+
+
+def check_selection(names: tuple[str, ...], settings: MicrobenchSettings) -> None:
+    """BenchArgumentError naming the flag and entry for an unknown / repeated name, a GPU-only entry
+    without CUDA, or a drafter-using entry without --drafter; runs nothing."""
+    unknown = [n for n in names if n not in MICROBENCHES]
+    if unknown:
+        raise BenchArgumentError(f"--which: unknown microbenchmark {unknown[0]!r}; allowed: "
+                                 f"{', '.join(MICROBENCHES)}, all")
+    if not names:
+        raise BenchArgumentError("--which lists no microbenchmark")
+    if len(set(names)) != len(names):
+        raise BenchArgumentError(f"--which lists a microbenchmark twice: {','.join(names)}")
+    for name in names:
+        if MICROBENCHES[name].gpu_only:
+            _cuda_device(settings, name)
+    drafter_users = [n for n in names if MICROBENCHES[n].uses_drafter]
+    if drafter_users and settings.drafter is None:
+        raise BenchArgumentError(f"--drafter is required for --which {','.join(drafter_users)}")
+
+
+def parse_which(value: str) -> tuple[str, ...]:
+    """`--which` value -> entry names ('all': every registered entry, in registry order)."""
+    names = parse_list("--which", value, str, "microbenchmark names")
+    return tuple(MICROBENCHES) if names == ("all",) else names
 
 
 def run_microbenches(names: tuple[str, ...], settings: MicrobenchSettings,
@@ -139,27 +235,33 @@ def run_microbenches(names: tuple[str, ...], settings: MicrobenchSettings,
     """Run the named microbenchmarks; append their records when `records_path` is given."""
     from ubtree_vllm.bench.records import append_record
 
-    unknown = [n for n in names if n not in MICROBENCHES]
-    if unknown:
-        raise BenchArgumentError(f"--which: unknown microbenchmark {unknown[0]!r}; allowed: "
-                                 f"{', '.join(MICROBENCHES)}")
+    check_selection(names, settings)
     rows = []
     for name in names:
-        for record in MICROBENCHES[name](settings):
+        for record in MICROBENCHES[name].run(settings):
             rows.append(append_record(record, records_path) if records_path is not None else record)
     return rows
+
+
+def summary_fields(record: Mapping[str, Any]) -> str:
+    """The printed context of one record: its tree fields (those set) and hardware."""
+    fields = [f"{label}={record[key]}" for label, key in (("target", "target"), ("B", "tree_budget"),
+                                                          ("W", "beam_width"), ("K", "top_k"),
+                                                          ("gamma", "block_size"))
+              if record.get(key) is not None]
+    return ", ".join([" ".join(fields), record["hardware"]])
 
 
 def run_cli(args: argparse.Namespace) -> int:
     settings = MicrobenchSettings(drafter=args.drafter, device=args.device, iters=args.iters, warmup=args.warmup,
                                   tree_budget=args.tree_budget, beam_width=args.beam_width, top_k=args.top_k,
-                                  num_reqs=args.num_reqs)
+                                  num_reqs=args.num_reqs,
+                                  context_lens=parse_list("--context-lens", args.context_lens, int, "integers"))
     records_path = None if args.no_record else args.records
-    rows = run_microbenches(parse_list("--which", args.which, str, "microbenchmark names"), settings, records_path)
+    rows = run_microbenches(parse_which(args.which), settings, records_path)
     width = max(len(r["metric"]) for r in rows)
     for r in rows:
-        print(f"{r['metric']:<{width}}  {r['value']:10.4f} {r['unit']}  (B={r['tree_budget']} W={r['beam_width']} "
-              f"K={r['top_k']} gamma={r['block_size']}, {r['hardware']})")
+        print(f"{r['metric']:<{width}}  {r['value']:10.4f} {r['unit']:<2}  ({summary_fields(r)})")
     if records_path is not None and not args.no_report:
         from ubtree_vllm.bench.report import regenerate
 

@@ -1,0 +1,214 @@
+"""`ubtree bench microbench`: the GPU-only entries (tree-attention-vs-flash, verify-forward).
+
+CPU: their pure parts (tree and input builders, config writer, prompts, record assembly),
+the `--which` / `--drafter` checks and the error without CUDA. GPU (`gpu` marker): each
+entry end to end with tiny iteration counts.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ubtree_vllm import cli
+from ubtree_vllm.bench import records as rec
+from ubtree_vllm.bench.attention_bench import (MAX_DEPTH, TREE_NODES, AttentionTiming, attention_records,
+                                               tree_inputs)
+from ubtree_vllm.bench.microbench import (MICROBENCHES, MicrobenchSettings, check_selection, parse_which,
+                                          run_microbenches, summary_fields)
+from ubtree_vllm.bench.settings import BenchArgumentError
+from ubtree_vllm.bench.timing import CPU_CLOCK, GRAPH_CLOCK, time_launches
+from ubtree_vllm.bench.verify_bench import (CHAIN_TOKENS, QWEN3_8B_CONFIG, TREE_TOKENS, verify_prompts,
+                                            verify_records, write_target_config)
+from ubtree_vllm.triton_ops.tree_attention_inputs import path_to, random_parents
+
+
+def full(record):
+    return {**dict.fromkeys(rec.FIELDS), **record}
+
+
+# ---- tree and inputs ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_parents_are_a_parents_first_tree_within_the_depth_bound(seed):
+    parents = random_parents(TREE_NODES, MAX_DEPTH, 12, torch.Generator().manual_seed(seed))
+    assert len(parents) == TREE_NODES + 1 and parents[0] == -1
+    assert all(0 <= p < j for j, p in enumerate(parents) if j)
+    depths = [len(path_to(parents, n)) - 1 for n in range(len(parents))]
+    assert max(depths) <= MAX_DEPTH and max(depths) >= 4  # a window of 12 gives a deep, branching tree
+    assert len(set(parents[1:])) > 1  # not a chain
+    assert parents == random_parents(TREE_NODES, MAX_DEPTH, 12, torch.Generator().manual_seed(seed))
+
+
+def test_random_parents_respect_a_tight_depth_bound_and_reject_bad_sizes():
+    parents = random_parents(30, 2, 30, torch.Generator().manual_seed(0))
+    assert max(len(path_to(parents, n)) - 1 for n in range(31)) <= 2
+    assert random_parents(0, 3, 1, torch.Generator()) == [-1]
+    with pytest.raises(ValueError, match="max_depth >= 1"):
+        random_parents(4, 0, 1, torch.Generator())
+
+
+def test_bench_inputs_are_one_request_with_64_tree_rows_on_a_qwen3_8b_layer():
+    inputs = tree_inputs(100, torch.device("cpu"))
+    assert inputs.query.shape == (TREE_NODES + 1, 32, 128) and inputs.query.dtype == torch.bfloat16
+    assert inputs.key.shape == inputs.value.shape == (TREE_NODES + 1, 8, 128)
+    assert inputs.key_cache.shape[1:] == (16, 8, 128)
+    assert inputs.row_index.tolist() == list(range(1, TREE_NODES + 1))
+    assert inputs.row_req.tolist() == [0] * TREE_NODES and inputs.row_context_len.tolist() == [100] * TREE_NODES
+    assert inputs.query_start_loc.tolist() == [0, TREE_NODES + 1] and inputs.seq_lens.tolist() == [165]
+    assert inputs.block_table.shape == (1, 11) and inputs.block_table.dtype == torch.int32  # cdiv(165, 16)
+    assert len(set(inputs.block_table.flatten().tolist())) == 11
+    paths = inputs.row_path.tolist()
+    assert inputs.row_path.shape[1] == max(sum(p >= 0 for p in path) for path in paths) <= MAX_DEPTH + 1
+    for row, path in zip(inputs.row_index.tolist(), paths):
+        path = [p for p in path if p >= 0]
+        assert path[0] == 0 and path[-1] == row and path == sorted(path)  # root first, ends at the row
+
+
+# ---- record assembly ---------------------------------------------------------------------
+
+def test_attention_records_carry_both_times_the_ratio_and_the_shape():
+    records = attention_records([AttentionTiming(512, 0.03, 0.02, None, GRAPH_CLOCK),
+                                 AttentionTiming(2048, 0.09, 0.045, None, GRAPH_CLOCK)],
+                                iters=5, warmup=1, hardware="1x NVIDIA H200")
+    assert [(r["metric"], r["value"], r["unit"]) for r in records] == [
+        ("tree_attention_ms", 0.03, "ms"), ("flash_attention_ms", 0.02, "ms"), ("tree_attention_over_flash", 1.5, "x"),
+        ("tree_attention_ms", 0.09, "ms"), ("flash_attention_ms", 0.045, "ms"), ("tree_attention_over_flash", 2.0, "x")]
+    for r in records:
+        rec.validate_record(full(r))
+        assert "32 query heads, 8 KV heads, head size 128, bfloat16, page size 16" in r["notes"]
+        assert r["kind"] == "microbench" and r["tree_budget"] == 64 and r["cuda_graphs"] is True
+    # the context length keeps the two lengths apart in the report (target is an identity field)
+    assert records[0]["target"] == "qwen3-8b (context 512)" and "context 2048 tokens" in records[3]["notes"]
+
+
+def test_attention_records_without_flash_attention_keep_the_triton_time_and_say_why():
+    (record,) = attention_records([AttentionTiming(512, 0.03, None, "ImportError: no FA", "eager")],
+                                  iters=5, warmup=1, hardware="h")
+    assert record["metric"] == "tree_attention_ms" and record["cuda_graphs"] is False
+    assert "FlashAttention unavailable, only the Triton time recorded: ImportError: no FA" in record["notes"]
+
+
+def test_write_target_config_is_qwen3_8b(tmp_path):
+    config = json.loads((write_target_config(tmp_path / "t") / "config.json").read_text())
+    expected = {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936, "rope_theta": 1000000,
+                "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+                "torch_dtype": "bfloat16", "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+    assert {k: config[k] for k in expected} == expected
+    small = json.loads((write_target_config(tmp_path / "s", {"num_hidden_layers": 2}) / "config.json").read_text())
+    assert small == {**QWEN3_8B_CONFIG, "num_hidden_layers": 2}
+    with pytest.raises(ValueError, match="unknown Qwen3 config field"):
+        write_target_config(tmp_path / "x", {"num_layers": 2})
+
+
+def test_verify_prompts_share_the_prefix_and_start_their_new_tokens_distinctly():
+    prefix, prompts = verify_prompts(64, (CHAIN_TOKENS, TREE_TOKENS), 6, 1000)
+    assert len(prefix) == 64 and set(prompts) == {17, 65}
+    firsts = []
+    for n, group in prompts.items():
+        assert len(group) == 6
+        for prompt in group:
+            assert len(prompt) == 64 + n and prompt[:64] == prefix and all(0 <= t < 1000 for t in prompt)
+            firsts.append(prompt[64])
+    assert len(set(firsts)) == 12
+    with pytest.raises(ValueError, match="distinct first tokens"):
+        verify_prompts(8, (17, 65), 6, 10)
+
+
+def test_verify_records_report_both_medians_and_the_ratio():
+    records = verify_records({17: 20.0, 65: 25.0}, context_len=1024, iters=20, warmup=3, hardware="1x NVIDIA H200",
+                             min_cache_hits=1024)
+    assert [(r["metric"], r["value"], r["unit"]) for r in records] == [
+        ("verify_forward_chain17_ms", 20.0, "ms"), ("verify_forward_tree65_ms", 25.0, "ms"),
+        ("tree_verify_over_chain16", 1.25, "x")]
+    for r in records:
+        rec.validate_record(full(r))
+        assert r["target"] == "qwen3-8b-dummy (context 1024)" and r["cuda_graphs"] is True
+        assert "cache hits per timed request: at least 1024 tokens" in r["notes"]
+
+
+def test_summary_fields_show_only_the_fields_a_record_sets():
+    assert summary_fields({"target": "t", "tree_budget": 64, "beam_width": None, "top_k": None, "block_size": 16,
+                           "hardware": "h"}) == "target=t B=64 gamma=16, h"
+
+
+def test_time_launches_on_cpu_gives_one_sample_per_iteration():
+    calls = []
+    times, clock = time_launches(lambda: calls.append(1), torch.device("cpu"), iters=3, warmup=2)
+    assert len(times) == 3 and len(calls) == 5 and clock == CPU_CLOCK and all(t >= 0 for t in times)
+    with pytest.raises(ValueError, match="iters must be >= 1"):
+        time_launches(lambda: None, torch.device("cpu"), iters=0, warmup=0)
+
+
+# ---- --which and --drafter ---------------------------------------------------------------
+
+def test_which_all_is_every_entry_and_only_draft_postprocess_needs_the_drafter():
+    assert parse_which("all") == tuple(MICROBENCHES) == ("draft-postprocess", "tree-attention-vs-flash",
+                                                         "verify-forward")
+    assert parse_which("verify-forward, draft-postprocess") == ("verify-forward", "draft-postprocess")
+    assert [n for n, m in MICROBENCHES.items() if m.uses_drafter] == ["draft-postprocess"]
+    assert [n for n, m in MICROBENCHES.items() if m.gpu_only] == ["tree-attention-vs-flash", "verify-forward"]
+
+
+@pytest.mark.parametrize("names,pattern", [
+    (("verify",), r"--which: unknown microbenchmark 'verify'; allowed: draft-postprocess, tree-attention-vs-flash, "
+                  r"verify-forward, all"),
+    (("draft-postprocess", "draft-postprocess"), r"--which lists a microbenchmark twice"),
+    (("draft-postprocess",), r"--drafter is required for --which draft-postprocess"),
+])
+def test_bad_selection_names_the_flag(names, pattern):
+    with pytest.raises(BenchArgumentError, match=pattern):
+        check_selection(names, MicrobenchSettings(device="cpu"))
+
+
+def test_bad_which_value_is_a_one_line_cli_error(capsys):
+    assert cli.main(["bench", "microbench", "--which", "draft-postprocess,", "--no-record"]) == 1
+    assert capsys.readouterr().err.strip() == ("ubtree bench: error: --which must be a comma-separated list of "
+                                               "microbenchmark names, got 'draft-postprocess,'")
+    assert cli.main(["bench", "microbench", "--no-record"]) == 1  # default entry, no --drafter
+    assert capsys.readouterr().err.strip() == ("ubtree bench: error: --drafter is required for --which "
+                                               "draft-postprocess")
+
+
+@pytest.mark.parametrize("name", ["tree-attention-vs-flash", "verify-forward"])
+def test_gpu_only_entries_name_themselves_without_cuda_and_run_nothing(name, monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path = tmp_path / "records.jsonl"
+    with pytest.raises(BenchArgumentError, match=rf"^--which {name} needs a CUDA device \(torch.cuda.is_available"):
+        run_microbenches(("draft-postprocess", name), MicrobenchSettings(drafter="unused", device="cpu"), path)
+    assert not path.exists()  # checked before draft-postprocess ran
+    with pytest.raises(BenchArgumentError, match=rf"--which {name} needs a CUDA device"):
+        MICROBENCHES[name].run(MicrobenchSettings())
+
+
+def test_gpu_only_entries_refuse_device_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(BenchArgumentError, match="--which verify-forward needs a CUDA device, got --device cpu"):
+        check_selection(("verify-forward",), MicrobenchSettings(device="cpu"))
+
+
+# ---- GPU ---------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_tree_attention_vs_flash_on_gpu(tmp_path):
+    rows = run_microbenches(("tree-attention-vs-flash",),
+                            MicrobenchSettings(iters=3, warmup=1, context_lens=(64, 300)), tmp_path / "r.jsonl")
+    assert rec.read_records(tmp_path / "r.jsonl") == rows
+    metrics = [r["metric"] for r in rows]
+    assert metrics.count("tree_attention_ms") == 2 and all(r["value"] > 0 for r in rows)
+    if "flash_attention_ms" not in metrics:
+        pytest.fail(f"FlashAttention did not run on this GPU: {rows[0]['notes']}")
+    assert metrics == ["tree_attention_ms", "flash_attention_ms", "tree_attention_over_flash"] * 2
+
+
+@pytest.mark.gpu
+def test_verify_forward_on_gpu_with_a_two_layer_target():
+    rows = run_microbenches(("verify-forward",), MicrobenchSettings(
+        iters=2, warmup=1, verify_config_overrides={"num_hidden_layers": 2},
+        verify_engine_kwargs={"gpu_memory_utilization": 0.4}))
+    assert [r["metric"] for r in rows] == ["verify_forward_chain17_ms", "verify_forward_tree65_ms",
+                                           "tree_verify_over_chain16"]
+    assert all(r["value"] > 0 for r in rows) and rows[0]["target"].startswith("qwen3-8b-dummy num_hidden_layers=2")
+    assert "at least 1024 tokens" in rows[0]["notes"]
