@@ -94,11 +94,13 @@ for phase in "$@"; do
       ( cd /tmp && python3 -m pytest -q -p no:cacheprovider --rootdir "$R" "$R/tests/triton" ) ;;
     bench)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
+        --gpu-memory-utilization 0.25 \
         --datasets spec_bench,mt_bench,humaneval --temperatures 0,1 --num-prompts "${BENCH_PROMPTS:-10}" \
         --max-new-tokens 256 --methods "${METHODS:-ar,dflash-chain,ubtree}" --tree-budgets "${BUDGETS:-16,32,64}" \
         --beam-width 12 --top-k 64 --concurrency 1 ;;
     sweep)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
+        --gpu-memory-utilization 0.25 \
         --datasets mt_bench --temperatures 0 --num-prompts 64 --max-new-tokens 256 --methods ar,ubtree \
         --tree-budgets 64 --beam-width 12 --top-k 64 --concurrency 1,4,16,32 ;;
     microbench)
