@@ -132,3 +132,18 @@ def test_report_ablation_pivot_speed_and_microbench_sections(tmp_path):
     assert "| draft_postprocess_ms | 0.38 | ms | ubtree | t | beta0 | 64 | 12 | 64 | 16 | 1 |" in micro
     assert readme.index("## End-to-end") < readme.index("## Ablations") < readme.index("## Speed") \
         < readme.index("## Microbenchmarks")
+
+
+def test_hardware_names_the_cpu_when_asked_even_beside_a_gpu(monkeypatch):
+    import os
+
+    import torch
+
+    from ubtree_vllm.bench.records import hardware
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
+    assert hardware() == "1x NVIDIA H200"
+    assert hardware("cuda") == "1x NVIDIA H200"
+    assert hardware("cpu") == f"CPU ({os.cpu_count()} cores)"

@@ -30,7 +30,6 @@ Selector tables are precomputed once, as at engine load. Timing: bench/timing.py
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ubtree_vllm.bench.records import hardware
 from ubtree_vllm.bench.settings import BenchArgumentError, parse_list
 from ubtree_vllm.bench.timing import TOTAL, summarize, time_stages
 
@@ -85,12 +85,6 @@ def _check_counts(settings: MicrobenchSettings) -> None:
             raise BenchArgumentError(f"{flag} must be >= 1, got {value}")
     if settings.warmup < 0:
         raise BenchArgumentError(f"--warmup must be >= 0, got {settings.warmup}")
-
-
-def _hardware(device: torch.device) -> str:
-    from ubtree_vllm.bench.records import hardware
-
-    return hardware() if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
 
 
 def draft_postprocess(settings: MicrobenchSettings) -> list[dict[str, Any]]:
@@ -145,7 +139,7 @@ def draft_postprocess(settings: MicrobenchSettings) -> list[dict[str, Any]]:
         "kind": "microbench", "method": "ubtree", "target": cfg.target_name, "drafter": str(settings.drafter),
         "metric": metric, "value": round(medians[stage], 5), "unit": "ms", "batch_size": settings.num_reqs,
         "tree_budget": tree_cfg.tree_budget, "beam_width": tree_cfg.beam_width, "top_k": tree_cfg.top_k,
-        "block_size": tree_cfg.block_size, "cuda_graphs": False, "hardware": _hardware(device), "notes": notes,
+        "block_size": tree_cfg.block_size, "cuda_graphs": False, "hardware": hardware(device.type), "notes": notes,
     } for stage, metric in DRAFT_POSTPROCESS_METRICS.items()]
 
 
@@ -169,7 +163,7 @@ def tree_attention_vs_flash(settings: MicrobenchSettings) -> list[dict[str, Any]
     device = _cuda_device(settings, "tree-attention-vs-flash")
     timings = [time_tree_vs_flash(c, device, settings.iters, settings.warmup, settings.seed)
                for c in settings.context_lens]
-    return attention_records(timings, iters=settings.iters, warmup=settings.warmup, hardware=_hardware(device))
+    return attention_records(timings, iters=settings.iters, warmup=settings.warmup, hardware=hardware(device.type))
 
 
 def verify_forward(settings: MicrobenchSettings) -> list[dict[str, Any]]:
@@ -187,7 +181,7 @@ def verify_forward(settings: MicrobenchSettings) -> list[dict[str, Any]]:
                                                 warmup=settings.warmup, seed=settings.seed, **engine_kwargs)
     target = "qwen3-8b-dummy" + "".join(f" {k}={v}" for k, v in sorted(overrides.items()))
     return verify_records(medians, context_len=CONTEXT_LEN, iters=settings.iters, warmup=settings.warmup,
-                          hardware=_hardware(device), min_cache_hits=min_hits, target=target,
+                          hardware=hardware(device.type), min_cache_hits=min_hits, target=target,
                           cuda_graphs=not engine_kwargs.get("enforce_eager", False))
 
 

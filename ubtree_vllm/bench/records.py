@@ -69,12 +69,16 @@ def git_commit(cwd: str | Path | None = None) -> str | None:
     return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
-def hardware() -> str:
-    """"1x NVIDIA H200"-style GPU description, else "CPU (N cores)"."""
+def hardware(device_type: str | None = None) -> str:
+    """"1x NVIDIA H200"-style GPU description, else "CPU (N cores)".
+
+    `device_type` "cpu": the CPU description even where a GPU is present (a measurement that
+    ran on the CPU of a GPU machine).
+    """
     try:
         import torch
 
-        if torch.cuda.is_available():
+        if device_type != "cpu" and torch.cuda.is_available():
             names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
             if len(set(names)) == 1:
                 return f"{len(names)}x {names[0]}"

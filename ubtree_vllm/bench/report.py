@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +64,14 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
     return lines + [""]
 
 
-def _single_tau(rows: Sequence[dict[str, Any]]) -> dict[tuple, float]:
+def _tau_by_drafter(rows: Sequence[dict[str, Any]], keep: Callable[[dict[str, Any]], bool]) -> dict[tuple, float]:
+    """{(target, drafter, dataset, temperature): tau} of the kept rows with a tau; later rows win."""
     return {(r["target"], r["drafter"], r["dataset"], r["temperature"]): r["tau"]
-            for r in rows if r["method"] in SINGLE_PATH_METHODS and r.get("tau")}
+            for r in rows if keep(r) and r.get("tau")}
+
+
+def _single_tau(rows: Sequence[dict[str, Any]]) -> dict[tuple, float]:
+    return _tau_by_drafter(rows, lambda r: r["method"] in SINGLE_PATH_METHODS)
 
 
 def drafter_label(drafter: str) -> str:
@@ -81,16 +86,9 @@ def _drafter_order(drafter: str) -> tuple:
 
 def _ablation_section(e2e: Sequence[dict[str, Any]]) -> list[str]:
     """Per target: one row per drafter, one column per (dataset, T); see the module docstring."""
-    tree: dict[tuple, float] = {}
-    single: dict[tuple, float] = {}
-    for r in e2e:  # file order: later records overwrite earlier ones
-        if r.get("tau") is None or not r.get("drafter"):
-            continue
-        key = (r.get("target"), r["drafter"], r.get("dataset"), r.get("temperature"))
-        if r.get("method") == "ubtree" and r.get("tree_budget") == ABLATION_BUDGET:
-            tree[key] = r["tau"]
-        elif r.get("method") in SINGLE_PATH_METHODS:
-            single[key] = r["tau"]
+    with_drafter = [r for r in e2e if r["drafter"]]  # file order: later records win
+    tree = _tau_by_drafter(with_drafter, lambda r: r["method"] == "ubtree" and r["tree_budget"] == ABLATION_BUDGET)
+    single = _single_tau(with_drafter)
     if not tree:
         return []
     lines = ["## Ablations: tau by drafter", "",
