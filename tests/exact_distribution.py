@@ -59,3 +59,34 @@ def distribution_pvalues(samples: torch.Tensor, joint: torch.Tensor) -> list[flo
         obs = torch.bincount(samples[:, t] * vocab_size + samples[:, t + 1], minlength=vocab_size ** 2)
         pvals.append(chi2_pvalue(obs, joint.sum(dim=[d for d in dims if d not in (t, t + 1)])))
     return pvals
+
+
+def homogeneity_pvalue(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Chi-square test that two count vectors over the same cells come from one law.
+
+    Cells whose pooled count is below 10 are merged into one (expected counts >= 5 per sample).
+    """
+    a, b = a.flatten().double(), b.flatten().double()
+    keep = (a + b) >= 10
+    table = torch.stack([torch.cat([a[keep], a[~keep].sum()[None]]), torch.cat([b[keep], b[~keep].sum()[None]])])
+    table = table[:, table.sum(dim=0) > 0]
+    if table.shape[1] < 2:
+        return 1.0
+    return float(stats.chi2_contingency(table.numpy(), correction=False).pvalue)
+
+
+def two_sample_pvalues(a: torch.Tensor, b: torch.Tensor, vocab_size: int) -> list[float]:
+    """Homogeneity p-values of each position's marginal and each adjacent pair. a, b [N, H] int64.
+
+    For engines whose arithmetic (bf16 on the GPU) differs from the HF enumeration: the
+    reference is then samples of the same target in the same engine without speculation.
+    """
+    horizon = a.shape[1]
+    pvals = []
+    for t in range(horizon):
+        pvals.append(homogeneity_pvalue(torch.bincount(a[:, t], minlength=vocab_size),
+                                        torch.bincount(b[:, t], minlength=vocab_size)))
+    for t in range(horizon - 1):
+        pair = lambda s: torch.bincount(s[:, t] * vocab_size + s[:, t + 1], minlength=vocab_size ** 2)  # noqa: E731
+        pvals.append(homogeneity_pvalue(pair(a), pair(b)))
+    return pvals

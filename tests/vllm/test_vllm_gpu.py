@@ -1,8 +1,9 @@
-"""GPU check (H200, vLLM 0.32.0, CUDA graphs on): greedy equality and a first tokens/s comparison.
+"""GPU check (H200, vLLM 0.32.0, CUDA graphs on): greedy equality, the T > 0 distribution and a
+first tokens/s comparison.
 
 Skipped without CUDA (``gpu`` marker, see tests/conftest.py). Runs the V1 runner with the
-tree-aware FLASH_ATTN subclass; vLLM captures PIECEWISE CUDA graphs around attention
-because the tree rows run in PyTorch (the builder reports ``AttentionCGSupport.NEVER``).
+tree-aware FLASH_ATTN subclass (tree rows through the Triton tree-mask kernel); vLLM captures
+PIECEWISE CUDA graphs around attention (the builder reports ``AttentionCGSupport.NEVER``).
 
 bf16 (FlashAttention has no fp32): a tree forward and a one-token decode round differently,
 so a greedy divergence is accepted only at a near-tie of the reference -- the engine
@@ -24,7 +25,8 @@ import pytest
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
-from vllm_models import save_untrained_drafter
+from vllm_models import save_tiny_llama, save_untrained_drafter
+from ubtree_vllm.config import SamplingConfig
 
 from ubtree_vllm import compat
 
@@ -35,12 +37,13 @@ MAX_TOKENS = 128
 TREE = {"num_speculative_tokens": 16, "beam_width": 4, "top_k": 8}
 
 
-def engine(model, speculative_config=None) -> LLM:
+def engine(model, speculative_config=None, **kwargs) -> LLM:
     # Engines run in this process (the GPU machine's engine-core subprocess hangs, see
     # ../shared/README.md): undo the capture flag a previous V1 (UBTree) engine left behind.
     compat.allow_cudagraph_capture_for_next_engine()
-    return LLM(model=str(model), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=2048, seed=0,
-               skip_tokenizer_init=True, disable_log_stats=False, speculative_config=speculative_config)
+    settings = dict(dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=2048, seed=0,
+                    skip_tokenizer_init=True, disable_log_stats=False)
+    return LLM(model=str(model), speculative_config=speculative_config, **{**settings, **kwargs})
 
 
 def prompts_for(vocab_size: int, count: int = 8) -> list[list[int]]:
@@ -78,9 +81,8 @@ def run_pair(target, drafter):
     start = time.perf_counter()
     ubtree.generate(prompts[:1], params, use_tqdm=False)
     ubtree_s = time.perf_counter() - start
-    metrics = {m.name: m.value for m in ubtree.get_metrics()
-               if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")}
-    tau = 1 + metrics["vllm:spec_decode_num_accepted_tokens"] / max(1, metrics["vllm:spec_decode_num_drafts"])
+    drafts, accepted = spec_counters(ubtree)
+    tau = 1 + accepted / max(1, drafts)
     assert_greedy_equal_up_to_near_ties(spec, reference)
     return MAX_TOKENS / plain_s, MAX_TOKENS / ubtree_s, tau
 
@@ -114,3 +116,50 @@ def test_greedy_equality_and_speed_smollm2(default_target_dir, tmp_path):
         append_record({**common, "method": "ubtree", "drafter": str(drafter), "tree_budget": 16, "beam_width": 4,
                        "top_k": 8, "tau": tau, "output_tokens_per_s": ubtree_tps,
                        "speedup_vs_ar": ubtree_tps / plain_tps}, records)
+
+
+# T > 0: vocabulary-8 random Llama (head_dim 64), untrained drafter with K = 6 of 8 tokens so trees are
+# often partly accepted. bf16 arithmetic differs from an fp32 HF enumeration (and may move a token
+# across a top-k / top-p boundary), so the reference is the same target in the same engine without
+# speculation: a two-sample chi-square per position and per adjacent pair.
+VOCAB, HORIZON, NUM_SAMPLES, PROMPT, ALPHA = 8, 4, 10000, [1, 2, 3], 1e-3
+SAMPLING_CASES = [SamplingConfig(1.0), SamplingConfig(0.8, top_k=5), SamplingConfig(1.2, top_p=0.85),
+                  SamplingConfig(1.0, top_k=6, top_p=0.9)]
+
+
+def sample_continuations(llm: LLM, sampling: SamplingConfig) -> "torch.Tensor":
+    import torch
+
+    params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                            max_tokens=HORIZON, ignore_eos=True, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)] * NUM_SAMPLES, params, use_tqdm=False)
+    return torch.tensor([list(o.outputs[0].token_ids) for o in outs])
+
+
+def test_sampling_distribution_cuda_graphs(tmp_path):
+    from exact_distribution import two_sample_pvalues  # scipy, imported only by this test
+
+    target = save_tiny_llama(tmp_path / "vocab8", vocab_size=VOCAB, hidden_size=128, num_layers=3, num_heads=2,
+                             num_kv_heads=1, init_range=0.15, seed=3)
+    drafter = save_untrained_drafter(target, tmp_path / "vocab8-drafter", block_size=3, top_k=6, seed=1)
+    small = dict(max_model_len=64, max_num_seqs=256)
+    plain = engine(target, **small)
+    reference = [sample_continuations(plain, case) for case in SAMPLING_CASES]
+    del plain
+    gc.collect()
+    ubtree = engine(target, {"method": "ubtree", "model": str(drafter), "num_speculative_tokens": 9,
+                             "beam_width": 3, "top_k": 6}, **small)
+    for case, ref in zip(SAMPLING_CASES, reference):
+        before = spec_counters(ubtree)
+        samples = sample_continuations(ubtree, case)
+        after = spec_counters(ubtree)
+        # Losslessness is only tested if drafts were accepted: > 0.3 accepted tokens per round.
+        assert after[1] - before[1] > 0.3 * (after[0] - before[0]), (case, before, after)
+        pvals = two_sample_pvalues(samples, ref, VOCAB)
+        assert min(pvals) > ALPHA / len(pvals), (case, pvals)
+
+
+def spec_counters(llm: LLM) -> tuple[float, float]:
+    values = {m.name: m.value for m in llm.get_metrics()
+              if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")}
+    return values["vllm:spec_decode_num_drafts"], values["vllm:spec_decode_num_accepted_tokens"]
