@@ -11,15 +11,18 @@
 #   pack     copy the drafter and the records to $OUT (files <= 16 MB each)
 #   install  install this checkout (non-editable, like a user) into /tmp/ub-site; every later
 #            phase imports the installed package (PYTHONSAFEPATH keeps the source tree off sys.path)
-#   gputest  tests/vllm/test_vllm_gpu.py with the shipped drafter (greedy equality + tok/s record)
+#   gputest  tests/vllm/test_vllm_gpu.py with the shipped drafter (greedy equality + tok/s record);
+#            GPUTEST_K selects tests (pytest -k), e.g. smollm2
 #   ablations  the training ablations, one pipeline each, run side by side until DEADLINE_S
 #            seconds after the phase starts (default 540): hard-label CE, beta=0, T_train=0
 #            (data, train, export to runs/ablations/, tau on the three sets). Every step is
 #            resumable or skipped when done, so calling the phase again continues.
 #   humaneval-t1  tau of UBTree at T=1 on HumanEval with the shipped drafter
-#   tests    the GPU tests of triton_ops (bf16/fp16 kernel vs its PyTorch reference)
-#   bench    `ubtree bench e2e` at batch 1 (ar, dflash-chain, ubtree B=16/32/64), METHODS and
-#            BENCH_PROMPTS (per set, default 10) select a slice so each call stays < 10 minutes
+#   tests    the GPU tests of triton_ops (bf16/fp16 kernel vs its PyTorch reference) and of the
+#            draft-stage CUDA graphs
+#   bench    `ubtree bench e2e` at batch 1 (ar, dflash-chain, ubtree B=16/32/64); METHODS, BUDGETS,
+#            BENCH_DATASETS, BENCH_TEMPS and BENCH_PROMPTS (per set, default 10) select a slice so
+#            each call stays < 10 minutes
 #   sweep    `ubtree bench e2e` concurrency 1,4,16,32 on MT-Bench, T=0, ar vs ubtree B=64
 #   microbench  `ubtree bench microbench --which all` (draft post-processing per round, tree attention
 #            vs FlashAttention, tree-65 vs chain-17 verification forward on a dummy Qwen3-8B)
@@ -88,14 +91,17 @@ for phase in "$@"; do
     gputest)
       R=$PWD
       ( cd /tmp && GPU_TEST_DRAFTER="$R/$DRAFTER" GPU_TEST_RECORDS="$R/$RECORDS" python3 -m pytest -q -s \
-          -p no:cacheprovider --rootdir "$R" "$R/tests/vllm/test_vllm_gpu.py" "$R/tests/vllm/test_vllm_patches.py" ) ;;
+          -p no:cacheprovider --rootdir "$R" -k "${GPUTEST_K:-}" "$R/tests/vllm/test_vllm_gpu.py" \
+          "$R/tests/vllm/test_vllm_patches.py" ) ;;
     tests)
       R=$PWD
-      ( cd /tmp && python3 -m pytest -q -p no:cacheprovider --rootdir "$R" "$R/tests/triton" ) ;;
+      ( cd /tmp && python3 -m pytest -q -p no:cacheprovider --rootdir "$R" "$R/tests/triton" \
+          "$R/tests/unit/test_draft_graphs.py" ) ;;
     bench)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization 0.25 \
-        --datasets spec_bench,mt_bench,humaneval --temperatures 0,1 --num-prompts "${BENCH_PROMPTS:-10}" \
+        --datasets "${BENCH_DATASETS:-spec_bench,mt_bench,humaneval}" --temperatures "${BENCH_TEMPS:-0,1}" \
+        --num-prompts "${BENCH_PROMPTS:-10}" \
         --max-new-tokens 256 --methods "${METHODS:-ar,dflash-chain,ubtree}" --tree-budgets "${BUDGETS:-16,32,64}" \
         --beam-width 12 --top-k 64 --concurrency 1 ;;
     sweep)

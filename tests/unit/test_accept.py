@@ -75,3 +75,65 @@ def test_sample_tokens_greedy_and_frequencies():
     assert (draws[:, 0] == 2).all()
     freq = torch.bincount(draws[:, 1], minlength=4).double() / 4000
     torch.testing.assert_close(freq, torch.softmax(logits[1, 0].double(), -1), atol=0.03, rtol=0)
+
+
+def walk_reference(tree: DraftTree, target: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+    """The acceptance walk itself, one request at a time on the host (oracle of accept_tree)."""
+    paths, outs = [], []
+    for tokens, parents, draws in zip(tree.tokens.tolist(), tree.parents.tolist(), target.tolist()):
+        cur, path, out = 0, [0], []
+        while True:
+            child = next((j for j, (p, t) in enumerate(zip(parents, tokens)) if p == cur and j > 0 and t == draws[cur]),
+                         None)
+            if child is None:
+                break
+            out.append(draws[cur])
+            path.append(child)
+            cur = child
+        paths.append(path)
+        outs.append(out + [draws[cur]])
+    return paths, outs
+
+
+def test_accept_matches_the_walk_on_random_trees():
+    """Random parents-first trees with distinct sibling tokens (and padding nodes) vs the walk."""
+    depths: list[int] = []
+    for seed in range(20):
+        check_random_trees(seed, depths)
+    # The comparison exercised deep accepted paths, not only the root.
+    assert max(depths) >= 4 and sum(d >= 2 for d in depths) >= len(depths) // 4, depths
+
+
+def check_random_trees(seed: int, depths: list[int]) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    num_reqs, n, vocab, max_depth = 4, 24, 5, 9
+    parents = torch.full((num_reqs, n), -2, dtype=torch.long)
+    depth = torch.zeros((num_reqs, n), dtype=torch.long)
+    tokens = torch.full((num_reqs, n), -1, dtype=torch.long)
+    for r in range(num_reqs):
+        real = int(torch.randint(1, n + 1, (1,), generator=gen))
+        parents[r, 0], tokens[r, 0] = -1, 0
+        used: dict[int, set[int]] = {}
+        for j in range(1, real):
+            candidates = [p for p in range(j) if depth[r, p] < max_depth and len(used.get(p, ())) < vocab]
+            p = candidates[int(torch.randint(len(candidates), (1,), generator=gen))]
+            free = [t for t in range(vocab) if t not in used.get(p, set())]
+            t = free[int(torch.randint(len(free), (1,), generator=gen))]
+            used.setdefault(p, set()).add(t)
+            parents[r, j], depth[r, j], tokens[r, j] = p, depth[r, p] + 1, t
+    tree = DraftTree(tokens=tokens, parents=parents, depth=depth, scores=torch.zeros(num_reqs, n))
+    # Draws: mostly the token of one of the node's children, so that deep branches get accepted.
+    draws = torch.randint(vocab, (num_reqs, n), generator=gen)
+    for r in range(num_reqs):
+        for j in range(n):
+            kids = (parents[r] == j).nonzero().flatten().tolist()
+            if kids and float(torch.rand(1, generator=gen)) < 0.8:
+                draws[r, j] = tokens[r, kids[int(torch.randint(len(kids), (1,), generator=gen))]]
+    res = accept_tree(tree, draws, max_depth=max_depth)
+    paths, outs = walk_reference(tree, draws)
+    depths.extend(len(path) - 1 for path in paths)
+    for r in range(num_reqs):
+        k = len(paths[r]) - 1
+        assert res.accepted_path[r].tolist() == paths[r] + [-1] * (max_depth - k)
+        assert res.output_tokens[r].tolist() == outs[r] + [-1] * (max_depth - k)
+        assert int(res.num_accepted[r]) == k and int(res.last_node[r]) == paths[r][-1]

@@ -19,7 +19,7 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from ubtree_vllm.vllm.attention.cpu import TreeCPUAttentionImpl, VirtualLayout
 from ubtree_vllm.vllm.attention.state import TreeForwardState
-from ubtree_vllm.vllm.kv_commit import commit_accepted_paths
+from ubtree_vllm.vllm.kv_commit import commit_accepted_paths, commit_accepted_paths_in_cache
 from vllm_batches import BLOCK_SIZE, BLOCK_TABLE, NUM_COMPUTED, PARENTS, ancestors, make_batch
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, NUM_BLOCKS = 4, 2, 64, 8
@@ -106,6 +106,31 @@ def test_kv_commit_moves_accepted_nodes_to_their_depth(impl, dtype):
     write(expected, key[rows], value[rows], slots, layer.isa)
     commit_accepted_paths(state, plan, accepted_path, num_accepted)
     assert torch.equal(cache, expected)
+
+
+def test_in_cache_kv_commit_on_a_flash_attention_layout():
+    """FLASH_ATTN's commit: accepted nodes' K/V copied slot to slot inside the cache, every layer."""
+    batch = make_batch()
+    plan = batch.plan
+    torch.manual_seed(0)
+    # Two layers' caches [num_blocks, H_kv, block_size, 2 * head_size], one non-contiguous.
+    caches = [torch.randn(NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE),
+              torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE).transpose(1, 2)]
+    state = TreeForwardState()
+    state.begin(plan, torch.device("cpu"))
+    state.record_stash_slots(batch.slot_mapping)
+    state.record_stash_slots(torch.zeros_like(batch.slot_mapping))  # later layers: first record kept
+    # r0 accepted root -> 1 -> 3 -> 5 (node 1 already sits at depth 1); r2 accepted node 2 only.
+    accepted_path = torch.tensor([[0, 1, 3, 5], [0, -1, -1, -1], [0, 2, -1, -1]])
+    num_accepted = torch.tensor([3, 0, 1])
+    expected = [c.clone() for c in caches]
+    for exp, cache in zip(expected, caches):
+        for root, depth, node in [(0, 2, 3), (0, 3, 5), (11, 1, 2)]:  # (root row, depth, node)
+            src, dst = int(batch.slot_mapping[root + node]), int(batch.slot_mapping[root + depth])
+            exp[dst // BLOCK_SIZE, :, dst % BLOCK_SIZE] = cache[src // BLOCK_SIZE, :, src % BLOCK_SIZE]
+    commit_accepted_paths_in_cache(caches, state.stash_slots, plan, accepted_path, num_accepted)
+    for got, exp in zip(caches, expected):
+        assert torch.equal(got, exp)
 
 
 def test_cuda_backend_tree_rows_on_a_flash_attention_layout():

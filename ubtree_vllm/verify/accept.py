@@ -11,6 +11,13 @@ is x_root, x_child, ... i.e. each token drawn from the target given all tokens b
 which is the definition of autoregressive sampling. At T=0 this is the longest path
 matching the target's argmax at every node. For deterministic candidates the acceptance
 probability at a node, sum over children c of p(c), is the best any lossless rule reaches.
+
+Computation (no loop over depths, no host sync, a fixed ~40 kernels). A node j is
+*accepted* iff every node on the root->j path (root excluded) carries the draw of its
+parent. Because siblings are distinct, the accepted nodes form one root-anchored path,
+which is exactly the walk above; its deepest node is where the walk stops. "Every
+ancestor matches" is an AND along parent pointers, computed by pointer jumping in
+ceil(log2(max_depth + 1)) rounds.
 """
 from __future__ import annotations
 
@@ -36,27 +43,34 @@ class AcceptResult:
 def accept_tree(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int) -> AcceptResult:
     """Walk each tree along the target's draws.
 
-    tree: N flattened trees with n nodes; target_tokens: [N, n] the target's draw at each node;
-    max_depth: static bound on tree depth (the block size), so the loop never syncs.
+    tree: N flattened trees with n nodes (parents < 0 except the root's -1 mark padding
+    nodes, which are never accepted); target_tokens: [N, n] the target's draw at each node;
+    max_depth: static bound on tree depth (the block size).
     """
-    num_reqs = tree.tokens.shape[0]
+    num_reqs, n = tree.tokens.shape
     device = tree.tokens.device
-    cur = torch.zeros(num_reqs, dtype=torch.long, device=device)
-    alive = torch.ones(num_reqs, dtype=torch.bool, device=device)
-    path = torch.full((num_reqs, max_depth + 1), -1, dtype=torch.long, device=device)
-    path[:, 0] = 0
-    out = torch.full((num_reqs, max_depth + 1), -1, dtype=torch.long, device=device)
-    num_accepted = torch.zeros(num_reqs, dtype=torch.long, device=device)
-    for d in range(1, max_depth + 1):
-        want = target_tokens.gather(1, cur[:, None])  # [N, 1]
-        match = (tree.parents == cur[:, None]) & (tree.tokens == want) & alive[:, None]
-        found = match.any(dim=1)
-        child = match.long().argmax(dim=1)  # siblings are distinct: at most one match
-        out[:, d - 1] = torch.where(found, want.squeeze(1), out[:, d - 1])
-        path[:, d] = torch.where(found, child, path[:, d])
-        cur = torch.where(found, child, cur)
-        num_accepted += found.long()
-        alive &= found
-    bonus = target_tokens.gather(1, cur[:, None]).squeeze(1)
-    out.scatter_(1, num_accepted[:, None], bonus[:, None])
-    return AcceptResult(accepted_path=path, num_accepted=num_accepted, output_tokens=out, last_node=cur)
+    node = torch.arange(n, device=device)
+    is_root = node[None, :] == 0  # [1, n]
+    has_parent = tree.parents >= 0  # [N, n]
+    parent = torch.where(has_parent, tree.parents, 0)  # root and padding point at the root
+    # bad[j]: node j's own edge fails (its token is not the draw at its parent).
+    bad = ~is_root & (~has_parent | (tree.tokens != target_tokens.gather(1, parent)))
+    # Pointer jumping: after round r, bad[j] covers the 2^r nearest nodes of the root->j path.
+    jump = parent
+    for _ in range(max(1, max_depth).bit_length()):
+        bad = bad | bad.gather(1, jump)
+        jump = jump.gather(1, jump)
+    accepted = ~bad  # [N, n]; a single root-anchored path
+    depth = torch.where(accepted, tree.depth, -1)
+    num_accepted, last = depth.max(dim=1)  # deepest accepted node; root (depth 0) at least
+    # Path: accepted node at each depth (scatter by depth; non-path nodes go to a spill column).
+    path = torch.full((num_reqs, max_depth + 2), -1, dtype=torch.long, device=device)
+    spill = torch.where(accepted, tree.depth.clamp(max=max_depth), max_depth + 1)
+    path.scatter_(1, spill, node.expand(num_reqs, n).clone())
+    path = path[:, : max_depth + 1]
+    # Tokens: accepted draft tokens (depths 1..k), then the bonus draw at the last node.
+    out = torch.where(path[:, 1:] >= 0, tree.tokens.gather(1, path[:, 1:].clamp(min=0)), -1)
+    out = torch.cat([out, torch.full((num_reqs, 1), -1, dtype=torch.long, device=device)], dim=1)
+    bonus = target_tokens.gather(1, last[:, None])
+    out.scatter_(1, num_accepted[:, None], bonus)
+    return AcceptResult(accepted_path=path, num_accepted=num_accepted, output_tokens=out, last_node=last)

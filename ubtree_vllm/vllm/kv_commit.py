@@ -7,15 +7,25 @@ satisfies this for free; a tree verified node j of a request in row/slot
 ``root_row + j``, so the accepted node ``a_d`` at depth d must be copied to the slot
 of row ``root_row + d``.
 
-The copy replays the fresh K/V stashed by the attention layers during the forward
-(:class:`ubtree_vllm.vllm.attention.state.StashedLayer`) through each layer's own
-``impl.do_kv_cache_update`` -- the only layout-agnostic writer (CPU_ATTN tiles keys per
-ISA). Reading from the stash, not the cache, makes the order of the copies irrelevant.
-Pairs that need no copy (the node already sits at its depth, or the depth is beyond the
-accepted length) get slot -1, which vLLM's cache writers skip, so the whole commit is a
-fixed-shape gather and one write per layer, without host syncs.
+Two writers, chosen by the attention backend:
+
+* :func:`commit_accepted_paths` (stash; CPU_ATTN, whose cache layout is tiled per ISA):
+  replays the fresh K/V stashed by the attention layers during the forward
+  (:class:`ubtree_vllm.vllm.attention.state.StashedLayer`) through each layer's own
+  ``impl.do_kv_cache_update``. Pairs that need no copy get slot -1, which vLLM's cache
+  writers skip.
+* :func:`commit_accepted_paths_in_cache` (FLASH_ATTN's ``[num_blocks, H_kv, block_size,
+  2 * head_size]`` cache): the stock forward already wrote every node's K/V at its linear
+  slot, so each layer's commit is one gather of the source slots and one scatter to the
+  destination slots, 2 kernels per layer and no stash. All gathers of a layer happen
+  before its scatter, so a destination that is also a source is read before it is
+  overwritten; pairs that need no copy write a slot's own value back.
+
+Both are fixed-shape and free of host syncs.
 """
 from __future__ import annotations
+
+from typing import Iterable
 
 import torch
 
@@ -23,15 +33,13 @@ from ubtree_vllm.vllm.attention.state import TreeForwardState
 from ubtree_vllm.vllm.tree_plan import TreeStepPlan
 
 
-def commit_accepted_paths(state: TreeForwardState, plan: TreeStepPlan, accepted_path: torch.Tensor,
-                          num_accepted: torch.Tensor) -> None:
-    """Write every tree request's accepted nodes into the slots of depths 1..k.
+def _commit_pairs(plan: TreeStepPlan, accepted_path: torch.Tensor,
+                  num_accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(src, dst, moves), each [Q * D] over the plan's stash rows (Q tree requests, D depths).
 
-    accepted_path: [num_reqs, max_depth + 1] int64 node index at each depth, -1 padded;
-    num_accepted:  [num_reqs] int64 accepted draft nodes (root excluded).
+    src: stash index of the accepted node at each depth (the root's for depths past the
+    accepted length); dst: stash index of that depth's own row; moves: the pair needs a copy.
     """
-    if not state.stash:
-        return
     device = accepted_path.device
     tree_req = torch.from_numpy(plan.is_tree.nonzero()[0]).to(device)  # [Q]
     offset = torch.from_numpy(plan.stash_offset).to(device)[tree_req]  # [Q]
@@ -39,10 +47,45 @@ def commit_accepted_paths(state: TreeForwardState, plan: TreeStepPlan, accepted_
     depth = torch.arange(1, accepted_path.shape[1], device=device)  # [D]
     path = accepted_path[tree_req, 1:]  # [Q, D]
     moves = (depth[None, :] <= num_accepted[tree_req, None]) & (path != depth[None, :])
-    src = (offset[:, None] + path.clamp(min=0)).flatten()  # stash index of the accepted node
-    dst = (offset[:, None] + depth[None, :]).clamp(max=num_stash - 1).flatten()  # stash index of its depth
-    moves = moves.flatten()
+    src = (offset[:, None] + path.clamp(min=0)).flatten()
+    dst = (offset[:, None] + depth[None, :]).clamp(max=num_stash - 1).flatten()
+    return src, dst, moves.flatten()
+
+
+def commit_accepted_paths(state: TreeForwardState, plan: TreeStepPlan, accepted_path: torch.Tensor,
+                          num_accepted: torch.Tensor) -> None:
+    """Write every tree request's accepted nodes into the slots of depths 1..k (stash writer).
+
+    accepted_path: [num_reqs, max_depth + 1] int64 node index at each depth, -1 padded;
+    num_accepted:  [num_reqs] int64 accepted draft nodes (root excluded).
+    """
+    if not state.stash:
+        return
+    src, dst, moves = _commit_pairs(plan, accepted_path, num_accepted)
     for entry in state.stash.values():
         slots = torch.where(moves, entry.slots[dst], -1)
         layer = entry.layer
         layer.impl.do_kv_cache_update(layer, entry.key[src], entry.value[src], layer.kv_cache, slots)
+
+
+def commit_accepted_paths_in_cache(kv_caches: Iterable[torch.Tensor], stash_slots: torch.Tensor,
+                                   plan: TreeStepPlan, accepted_path: torch.Tensor,
+                                   num_accepted: torch.Tensor) -> None:
+    """In-cache writer for ``[num_blocks, H_kv, block_size, 2 * head_size]`` caches (FLASH_ATTN).
+
+    stash_slots: [num_stash] int64 KV slot each of the plan's stash rows was written to
+    this step; accepted_path / num_accepted as in :func:`commit_accepted_paths`.
+    """
+    if len(plan.stash_rows) == 0:
+        return
+    src, dst, moves = _commit_pairs(plan, accepted_path, num_accepted)
+    src_slot = stash_slots[src]
+    dst_slot = torch.where(moves, stash_slots[dst], src_slot)
+    block_size = None
+    for kv_cache in kv_caches:
+        if block_size is None:
+            block_size = kv_cache.shape[2]
+            src_block, src_off = src_slot // block_size, src_slot % block_size
+            dst_block, dst_off = dst_slot // block_size, dst_slot % block_size
+        rows = kv_cache[src_block, :, src_off]  # [P, H_kv, 2 * head_size], gathered before the scatter
+        kv_cache[dst_block, :, dst_off] = rows

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from vllm.config import CUDAGraphMode
 
 from ubtree_vllm import compat
 from ubtree_vllm.drafter.io import load_drafter
@@ -23,6 +24,7 @@ from ubtree_vllm.drafter.proposer import UBTreeDrafter
 from ubtree_vllm.tree.topology import DraftTree
 from ubtree_vllm.types import DraftContext
 from ubtree_vllm.vllm.config import METHOD, UBTreeVllmConfig, from_vllm_config
+from ubtree_vllm.vllm.draft_graphs import DraftGraphs
 
 
 def target_embeddings(target: nn.Module, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +52,10 @@ class UBTreeProposer:
                              f"configure it with \"method\": {METHOD!r}")
         self.config: UBTreeVllmConfig = config
         self.drafter: UBTreeDrafter | None = None
+        self.draft_graphs: DraftGraphs | None = None
+        # Draft through CUDA graphs whenever the engine uses CUDA graphs for the target.
+        self._use_graphs = (not vllm_config.model_config.enforce_eager
+                            and vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE)
 
     def load_model(self, target: nn.Module) -> None:
         """Load the drafter weights on the target's device/dtype and bind its embedding/head."""
@@ -57,10 +63,14 @@ class UBTreeProposer:
         drafter = load_drafter(self.config.drafter_dir, device=embed.device, dtype=embed.dtype)
         drafter.bind_target(embed, head)
         self.drafter = drafter
+        if self._use_graphs and embed.device.type == "cuda":
+            self.draft_graphs = DraftGraphs(drafter, self.config.tree, embed.device)
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> DraftTree:
         """One tree of B + 1 nodes per request (node 0 = ctx.anchor), parents-first order."""
         if self.drafter is None:
             raise RuntimeError("UBTreeProposer.propose called before load_model")
+        if self.draft_graphs is not None:
+            return self.draft_graphs(ctx)
         return self.drafter.draft_tree(ctx, self.config.tree)

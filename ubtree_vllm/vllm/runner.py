@@ -35,7 +35,7 @@ from ubtree_vllm.verify.accept import AcceptResult
 from ubtree_vllm.vllm.attention.state import tree_forward_state
 from ubtree_vllm.vllm.config import from_vllm_config
 from ubtree_vllm.vllm.features import ContextFeatureStore
-from ubtree_vllm.vllm.kv_commit import commit_accepted_paths
+from ubtree_vllm.vllm.kv_commit import commit_accepted_paths, commit_accepted_paths_in_cache
 from ubtree_vllm.vllm.proposer import UBTreeProposer
 from ubtree_vllm.vllm.sampler import TreeRejectionSampler
 from ubtree_vllm.vllm.tree_plan import RequestTree, TreeStepPlan, build_plan
@@ -84,6 +84,7 @@ class UBTreeRunnerMixin:
             raise RuntimeError(f"method 'ubtree' needs its tree-aware attention backend, but the target's "
                                f"attention layers use {stock or 'no attention layers'}; was the backend "
                                "selected before the ubtree worker patches were applied?")
+        self._tree_attention_layers = layers
 
     # ---- 1. tree layout, positions -----------------------------------------------------
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
@@ -119,9 +120,14 @@ class UBTreeRunnerMixin:
     # ---- 4. KV commit --------------------------------------------------------------------
     def _update_states_after_model_execute(self, output_token_ids: torch.Tensor, scheduler_output: Any) -> None:
         super()._update_states_after_model_execute(output_token_ids, scheduler_output)  # type: ignore[misc]
-        if self._plan is not None and self._accept is not None:
-            commit_accepted_paths(self._tree_state, self._plan, self._accept.accepted_path,
-                                  self._accept.num_accepted)
+        if self._plan is None or self._accept is None:
+            return
+        state, accept = self._tree_state, self._accept
+        if state.stash_slots is not None:  # FLASH_ATTN: begin_tree_rows(stash=False)
+            commit_accepted_paths_in_cache([layer.kv_cache for layer in self._tree_attention_layers],
+                                           state.stash_slots, self._plan, accept.accepted_path, accept.num_accepted)
+        else:
+            commit_accepted_paths(state, self._plan, accept.accepted_path, accept.num_accepted)
 
     # ---- 5. features and drafting ----------------------------------------------------------
     def _input_fits_in_drafter(self, common_attn_metadata: Any) -> bool:
@@ -150,9 +156,11 @@ class UBTreeRunnerMixin:
         ctx = self._draft_context([req_ids[i] for i in drafting], drafting,
                                   [sampled_token_ids[i][-1] for i in drafting], anchor_pos)
         tree = self.drafter.propose(ctx)  # type: ignore[attr-defined]
-        # SYNC: vLLM's scheduler takes draft tokens as host lists (custom_class contract).
-        tokens = tree.tokens[:, 1:].tolist()
-        parents, depth = tree.parents.cpu().numpy(), tree.depth.cpu().numpy()
+        # SYNC: vLLM's scheduler takes draft tokens as host lists (custom_class contract);
+        # one device-to-host copy for tokens, parents and depth.
+        host = torch.stack([tree.tokens, tree.parents, tree.depth]).cpu().numpy()  # [3, N, B + 1]
+        tokens = host[0, :, 1:].tolist()
+        parents, depth = host[1], host[2]
         for k, i in enumerate(drafting):
             drafts[i] = tokens[k]
             self._trees[req_ids[i]] = RequestTree(draft_tokens=tokens[k], parents=parents[k], depth=depth[k])

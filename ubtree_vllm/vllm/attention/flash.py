@@ -78,7 +78,7 @@ class TreeFlashAttentionImpl(FlashAttentionImpl):
         """query [T, H, D]; key/value [T, H_kv, D]; kv_cache [num_blocks, H_kv, block, 2D] (logical)."""
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                  output_scale, output_block_scale)
-        active = begin_tree_rows(self, layer, key, value, attn_metadata)
+        active = begin_tree_rows(self, layer, key, value, attn_metadata, stash=False)
         if active is None:
             return output
         _, trees = active

@@ -45,12 +45,16 @@ class TreeForwardState:
         self._trees: DeviceTrees | None = None
         self._in_forward = False
         self.stash: dict[str, StashedLayer] = {}
+        # [num_stash] int64 KV slots of the stash rows, for backends that commit in the cache
+        # (recorded once per step by the first tree-aware layer; see kv_commit).
+        self.stash_slots: torch.Tensor | None = None
         # Per-step scratch shared by the layers of one forward (e.g. virtual block tables).
         self.step_cache: dict[Any, Any] = {}
 
     def begin(self, plan: TreeStepPlan, device: torch.device) -> None:
         """Publish ``plan`` for the next forward; drops the previous step's stash."""
         self.stash.clear()
+        self.stash_slots = None
         self.step_cache.clear()
         self._plan = plan if plan.has_tree_rows else None
         self._trees = plan.to_device(device) if self._plan is not None else None
@@ -74,6 +78,12 @@ class TreeForwardState:
         self.stash[layer.layer_name] = StashedLayer(layer=layer, key=key[rows], value=value[rows],
                                                     slots=slot_mapping[rows].to(torch.int64))
 
+    def record_stash_slots(self, slot_mapping: torch.Tensor) -> None:
+        """Keep the stash rows' KV slots once per step (the in-cache commit reads K/V there)."""
+        assert self._trees is not None
+        if self.stash_slots is None:
+            self.stash_slots = slot_mapping[self._trees.stash_rows].to(torch.int64)
+
 
 _STATE = TreeForwardState()
 
@@ -84,13 +94,14 @@ def tree_forward_state() -> TreeForwardState:
 
 
 def begin_tree_rows(impl: Any, layer: Any, key: torch.Tensor | None, value: torch.Tensor | None,
-                    attn_metadata: Any) -> tuple[TreeStepPlan, DeviceTrees] | None:
+                    attn_metadata: Any, stash: bool = True) -> tuple[TreeStepPlan, DeviceTrees] | None:
     """Shared prologue of the tree-aware attention impls, run after the stock forward.
 
     Returns the active (plan, trees) when this layer must recompute tree rows, after stashing
-    the layer's fresh K/V for the KV commit; None when the step has no trees (or the layer is
-    not a decoder self-attention layer). KV-sharing layers are refused: tree rows need each
-    layer's own K/V.
+    the layer's fresh K/V for the KV commit (``stash=False``: only the stash rows' slots, once
+    per step, for backends whose commit reads the cache); None when the step has no trees (or
+    the layer is not a decoder self-attention layer). KV-sharing layers are refused: tree rows
+    need each layer's own K/V.
     """
     state = tree_forward_state()
     active = state.active_plan()
@@ -101,5 +112,8 @@ def begin_tree_rows(impl: Any, layer: Any, key: torch.Tensor | None, value: torc
     if key is None or impl.kv_sharing_target_layer_name is not None:
         raise NotImplementedError("ubtree tree attention needs each layer's own K/V "
                                   "(KV-sharing layers are not supported)")
-    state.stash_layer(layer, key, value, attn_metadata.slot_mapping)
+    if stash:
+        state.stash_layer(layer, key, value, attn_metadata.slot_mapping)
+    else:
+        state.record_stash_slots(attn_metadata.slot_mapping)
     return active
