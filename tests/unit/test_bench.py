@@ -202,6 +202,16 @@ def test_draft_postprocess_microbench_on_cpu(drafter_dir, tmp_path, capsys):
     assert "## Microbenchmarks" in (tmp_path / "README.md").read_text()
 
 
+def test_draft_stage_microbench_on_cpu(drafter_dir):
+    """Eager drafting stage and the acceptance walk on the CPU (the graphed stage needs CUDA)."""
+    rows = run_microbenches(("draft-stage",), MicrobenchSettings(drafter=str(drafter_dir), device="cpu", iters=2,
+                                                                   warmup=1, tree_budget=8, beam_width=3, top_k=4))
+    assert [r["metric"] for r in rows] == ["draft_stage_eager_ms", "acceptance_ms"]
+    assert all(r["value"] > 0 and r["cuda_graphs"] is False and "context 512" in r["notes"] for r in rows)
+    with pytest.raises(BenchArgumentError, match="--drafter: drafter folder not found"):
+        run_microbenches(("draft-stage",), MicrobenchSettings(drafter="/no/such/drafter", device="cpu"))
+
+
 def test_microbench_without_records_and_its_errors(drafter_dir):
     rows = run_microbenches(("draft-postprocess",), MicrobenchSettings(drafter=str(drafter_dir), device="cpu",
                                                                          iters=2, warmup=0, tree_budget=48, top_k=16))

@@ -144,17 +144,17 @@ def test_time_launches_on_cpu_gives_one_sample_per_iteration():
 
 # ---- --which and --drafter ---------------------------------------------------------------
 
-def test_which_all_is_every_entry_and_only_draft_postprocess_needs_the_drafter():
+def test_which_all_is_every_entry_and_only_the_drafter_entries_need_the_drafter():
     assert parse_which("all") == tuple(MICROBENCHES) == ("draft-postprocess", "tree-attention-vs-flash",
-                                                         "verify-forward")
+                                                         "verify-forward", "draft-stage")
     assert parse_which("verify-forward, draft-postprocess") == ("verify-forward", "draft-postprocess")
-    assert [n for n, m in MICROBENCHES.items() if m.uses_drafter] == ["draft-postprocess"]
+    assert [n for n, m in MICROBENCHES.items() if m.uses_drafter] == ["draft-postprocess", "draft-stage"]
     assert [n for n, m in MICROBENCHES.items() if m.gpu_only] == ["tree-attention-vs-flash", "verify-forward"]
 
 
 @pytest.mark.parametrize("names,pattern", [
     (("verify",), r"--which: unknown microbenchmark 'verify'; allowed: draft-postprocess, tree-attention-vs-flash, "
-                  r"verify-forward, all"),
+                  r"verify-forward, draft-stage, all"),
     (("draft-postprocess", "draft-postprocess"), r"--which lists a microbenchmark twice"),
     (("draft-postprocess",), r"--drafter is required for --which draft-postprocess"),
 ])

@@ -12,6 +12,11 @@ running any. Entries:
                            vLLM's FlashAttention on a Qwen3-8B layer, per --context-lens
   verify-forward           (GPU only) bench/verify_bench.py: one vLLM forward of 65 vs 17
                            new tokens on a dummy Qwen3-8B over a cached 1024-token context
+  draft-stage              (CPU or GPU, uses --drafter) the whole drafting stage of a round as the
+                           vLLM proposer runs it (backbone over DRAFT_STAGE_CONTEXT committed
+                           positions, top-K, selector, tree), eager and, on CUDA, replayed from
+                           its CUDA graph (vllm/draft_graphs.py); plus the acceptance walk
+                           (verify/accept.py) over the resulting tree
 
 draft-postprocess: everything of a drafting round after the drafter backbone, i.e. the
 serving path `UBTreeDrafter.draft_tree` minus `block_hidden`, calling the real functions:
@@ -89,30 +94,15 @@ def _check_counts(settings: MicrobenchSettings) -> None:
 
 def draft_postprocess(settings: MicrobenchSettings) -> list[dict[str, Any]]:
     """Records (one per stage + total) of the draft post-processing microbenchmark."""
-    from ubtree_vllm.config import UBTreeConfig
-    from ubtree_vllm.drafter.io import load_drafter
     from ubtree_vllm.tree.search import build_tree
 
     _check_counts(settings)
     device = resolve_device(settings.device)
     if settings.drafter is None:
         raise BenchArgumentError("--drafter is required for --which draft-postprocess")
-    if not Path(settings.drafter).is_dir():
-        raise BenchArgumentError(f"--drafter: drafter folder not found: {settings.drafter}")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    drafter = load_drafter(settings.drafter, device=device, dtype=dtype)
-    cfg = drafter.cfg
-    try:
-        tree_cfg = UBTreeConfig(tree_budget=settings.tree_budget, beam_width=min(settings.beam_width,
-                                settings.tree_budget), top_k=settings.top_k, block_size=cfg.block_size)
-        tree_cfg.check_vocab(cfg.vocab_size)
-    except ValueError as exc:
-        raise BenchArgumentError(f"--tree-budget/--beam-width/--top-k: {exc}") from None
-
     gen = torch.Generator(device=device).manual_seed(settings.seed)
-    embed = 0.02 * torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, device=device, dtype=dtype)
-    head = 0.02 * torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, device=device, dtype=dtype)
-    drafter.bind_target(embed, head)  # eval mode: precomputes the selector tables
+    drafter, tree_cfg, dtype = _bound_drafter(settings, device, gen)
+    cfg = drafter.cfg
     # [N, gamma, H] block hidden states; [N] anchors
     hidden = torch.randn(settings.num_reqs, cfg.block_size, cfg.hidden_size, generator=gen, device=device,
                          dtype=dtype)
@@ -141,6 +131,74 @@ def draft_postprocess(settings: MicrobenchSettings) -> list[dict[str, Any]]:
         "tree_budget": tree_cfg.tree_budget, "beam_width": tree_cfg.beam_width, "top_k": tree_cfg.top_k,
         "block_size": tree_cfg.block_size, "cuda_graphs": False, "hardware": hardware(device.type), "notes": notes,
     } for stage, metric in DRAFT_POSTPROCESS_METRICS.items()]
+
+
+DRAFT_STAGE_CONTEXT = 512
+
+
+def _bound_drafter(settings: MicrobenchSettings, device: torch.device, gen: torch.Generator):
+    """(drafter bound to a random [V, H] embedding / LM head, tree config, dtype) for the drafter entries."""
+    from ubtree_vllm.config import UBTreeConfig
+    from ubtree_vllm.drafter.io import load_drafter
+
+    if settings.drafter is None or not Path(settings.drafter).is_dir():
+        raise BenchArgumentError(f"--drafter: drafter folder not found: {settings.drafter}")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    drafter = load_drafter(settings.drafter, device=device, dtype=dtype)
+    cfg = drafter.cfg
+    try:
+        tree_cfg = UBTreeConfig(tree_budget=settings.tree_budget, beam_width=min(settings.beam_width,
+                                settings.tree_budget), top_k=settings.top_k, block_size=cfg.block_size)
+        tree_cfg.check_vocab(cfg.vocab_size)
+    except ValueError as exc:
+        raise BenchArgumentError(f"--tree-budget/--beam-width/--top-k: {exc}") from None
+    embed = 0.02 * torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, device=device, dtype=dtype)
+    head = 0.02 * torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, device=device, dtype=dtype)
+    drafter.bind_target(embed, head)  # eval mode: precomputes the selector tables
+    return drafter, tree_cfg, dtype
+
+
+def draft_stage(settings: MicrobenchSettings) -> list[dict[str, Any]]:
+    """Records of the whole drafting stage (eager; graphed on CUDA) and of the acceptance walk."""
+    from ubtree_vllm.types import DraftContext
+    from ubtree_vllm.verify.accept import accept_tree
+    from ubtree_vllm.vllm.draft_graphs import DraftGraphs
+
+    _check_counts(settings)
+    device = resolve_device(settings.device)
+    gen = torch.Generator(device=device).manual_seed(settings.seed)
+    drafter, tree_cfg, dtype = _bound_drafter(settings, device, gen)
+    cfg = drafter.cfg
+    num_reqs, width = settings.num_reqs, DRAFT_STAGE_CONTEXT
+    positions = torch.arange(width, device=device)[None, :].expand(num_reqs, width)
+    ctx = DraftContext(anchor=torch.randint(0, cfg.vocab_size, (num_reqs,), generator=gen, device=device),
+                       anchor_pos=torch.full((num_reqs,), width, device=device),
+                       features=torch.randn(num_reqs, width, cfg.num_features, generator=gen, device=device,
+                                            dtype=dtype),
+                       positions=positions, valid=torch.ones(num_reqs, width, dtype=torch.bool, device=device),
+                       tokens=positions)
+    stages = [("draft_stage_eager", lambda c: drafter.draft_tree(c, tree_cfg))]
+    if device.type == "cuda":
+        graphs = DraftGraphs(drafter, tree_cfg, device)
+        stages.append(("draft_stage_graphed", lambda _: graphs(ctx)))
+    with torch.inference_mode():
+        tree = drafter.draft_tree(ctx, tree_cfg)
+        draws = torch.randint(0, cfg.vocab_size, tree.tokens.shape, generator=gen, device=device)
+        draws[:, 0] = tree.tokens[:, 1]  # the root's draw matches its first child: a walk of depth >= 1
+        stages.append(("acceptance", lambda _: accept_tree(tree, draws, tree_cfg.block_size)))
+        medians = summarize(time_stages(stages, ctx, device, settings.iters, settings.warmup))
+    clock = "CUDA events" if device.type == "cuda" else "time.perf_counter"
+    notes = (f"median over {settings.iters} rounds after {settings.warmup} warm-up ({clock}), "
+             f"{device.type} {str(dtype).removeprefix('torch.')}, {num_reqs} request(s), context {width}; "
+             f"random features and random [V, H] embedding/LM head; UBTreeDrafter.draft_tree eager, "
+             f"DraftGraphs replay (CUDA), verify.accept.accept_tree")
+    return [{
+        "kind": "microbench", "method": "ubtree", "target": cfg.target_name, "drafter": str(settings.drafter),
+        "metric": f"{stage}_ms", "value": round(medians[stage], 5), "unit": "ms", "batch_size": num_reqs,
+        "tree_budget": tree_cfg.tree_budget, "beam_width": tree_cfg.beam_width, "top_k": tree_cfg.top_k,
+        "block_size": tree_cfg.block_size, "cuda_graphs": stage == "draft_stage_graphed",
+        "hardware": hardware(device.type), "notes": notes,
+    } for stage, _ in stages]
 
 
 def _cuda_device(settings: MicrobenchSettings, name: str) -> torch.device:
@@ -196,6 +254,7 @@ MICROBENCHES: dict[str, Microbench] = {
     "draft-postprocess": Microbench(draft_postprocess, gpu_only=False, uses_drafter=True),
     "tree-attention-vs-flash": Microbench(tree_attention_vs_flash, gpu_only=True, uses_drafter=False),
     "verify-forward": Microbench(verify_forward, gpu_only=True, uses_drafter=False),
+    "draft-stage": Microbench(draft_stage, gpu_only=False, uses_drafter=True),
 }
 
 

@@ -5,11 +5,13 @@ records describe the same configuration (same kind, method, target, drafter, dat
 temperature, tree settings, batch, concurrency and hardware), the latest one in file order
 is shown and the older ones are counted. The `vs single` column divides a row's tau by the
 tau of the single-path row (method in SINGLE_PATH_METHODS) with the same target, drafter,
-dataset and temperature.
+dataset and temperature from the same kind of measurement (:func:`measurement`: a speed run
+of `ubtree bench e2e` with tokens/s, or a tau evaluation of `ubtree eval-tau`, which uses
+more prompts and the reference decoder); the two kinds are never mixed in one comparison.
 
 Sections, in order: End-to-end (every e2e record, one table per dataset and temperature);
 Ablations (per target a drafter x (dataset, T) pivot of UBTree tau at B = ABLATION_BUDGET
-with the single-path tau in parentheses, each cell from the latest matching record; the
+with the single-path tau in parentheses, each cell from the latest matching tau evaluation; the
 shipped drafter under checkpoints/ first, others labelled by `drafter_label`); Speed (e2e
 records with tokens/s, i.e. from `ubtree bench e2e`); Microbenchmarks; Training runs; Plots.
 
@@ -64,10 +66,18 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
     return lines + [""]
 
 
+def measurement(record: dict[str, Any]) -> str:
+    """"speed" for `ubtree bench e2e` runs (they report tokens/s), "tau" for `ubtree eval-tau`."""
+    return "tau" if record.get("output_tokens_per_s") is None else "speed"
+
+
+def _tau_key(r: dict[str, Any]) -> tuple:
+    return (r["target"], r["drafter"], r["dataset"], r["temperature"], measurement(r))
+
+
 def _tau_by_drafter(rows: Sequence[dict[str, Any]], keep: Callable[[dict[str, Any]], bool]) -> dict[tuple, float]:
-    """{(target, drafter, dataset, temperature): tau} of the kept rows with a tau; later rows win."""
-    return {(r["target"], r["drafter"], r["dataset"], r["temperature"]): r["tau"]
-            for r in rows if keep(r) and r.get("tau")}
+    """{(target, drafter, dataset, temperature, measurement): tau} of the kept rows with a tau; later rows win."""
+    return {_tau_key(r): r["tau"] for r in rows if keep(r) and r.get("tau")}
 
 
 def _single_tau(rows: Sequence[dict[str, Any]]) -> dict[tuple, float]:
@@ -86,7 +96,7 @@ def _drafter_order(drafter: str) -> tuple:
 
 def _ablation_section(e2e: Sequence[dict[str, Any]]) -> list[str]:
     """Per target: one row per drafter, one column per (dataset, T); see the module docstring."""
-    with_drafter = [r for r in e2e if r["drafter"]]  # file order: later records win
+    with_drafter = [r for r in e2e if r["drafter"] and measurement(r) == "tau"]  # file order: later records win
     tree = _tau_by_drafter(with_drafter, lambda r: r["method"] == "ubtree" and r["tree_budget"] == ABLATION_BUDGET)
     single = _single_tau(with_drafter)
     if not tree:
@@ -105,7 +115,7 @@ def _ablation_section(e2e: Sequence[dict[str, Any]]) -> list[str]:
             label = drafter_label(drafter) + (" (shipped)" if drafter.startswith(SHIPPED_PREFIX) else "")
             cells = []
             for dataset, temperature in columns:
-                key = (target, drafter, dataset, temperature)
+                key = (target, drafter, dataset, temperature, "tau")
                 t, s1 = tree.get(key), single.get(key)
                 cells.append(("–" if t is None else f"{t:.2f}") + ("" if s1 is None else f" ({s1:.2f})"))
             rows.append([label, f"`{drafter}`", *cells])
@@ -158,8 +168,7 @@ def render(records: Sequence[dict[str, Any]], plots: Sequence[str] = (), source:
                  "TPOT ms", "speedup vs AR", "hardware", "commit", "date"],
                 [[r["method"], r["target"], r["drafter"], r["tree_budget"], r["beam_width"], r["top_k"],
                   r["block_size"], r["num_prompts"], r["batch_size"], r["tau"],
-                  (r["tau"] / s if r["tau"] and (s := singles.get((r["target"], r["drafter"], r["dataset"],
-                                                                   r["temperature"]))) else None),
+                  (r["tau"] / s if r["tau"] and (s := singles.get(_tau_key(r))) else None),
                   r["output_tokens_per_s"], r["tpot_ms"], r["speedup_vs_ar"], r["hardware"], r["commit"], r["date"]]
                  for r in rows])
         lines += _ablation_section([r for r in records if r["kind"] == "e2e"])
