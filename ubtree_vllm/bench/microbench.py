@@ -120,17 +120,11 @@ def draft_postprocess(settings: MicrobenchSettings) -> list[dict[str, Any]]:
     ]
     with torch.inference_mode():
         medians = summarize(time_stages(stages, hidden, device, settings.iters, settings.warmup))
-    clock = "CUDA events" if device.type == "cuda" else "time.perf_counter"
-    notes = (f"median over {settings.iters} rounds after {settings.warmup} warm-up ({clock}), "
-             f"{device.type} {str(dtype).removeprefix('torch.')}, {settings.num_reqs} request(s) per round; "
-             f"random hidden states and random [V, H] embedding/LM head; stages: "
-             f"UBTreeDrafter.top_k_candidates, BigramSelector.score_tree_edges, tree.search.build_tree")
-    return [{
-        "kind": "microbench", "method": "ubtree", "target": cfg.target_name, "drafter": str(settings.drafter),
-        "metric": metric, "value": round(medians[stage], 5), "unit": "ms", "batch_size": settings.num_reqs,
-        "tree_budget": tree_cfg.tree_budget, "beam_width": tree_cfg.beam_width, "top_k": tree_cfg.top_k,
-        "block_size": tree_cfg.block_size, "cuda_graphs": False, "hardware": hardware(device.type), "notes": notes,
-    } for stage, metric in DRAFT_POSTPROCESS_METRICS.items()]
+    notes = (f"{_timing_notes(settings, device, dtype)} per round; random hidden states and random [V, H] "
+             f"embedding/LM head; stages: UBTreeDrafter.top_k_candidates, BigramSelector.score_tree_edges, "
+             f"tree.search.build_tree")
+    return [_drafter_record(settings, cfg, tree_cfg, device, metric, medians[stage], notes)
+            for stage, metric in DRAFT_POSTPROCESS_METRICS.items()]
 
 
 DRAFT_STAGE_CONTEXT = 512
@@ -156,6 +150,22 @@ def _bound_drafter(settings: MicrobenchSettings, device: torch.device, gen: torc
     head = 0.02 * torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, device=device, dtype=dtype)
     drafter.bind_target(embed, head)  # eval mode: precomputes the selector tables
     return drafter, tree_cfg, dtype
+
+
+def _timing_notes(settings: MicrobenchSettings, device: torch.device, dtype: torch.dtype) -> str:
+    clock = "CUDA events" if device.type == "cuda" else "time.perf_counter"
+    return (f"median over {settings.iters} rounds after {settings.warmup} warm-up ({clock}), "
+            f"{device.type} {str(dtype).removeprefix('torch.')}, {settings.num_reqs} request(s)")
+
+
+def _drafter_record(settings: MicrobenchSettings, cfg: Any, tree_cfg: Any, device: torch.device, metric: str,
+                    value: float, notes: str, cuda_graphs: bool = False) -> dict[str, Any]:
+    """One ms record of a drafter microbenchmark (draft-postprocess, draft-stage)."""
+    return {"kind": "microbench", "method": "ubtree", "target": cfg.target_name, "drafter": str(settings.drafter),
+            "metric": metric, "value": round(value, 5), "unit": "ms", "batch_size": settings.num_reqs,
+            "tree_budget": tree_cfg.tree_budget, "beam_width": tree_cfg.beam_width, "top_k": tree_cfg.top_k,
+            "block_size": tree_cfg.block_size, "cuda_graphs": cuda_graphs, "hardware": hardware(device.type),
+            "notes": notes}
 
 
 def draft_stage(settings: MicrobenchSettings) -> list[dict[str, Any]]:
@@ -187,18 +197,11 @@ def draft_stage(settings: MicrobenchSettings) -> list[dict[str, Any]]:
         draws[:, 0] = tree.tokens[:, 1]  # the root's draw matches its first child: a walk of depth >= 1
         stages.append(("acceptance", lambda _: accept_tree(tree, draws, tree_cfg.block_size)))
         medians = summarize(time_stages(stages, ctx, device, settings.iters, settings.warmup))
-    clock = "CUDA events" if device.type == "cuda" else "time.perf_counter"
-    notes = (f"median over {settings.iters} rounds after {settings.warmup} warm-up ({clock}), "
-             f"{device.type} {str(dtype).removeprefix('torch.')}, {num_reqs} request(s), context {width}; "
-             f"random features and random [V, H] embedding/LM head; UBTreeDrafter.draft_tree eager, "
-             f"DraftGraphs replay (CUDA), verify.accept.accept_tree")
-    return [{
-        "kind": "microbench", "method": "ubtree", "target": cfg.target_name, "drafter": str(settings.drafter),
-        "metric": f"{stage}_ms", "value": round(medians[stage], 5), "unit": "ms", "batch_size": num_reqs,
-        "tree_budget": tree_cfg.tree_budget, "beam_width": tree_cfg.beam_width, "top_k": tree_cfg.top_k,
-        "block_size": tree_cfg.block_size, "cuda_graphs": stage == "draft_stage_graphed",
-        "hardware": hardware(device.type), "notes": notes,
-    } for stage, _ in stages]
+    notes = (f"{_timing_notes(settings, device, dtype)}, context {width}; random features and random [V, H] "
+             f"embedding/LM head; UBTreeDrafter.draft_tree eager, DraftGraphs replay (CUDA), "
+             f"verify.accept.accept_tree")
+    return [_drafter_record(settings, cfg, tree_cfg, device, f"{stage}_ms", medians[stage], notes,
+                            cuda_graphs=stage == "draft_stage_graphed") for stage, _ in stages]
 
 
 def _cuda_device(settings: MicrobenchSettings, name: str) -> torch.device:
