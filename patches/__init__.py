@@ -119,8 +119,8 @@ MANIFEST: tuple[PatchSpec, ...] = (
         why=("vLLM 0.32 has no tree attention: CPU_ATTN and FLASH_ATTN support only causal, "
              "non-causal or sliding-window masks, not an ancestor mask over draft rows."),
         how=("register_backend() overrides CPU_ATTN (CPU) or FLASH_ATTN (CUDA) with subclasses "
-             "that recompute tree rows under the ancestor mask and stash tree K/V for the KV "
-             "commit; the selector cache is cleared."),
+             "that recompute tree rows under the ancestor mask (CPU: stashing tree K/V for the KV "
+             "commit); the selector cache is cleared."),
         removal_condition=("vLLM ships a tree attention backend again (it had TREE_ATTN up to "
                            "~0.11) or an attention-mask hook in CommonAttentionMetadata."),
         stage="worker",

@@ -18,7 +18,7 @@ def tree_attention_reference(
         key_cache: torch.Tensor, value_cache: torch.Tensor,
         # [num_reqs, max_blocks] int32/int64 block ids per request
         block_table: torch.Tensor,
-        # [M] int global row of each tree row to compute
+        # [M] int global row of each tree row to compute; -1 = skip the entry
         row_index: torch.Tensor,
         # [M] int request (row of block_table) of each tree row
         row_req: torch.Tensor,
@@ -34,13 +34,15 @@ def tree_attention_reference(
     K/V of row r = context tokens 0 .. row_context_len[r] - 1 of request row_req[r] (read
     through its block table) followed by ``key/value[row_path[r, j]]`` for every
     ``row_path[r, j] >= 0``. Query head h reads kv head ``h // (H // H_kv)``. A row with
-    nothing to attend to gets zeros. Returns ``out``.
+    nothing to attend to gets zeros; entries with row_index -1 are skipped. Returns ``out``.
     """
     num_heads, num_kv_heads = query.shape[1], key.shape[1]
     group = num_heads // num_kv_heads
     block_size = key_cache.shape[1]
     rows = zip(row_index.tolist(), row_req.tolist(), row_context_len.tolist(), row_path.tolist())
     for row, req, context_len, path in rows:
+        if row < 0:
+            continue
         pos = torch.arange(context_len, device=key_cache.device)  # [c]
         block_ids = block_table[req, pos // block_size].long()  # [c]
         path_rows = torch.tensor([p for p in path if p >= 0], dtype=torch.long, device=key.device)

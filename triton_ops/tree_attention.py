@@ -15,7 +15,9 @@ softmax (fp32 max / sum / accumulator, base-2 exponent) over the context in tile
 block size and any (shuffled) table works -- then over the path in tiles of ``BLOCK_P``
 entries with the -1 mask, and finally writes ``acc / sum`` into ``out[row_index[r]]``.
 Rows of ``out`` not in ``row_index`` are never touched. A row with nothing to attend to
-(not produced by the plan: its path always holds the row itself) gets zeros.
+(not produced by the plan: its path always holds the row itself) gets zeros. Entries with
+``row_index == -1`` are skipped: a CUDA graph captures one launch over fixed-size buffers
+(one entry per token of the forward) and each replay fills only the step's tree rows.
 
 The launcher reads no device value (no host sync); the grid is ``(M, H_kv)``.
 Test oracle: :func:`ubtree_vllm.triton_ops.reference.tree_attention_reference`.
@@ -68,11 +70,13 @@ if triton is not None:
         r = tl.program_id(0)
         kv_head = tl.program_id(1)
         row = tl.load(row_index_ptr + r).to(tl.int64)
-        req = tl.load(row_req_ptr + r).to(tl.int64)
-        context_len = tl.load(row_context_len_ptr + r).to(tl.int32)
+        active = row >= 0  # row_index -1: an unused entry of a fixed-size (CUDA-graph) launch
+        row = tl.where(active, row, 0)
+        req = tl.where(active, tl.load(row_req_ptr + r).to(tl.int64), 0)
+        context_len = tl.where(active, tl.load(row_context_len_ptr + r).to(tl.int32), 0)
 
         offs_g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD] query head within the group
-        head_ok = offs_g < GROUP
+        head_ok = offs_g < tl.where(active, GROUP, 0)  # no head of a skipped entry is read or written
         heads = kv_head * GROUP + offs_g
         offs_d = tl.arange(0, HEAD_SIZE)
         q = tl.load(query_ptr + row * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :],
@@ -102,7 +106,7 @@ if triton is not None:
         offs_p = tl.arange(0, BLOCK_P)
         for start in range(0, path_len, BLOCK_P):
             idx = start + offs_p
-            path_row = tl.load(row_path_ptr + r * stride_path_row + idx, mask=idx < path_len, other=-1)
+            path_row = tl.load(row_path_ptr + r * stride_path_row + idx, mask=idx < tl.where(active, path_len, 0), other=-1)
             valid = path_row >= 0
             path_row = tl.where(valid, path_row, 0).to(tl.int64)  # [BLOCK_P]
             k = tl.load(key_ptr + (path_row * stride_k_t + kv_head * stride_k_h)[:, None] + offs_d[None, :],
@@ -136,7 +140,7 @@ def tree_attention(
         key_cache: torch.Tensor, value_cache: torch.Tensor,
         # [num_reqs, max_blocks] int32/int64 block ids per request
         block_table: torch.Tensor,
-        # [M] int32/int64 global row of each tree row to compute
+        # [M] int32/int64 global row of each tree row to compute; -1 = skip the entry
         row_index: torch.Tensor,
         # [M] int32/int64 request (row of block_table) of each tree row
         row_req: torch.Tensor,

@@ -82,6 +82,27 @@ def test_path_longer_than_one_path_tile():
     assert_rows_match(got, ref, case, atol=1e-4, rtol=1e-4)
 
 
+def test_skipped_entries_of_a_fixed_size_launch():
+    """row_index -1 entries (the unused tail of CUDA-graph buffers, interleaved here) are skipped."""
+    case = make_case()
+    m = case.row_index.shape[0]
+    order = torch.arange(2 * m, device=DEVICE)
+    real = order % 2 == 0  # entries 0, 2, 4, ... real; 1, 3, 5, ... skipped
+    def spread(x, fill):
+        full = torch.full((2 * m, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
+        full[real] = x
+        return full
+    padded = TreeAttentionInputs(**{**case.__dict__, "row_index": spread(case.row_index, -1),
+                                    "row_req": spread(case.row_req, 7), "row_context_len": spread(case.row_context_len, 9),
+                                    "row_path": spread(case.row_path, 3)})
+    out = torch.full_like(case.query, float("nan"))
+    got = tree_attention(*padded.args(), out)
+    ref = tree_attention_reference(*padded.args(), torch.full_like(case.query, float("nan")))
+    assert_rows_match(got, ref, case, atol=1e-4, rtol=1e-4)
+    assert_rows_match(ref, tree_attention_reference(*case.args(), torch.full_like(case.query, float("nan"))), case,
+                      atol=0, rtol=0)
+
+
 def test_no_tree_rows_leaves_out_untouched():
     case = make_case()
     empty = case.row_index[:0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import types
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,8 +19,9 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from ubtree_vllm.vllm.attention.cpu import TreeCPUAttentionImpl, VirtualLayout
-from ubtree_vllm.vllm.attention.state import TreeForwardState
+from ubtree_vllm.vllm.attention.state import RowBuffers, TreeForwardState
 from ubtree_vllm.vllm.kv_commit import commit_accepted_paths, commit_accepted_paths_in_cache
+from ubtree_vllm.vllm.tree_plan import build_plan
 from vllm_batches import BLOCK_SIZE, BLOCK_TABLE, NUM_COMPUTED, PARENTS, ancestors, make_batch
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, NUM_BLOCKS = 4, 2, 64, 8
@@ -116,10 +118,7 @@ def test_in_cache_kv_commit_on_a_flash_attention_layout():
     # Two layers' caches [num_blocks, H_kv, block_size, 2 * head_size], one non-contiguous.
     caches = [torch.randn(NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE),
               torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE).transpose(1, 2)]
-    state = TreeForwardState()
-    state.begin(plan, torch.device("cpu"))
-    state.record_stash_slots(batch.slot_mapping)
-    state.record_stash_slots(torch.zeros_like(batch.slot_mapping))  # later layers: first record kept
+    stash_slots = batch.slot_mapping[torch.from_numpy(plan.stash_rows)]
     # r0 accepted root -> 1 -> 3 -> 5 (node 1 already sits at depth 1); r2 accepted node 2 only.
     accepted_path = torch.tensor([[0, 1, 3, 5], [0, -1, -1, -1], [0, 2, -1, -1]])
     num_accepted = torch.tensor([3, 0, 1])
@@ -128,7 +127,7 @@ def test_in_cache_kv_commit_on_a_flash_attention_layout():
         for root, depth, node in [(0, 2, 3), (0, 3, 5), (11, 1, 2)]:  # (root row, depth, node)
             src, dst = int(batch.slot_mapping[root + node]), int(batch.slot_mapping[root + depth])
             exp[dst // BLOCK_SIZE, :, dst % BLOCK_SIZE] = cache[src // BLOCK_SIZE, :, src % BLOCK_SIZE]
-    commit_accepted_paths_in_cache(caches, state.stash_slots, plan, accepted_path, num_accepted)
+    commit_accepted_paths_in_cache(caches, stash_slots, plan, accepted_path, num_accepted)
     for got, exp in zip(caches, expected):
         assert torch.equal(got, exp)
 
@@ -160,11 +159,25 @@ def test_cuda_backend_tree_rows_on_a_flash_attention_layout():
     query = torch.randn(rows, NUM_HEADS, HEAD_SIZE)
     key, value = torch.randn(rows, NUM_KV_HEADS, HEAD_SIZE), torch.randn(rows, NUM_KV_HEADS, HEAD_SIZE)
     write_fa(key, value, batch.slot_mapping)
+    # The fixed-size row buffers the launch reads (as under a CUDA graph): a previous step with
+    # more rows left a tail that this step's fill must mark unused.
+    state, buffers = TreeForwardState(), RowBuffers.empty(max_tokens=64, path_width=5, device=torch.device("cpu"))
+    buffers.row_index[:40], buffers.filled = 3, 40
+    state.begin(plan, torch.device("cpu"), buffers)
+    assert buffers.row_index[:8].tolist() == plan.row_index.tolist() and buffers.filled == 8
+    assert (buffers.row_index[8:] == -1).all()
     output = torch.full_like(query, float("nan"))
-    impl._attend_tree_rows(query, key, value, kv_cache, BLOCK_TABLE, output, plan.to_device(torch.device("cpu")))
+    impl._attend_tree_rows(query, key, value, kv_cache, BLOCK_TABLE, output, buffers)
     for req_id, req, root in (("r0", 0, 0), ("r2", 2, 11)):
         for node in range(1, len(PARENTS[req_id])):
             path = [root + a for a in ancestors(PARENTS[req_id], node)]
             expected = reference_row(query[root + node], ctx_k[req], ctx_v[req], key, value, path)
             torch.testing.assert_close(output[root + node], expected, atol=1e-5, rtol=1e-4)
     assert torch.isnan(output[[0, 6, 7, 8, 9, 10, 11]]).all()
+    # A step without tree rows: every entry unused, nothing written.
+    empty = build_plan(["a"], np.array([0, 1]), np.array([1]), np.array([4]), np.arange(1), {}, {})
+    state.begin(empty, torch.device("cpu"), buffers)
+    assert (buffers.row_index == -1).all() and not state.has_tree_rows
+    untouched = torch.full_like(query, float("nan"))
+    impl._attend_tree_rows(query, key, value, kv_cache, BLOCK_TABLE, untouched, buffers)
+    assert torch.isnan(untouched).all()

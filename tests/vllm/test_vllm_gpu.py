@@ -2,8 +2,9 @@
 first tokens/s comparison.
 
 Skipped without CUDA (``gpu`` marker, see tests/conftest.py). Runs the V1 runner with the
-tree-aware FLASH_ATTN subclass (tree rows through the Triton tree-mask kernel); vLLM captures
-PIECEWISE CUDA graphs around attention (the builder reports ``AttentionCGSupport.NEVER``).
+tree-aware FLASH_ATTN subclass (tree rows through the Triton tree-mask kernel, launched from
+fixed-size row buffers): vLLM captures FULL CUDA graphs for uniform decode batches and
+PIECEWISE graphs around attention for the others.
 
 bf16 (FlashAttention has no fp32): a tree forward and a one-token decode round differently,
 so a greedy divergence is accepted only at a near-tie of the reference -- the engine

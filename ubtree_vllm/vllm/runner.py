@@ -6,12 +6,13 @@ the UBTree hooks, in call order:
 1. ``_prepare_inputs``  -- after vLLM computed positions and (linear) slot mappings, lay
    the step's trees over the batch (:func:`ubtree_vllm.vllm.tree_plan.build_plan`), write
    RoPE positions ``root_pos + depth`` for tree rows and publish the plan to the
-   attention backends (:mod:`ubtree_vllm.vllm.attention.state`);
-2. ``_model_forward``   -- the target forward (tree rows get the ancestor mask, their K/V
-   is stashed); the plan is withdrawn right after;
+   attention backends (:mod:`ubtree_vllm.vllm.attention.state`; on CUDA also into the
+   fixed-size row buffers that CUDA-graph-captured tree attention reads);
+2. ``_model_forward``   -- the target forward (tree rows get the ancestor mask; on CPU their
+   K/V is stashed for the commit); the plan is withdrawn right after;
 3. ``_sample``          -- :class:`ubtree_vllm.vllm.sampler.TreeRejectionSampler`;
 4. ``_update_states_after_model_execute`` -- KV commit of the accepted paths
-   (:mod:`ubtree_vllm.vllm.kv_commit`);
+   (:mod:`ubtree_vllm.vllm.kv_commit`: inside the cache on CUDA, from the stash on CPU);
 5. ``propose_draft_token_ids`` (after vLLM's bookkeeping, as for every ``custom_class``
    proposer) -- write the committed rows' aux hidden states into the feature store, draft
    a tree per decoding request and hand vLLM its B nodes as the draft tokens.
@@ -32,7 +33,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from ubtree_vllm import compat
 from ubtree_vllm.types import DraftContext
 from ubtree_vllm.verify.accept import AcceptResult
-from ubtree_vllm.vllm.attention.state import tree_forward_state
+from ubtree_vllm.vllm.attention.state import RowBuffers, tree_forward_state
 from ubtree_vllm.vllm.config import from_vllm_config
 from ubtree_vllm.vllm.features import ContextFeatureStore
 from ubtree_vllm.vllm.kv_commit import commit_accepted_paths, commit_accepted_paths_in_cache
@@ -65,6 +66,9 @@ class UBTreeRunnerMixin:
         self._plan: TreeStepPlan | None = None
         self._accept: AcceptResult | None = None
         self._features = ContextFeatureStore(config.drafter.num_features, self.dtype, self.device)
+        # Fixed-size tree-row buffers for CUDA-graph-captured tree attention (FLASH_ATTN), one
+        # entry per token; paths hold the root and at most gamma nodes.
+        self._row_buffers = RowBuffers.empty(self.max_num_tokens, config.tree.block_size + 1, self.device)
 
     # ---- model / aux layers ------------------------------------------------------------
     def _get_eagle3_aux_layers_from_config(self) -> tuple[int, ...]:
@@ -85,6 +89,10 @@ class UBTreeRunnerMixin:
                                f"attention layers use {stock or 'no attention layers'}; was the backend "
                                "selected before the ubtree worker patches were applied?")
         self._tree_attention_layers = layers
+        for m in layers:  # this engine's layers read this engine's row buffers (flash.py)
+            m.impl.ubtree_row_buffers = self._row_buffers
+        # FLASH_ATTN's tree impl: KV commit inside the cache, tree rows read from the row buffers.
+        self._commit_in_cache = all(getattr(m.impl, "ubtree_commit_in_cache", False) for m in layers)
 
     # ---- 1. tree layout, positions -----------------------------------------------------
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
@@ -98,7 +106,7 @@ class UBTreeRunnerMixin:
         if len(rows):
             self.positions[torch.from_numpy(rows).to(self.device)] = torch.from_numpy(positions).to(self.device)
         self._plan, self._accept = plan, None
-        self._tree_state.begin(plan, self.device)
+        self._tree_state.begin(plan, self.device, self._row_buffers if self._commit_in_cache else None)
         return result
 
     # ---- 2. forward ---------------------------------------------------------------------
@@ -122,12 +130,17 @@ class UBTreeRunnerMixin:
         super()._update_states_after_model_execute(output_token_ids, scheduler_output)  # type: ignore[misc]
         if self._plan is None or self._accept is None:
             return
-        state, accept = self._tree_state, self._accept
-        if state.stash_slots is not None:  # FLASH_ATTN: begin_tree_rows(stash=False)
-            commit_accepted_paths_in_cache([layer.kv_cache for layer in self._tree_attention_layers],
-                                           state.stash_slots, self._plan, accept.accepted_path, accept.num_accepted)
-        else:
-            commit_accepted_paths(state, self._plan, accept.accepted_path, accept.num_accepted)
+        plan, accept = self._plan, self._accept
+        if not self._commit_in_cache:  # CPU_ATTN: replay the stashed K/V
+            commit_accepted_paths(self._tree_state, plan, accept.accepted_path, accept.num_accepted)
+        elif len(plan.stash_rows):
+            if len(self.kv_cache_config.kv_cache_groups) != 1:
+                raise NotImplementedError("ubtree's in-cache KV commit supports one KV cache group")
+            # FLASH_ATTN: this step's KV slot of every stash row, from vLLM's slot-mapping buffer.
+            slot_mapping = self.input_batch.block_table[0].slot_mapping.gpu
+            stash_slots = slot_mapping[plan.to_device(self.device).stash_rows].long()
+            commit_accepted_paths_in_cache([layer.kv_cache for layer in self._tree_attention_layers], stash_slots,
+                                           plan, accept.accepted_path, accept.num_accepted)
 
     # ---- 5. features and drafting ----------------------------------------------------------
     def _input_fits_in_drafter(self, common_attn_metadata: Any) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ubtree_vllm.vllm.tree_plan import DeviceTrees, TreeStepPlan
@@ -37,6 +38,33 @@ class StashedLayer:
     slots: torch.Tensor
 
 
+@dataclass
+class RowBuffers:
+    """Tree rows of the step in fixed-size device buffers, for CUDA-graph-captured attention.
+
+    A captured launch reads entries 0 .. num_tokens - 1 of every replay; the step's tree
+    rows fill the front, every other entry has row_index -1 (skipped by the kernel).
+    """
+
+    # [max_tokens] int64 global row of the entry, -1 unused
+    row_index: torch.Tensor
+    # [max_tokens] int64 request index; committed context length
+    row_req: torch.Tensor
+    row_context_len: torch.Tensor
+    # [max_tokens, path_width] int64 root-first path rows, -1 padded
+    row_path: torch.Tensor
+    # entries 0 .. filled - 1 hold the last step's rows (reset to -1 by the next fill)
+    filled: int = 0
+
+    @classmethod
+    def empty(cls, max_tokens: int, path_width: int, device: torch.device) -> "RowBuffers":
+        def full(*shape: int) -> torch.Tensor:
+            return torch.full(shape, -1, dtype=torch.int64, device=device)
+
+        return cls(row_index=full(max_tokens), row_req=full(max_tokens), row_context_len=full(max_tokens),
+                   row_path=full(max_tokens, path_width))
+
+
 class TreeForwardState:
     """What the attention impls need to know about the forward in flight."""
 
@@ -45,20 +73,27 @@ class TreeForwardState:
         self._trees: DeviceTrees | None = None
         self._in_forward = False
         self.stash: dict[str, StashedLayer] = {}
-        # [num_stash] int64 KV slots of the stash rows, for backends that commit in the cache
-        # (recorded once per step by the first tree-aware layer; see kv_commit).
-        self.stash_slots: torch.Tensor | None = None
         # Per-step scratch shared by the layers of one forward (e.g. virtual block tables).
         self.step_cache: dict[Any, Any] = {}
 
-    def begin(self, plan: TreeStepPlan, device: torch.device) -> None:
-        """Publish ``plan`` for the next forward; drops the previous step's stash."""
+    def begin(self, plan: TreeStepPlan, device: torch.device, row_buffers: RowBuffers | None = None) -> None:
+        """Publish ``plan`` for the next forward; drops the previous step's stash.
+
+        ``row_buffers``: the engine's fixed-size row buffers (CUDA-graph-captured attention),
+        refilled with this step's tree rows.
+        """
         self.stash.clear()
-        self.stash_slots = None
         self.step_cache.clear()
         self._plan = plan if plan.has_tree_rows else None
         self._trees = plan.to_device(device) if self._plan is not None else None
         self._in_forward = self._plan is not None
+        if row_buffers is not None:
+            fill_row_buffers(row_buffers, plan)
+
+    @property
+    def has_tree_rows(self) -> bool:
+        """The forward in flight has tree rows (False outside the forward)."""
+        return self._in_forward
 
     def end_forward(self) -> None:
         """The target forward is over: attention goes back to stock behaviour."""
@@ -78,11 +113,25 @@ class TreeForwardState:
         self.stash[layer.layer_name] = StashedLayer(layer=layer, key=key[rows], value=value[rows],
                                                     slots=slot_mapping[rows].to(torch.int64))
 
-    def record_stash_slots(self, slot_mapping: torch.Tensor) -> None:
-        """Keep the stash rows' KV slots once per step (the in-cache commit reads K/V there)."""
-        assert self._trees is not None
-        if self.stash_slots is None:
-            self.stash_slots = slot_mapping[self._trees.stash_rows].to(torch.int64)
+
+def fill_row_buffers(buffers: RowBuffers, plan: TreeStepPlan) -> None:
+    """Copy the step's tree rows to the front of ``buffers``; mark the previous step's tail unused."""
+    num_rows, width = len(plan.row_index), buffers.row_path.shape[1]
+    if num_rows > buffers.row_index.shape[0]:
+        raise RuntimeError(f"ubtree: {num_rows} tree rows exceed the row buffers ({buffers.row_index.shape[0]})")
+    if num_rows and int(plan.row_depth.max()) >= width:
+        raise RuntimeError(f"ubtree: a tree row of depth {int(plan.row_depth.max())} exceeds the row "
+                           f"buffers' path width {width}")
+    if num_rows:
+        path = np.full((num_rows, width), -1, dtype=np.int64)
+        cols = min(width, plan.row_path.shape[1])
+        path[:, :cols] = plan.row_path[:, :cols]
+        for dst, src in ((buffers.row_index, plan.row_index), (buffers.row_req, plan.row_req),
+                         (buffers.row_context_len, plan.root_positions[plan.row_req]), (buffers.row_path, path)):
+            dst[:num_rows].copy_(torch.from_numpy(np.ascontiguousarray(src, dtype=np.int64)), non_blocking=True)
+    if buffers.filled > num_rows:
+        buffers.row_index[num_rows:buffers.filled].fill_(-1)
+    buffers.filled = num_rows
 
 
 _STATE = TreeForwardState()
@@ -94,14 +143,13 @@ def tree_forward_state() -> TreeForwardState:
 
 
 def begin_tree_rows(impl: Any, layer: Any, key: torch.Tensor | None, value: torch.Tensor | None,
-                    attn_metadata: Any, stash: bool = True) -> tuple[TreeStepPlan, DeviceTrees] | None:
-    """Shared prologue of the tree-aware attention impls, run after the stock forward.
+                    attn_metadata: Any) -> tuple[TreeStepPlan, DeviceTrees] | None:
+    """Shared prologue of the stash-based tree-aware attention impls (CPU), run after the stock forward.
 
     Returns the active (plan, trees) when this layer must recompute tree rows, after stashing
-    the layer's fresh K/V for the KV commit (``stash=False``: only the stash rows' slots, once
-    per step, for backends whose commit reads the cache); None when the step has no trees (or
-    the layer is not a decoder self-attention layer). KV-sharing layers are refused: tree rows
-    need each layer's own K/V.
+    the layer's fresh K/V for the KV commit; None when the step has no trees (or the layer is
+    not a decoder self-attention layer). KV-sharing layers are refused: tree rows need each
+    layer's own K/V.
     """
     state = tree_forward_state()
     active = state.active_plan()
@@ -112,8 +160,5 @@ def begin_tree_rows(impl: Any, layer: Any, key: torch.Tensor | None, value: torc
     if key is None or impl.kv_sharing_target_layer_name is not None:
         raise NotImplementedError("ubtree tree attention needs each layer's own K/V "
                                   "(KV-sharing layers are not supported)")
-    if stash:
-        state.stash_layer(layer, key, value, attn_metadata.slot_mapping)
-    else:
-        state.record_stash_slots(attn_metadata.slot_mapping)
+    state.stash_layer(layer, key, value, attn_metadata.slot_mapping)
     return active
