@@ -39,7 +39,7 @@ from ubtree_vllm.vllm.features import ContextFeatureStore
 from ubtree_vllm.vllm.kv_commit import commit_accepted_paths, commit_accepted_paths_in_cache
 from ubtree_vllm.vllm.proposer import UBTreeProposer
 from ubtree_vllm.vllm.sampler import TreeRejectionSampler
-from ubtree_vllm.vllm.tree_plan import RequestTree, TreeStepPlan, build_plan
+from ubtree_vllm.vllm.tree_plan import RequestTree, TreeStepPlan, ragged_arange, build_plan
 
 
 class UBTreeRunnerMixin:
@@ -180,36 +180,56 @@ class UBTreeRunnerMixin:
         return drafts
 
     def _commit_features(self, scheduler_output: Any, plan: TreeStepPlan, features: torch.Tensor) -> None:
-        """Write each request's committed rows (prefix rows, root, accepted path) at their positions."""
-        accept = self._accept
-        # SYNC: the feature store is per request; accepted paths are needed on the host.
-        paths = accept.accepted_path.cpu().numpy() if accept is not None else None
-        num_accepted = accept.num_accepted.cpu().numpy() if accept is not None else None
-        query_start_loc = self.query_start_loc.np
-        for i, req_id in enumerate(self.input_batch.req_ids):
-            root = int(plan.root_rows[i])
-            start_row = int(query_start_loc[i])
-            start_pos = int(plan.root_positions[i]) - (root - start_row)
-            rows = list(range(start_row, root + 1))
-            if paths is not None and num_accepted is not None:
-                rows += [root + int(node) for node in paths[i, 1:1 + int(num_accepted[i])]]
-            index = torch.tensor(rows, dtype=torch.long, device=features.device)
-            self._features.write(req_id, start_pos, features[index])
+        """Write every request's committed rows (prefix rows, root, accepted path) at their positions.
+
+        One batched write (:meth:`ContextFeatureStore.write_rows`): the prefix rows come from
+        the host layout, the accepted-path rows from the sampler's device result. features [T, F].
+        """
+        num_reqs = plan.num_reqs
+        if num_reqs == 0:
+            return
+        store, device, accept = self._features, features.device, self._accept
+        start_rows = self.query_start_loc.np[:num_reqs].astype(np.int64)
+        counts = plan.root_rows - start_rows + 1  # [Q] rows up to and including the root
+        starts = plan.root_positions - (plan.root_rows - start_rows)  # [Q] position of each first row
+        req_index = np.repeat(np.arange(num_reqs), counts)
+        offset = ragged_arange(counts)
+        req_slots = np.array(store.slots_of(list(self.input_batch.req_ids)[:num_reqs]), dtype=np.int64)
+        depth = 0 if accept is None else accept.accepted_path.shape[1] - 1
+        store.reserve(int(plan.root_positions.max()) + 1 + depth)
+        # One host-to-device copy: prefix rows [3, R] (slot, position, row), then per request [4, Q].
+        num_rows = len(req_index)
+        host = np.concatenate([req_slots[req_index], starts[req_index] + offset, start_rows[req_index] + offset,
+                               req_slots, starts, plan.root_positions, plan.root_rows])
+        packed = torch.from_numpy(host).to(device)
+        prefix = packed[:3 * num_rows].view(3, num_rows)
+        per_req = packed[3 * num_rows:].view(4, num_reqs)
+        store.write_rows(prefix[0], prefix[1], features[prefix[2]])
+        ends = per_req[2] + 1
+        if accept is not None:  # accepted nodes at depths 1..k -> positions root + 1 .. root + k
+            path = accept.accepted_path[:, 1:]  # [Q, D]
+            depths = torch.arange(1, depth + 1, device=device)
+            store.write_rows(per_req[0][:, None].expand(-1, depth), per_req[2][:, None] + depths,
+                             features[per_req[3][:, None] + path.clamp(min=0)],
+                             keep=depths <= accept.num_accepted[:, None])
+            ends = ends + accept.num_accepted
+        store.set_valid_range(per_req[0], per_req[1], ends)
 
     def _draft_context(self, req_ids: list[str], batch_rows: list[int], anchors: list[int],
                        anchor_pos: list[int]) -> DraftContext:
         """DraftContext for the drafting requests: features of positions < anchor_pos."""
-        features, valid = self._features.gather(req_ids, anchor_pos)
-        width = features.shape[1]
-        device = features.device
-        positions = torch.arange(width, device=device)[None, :].expand(len(req_ids), -1)
-        tokens_np = self.input_batch.token_ids_cpu[batch_rows, :width].astype(np.int64)
-        valid = valid & (positions < torch.tensor(anchor_pos, device=device)[:, None])
-        return DraftContext(
-            anchor=torch.tensor(anchors, dtype=torch.long, device=device),
-            anchor_pos=torch.tensor(anchor_pos, dtype=torch.long, device=device),
-            features=features, positions=positions, valid=valid,
-            tokens=torch.from_numpy(tokens_np).to(device))
+        store, device = self._features, self.device
+        width = max([1, *anchor_pos])
+        num_reqs = len(req_ids)
+        # One host-to-device copy: [3, N] (slot, anchor, anchor position), then the [N, width] token ids.
+        host = np.concatenate([np.array([store.slot_or_scratch(req_ids), anchors, anchor_pos], dtype=np.int64).ravel(),
+                               self.input_batch.token_ids_cpu[batch_rows, :width].astype(np.int64).ravel()])
+        packed = torch.from_numpy(host).to(device)
+        slots, anchor, anchor_pos_t = packed[:3 * num_reqs].view(3, num_reqs)
+        features, valid = store.gather_slots(slots, anchor_pos_t, width)
+        positions = torch.arange(width, device=device)[None, :].expand(num_reqs, -1)
+        return DraftContext(anchor=anchor, anchor_pos=anchor_pos_t, features=features, positions=positions,
+                            valid=valid, tokens=packed[3 * num_reqs:].view(num_reqs, width))
 
     # ---- request lifecycle -----------------------------------------------------------------
     def _on_request_state_removed(self, req_id: str, req_state: Any) -> None:

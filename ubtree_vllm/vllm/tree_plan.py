@@ -117,7 +117,7 @@ class TreeStepPlan:
             return empty, empty
         counts = self.num_nodes[req]
         req_rep = np.repeat(req, counts)
-        node = _ragged_arange(counts)
+        node = ragged_arange(counts)
         rows = self.root_rows[req_rep] + node
         return rows, self.root_positions[req_rep] + self.depth[req_rep, node]
 
@@ -135,7 +135,7 @@ class TreeStepPlan:
         return self.device
 
 
-def _ragged_arange(counts: np.ndarray) -> np.ndarray:
+def ragged_arange(counts: np.ndarray) -> np.ndarray:
     """[3, 1, 2] -> [0, 1, 2, 0, 0, 1]."""
     total = int(counts.sum())
     starts = np.repeat(np.cumsum(counts) - counts, counts)
@@ -187,7 +187,7 @@ def build_plan(req_ids: Sequence[str], query_start_loc: np.ndarray, num_schedule
     tree_req = np.nonzero(is_tree)[0]
     counts = num_nodes[tree_req] - 1
     row_req = np.repeat(tree_req, counts)
-    row_node = _ragged_arange(counts) + 1
+    row_node = ragged_arange(counts) + 1
     row_index = root_rows[row_req] + row_node
     row_depth = depth[row_req, row_node]
     row_path = np.full((len(row_req), max_depth + 1), -1, dtype=np.int64)
@@ -200,7 +200,7 @@ def build_plan(req_ids: Sequence[str], query_start_loc: np.ndarray, num_schedule
     stash_counts = num_nodes[tree_req]
     stash_offset = np.full(num_reqs, -1, dtype=np.int64)
     stash_offset[tree_req] = np.cumsum(stash_counts) - stash_counts
-    stash_rows = root_rows[np.repeat(tree_req, stash_counts)] + _ragged_arange(stash_counts)
+    stash_rows = root_rows[np.repeat(tree_req, stash_counts)] + ragged_arange(stash_counts)
     return TreeStepPlan(
         num_reqs=num_reqs, max_nodes=max_nodes, max_depth=max_depth, root_rows=root_rows,
         root_positions=root_positions, num_nodes=num_nodes, parents=parents, depth=depth,
