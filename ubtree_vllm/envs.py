@@ -33,6 +33,13 @@ class EnvVar:
     doc: str
 
 
+def _flag(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value not in ("0", "1", "true", "false"):
+        raise ValueError(f"expected one of 0, 1, true, false, got {raw!r}")
+    return value in ("1", "true")
+
+
 def _path(raw: str) -> Path:
     return Path(os.path.expandvars(os.path.expanduser(raw))).absolute()
 
@@ -44,6 +51,14 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         doc=(
             "Directory for files the plugin derives once and reuses, e.g. the bf16 "
             "HF folder of the default target converted from its GGUF file."
+        ),
+    ),
+    "UBTREE_DRAFT_CUDA_GRAPHS": EnvVar(
+        default="1",
+        parse=_flag,
+        doc=(
+            "1: replay the drafting stage (drafter, top-K, selector, tree search) from CUDA "
+            "graphs whenever the engine uses CUDA graphs; 0: draft eagerly (debugging; slower)."
         ),
     ),
     "UBTREE_COMMIT": EnvVar(
@@ -61,7 +76,10 @@ def get(name: str) -> Any:
     """Return the parsed current value of ``name``; ``KeyError`` if it is not registered."""
     var = ENVIRONMENT_VARIABLES[name]
     raw = os.environ.get(name, "")
-    return var.parse(raw if raw != "" else var.default)
+    try:
+        return var.parse(raw if raw != "" else var.default)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}: {exc}") from None
 
 
 def describe() -> str:

@@ -305,3 +305,14 @@ def test_triton_ops_imports_without_triton_and_launchers_say_why(fresh_python):
         """
     )
     assert "tree_attention needs Triton, which is not installed" in proc.stdout
+
+
+def test_draft_cuda_graphs_flag(monkeypatch):
+    monkeypatch.delenv("UBTREE_DRAFT_CUDA_GRAPHS", raising=False)
+    assert envs.UBTREE_DRAFT_CUDA_GRAPHS is True
+    for raw, value in (("0", False), ("false", False), ("1", True), ("TRUE", True)):
+        monkeypatch.setenv("UBTREE_DRAFT_CUDA_GRAPHS", raw)
+        assert envs.UBTREE_DRAFT_CUDA_GRAPHS is value
+    monkeypatch.setenv("UBTREE_DRAFT_CUDA_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="UBTREE_DRAFT_CUDA_GRAPHS: expected one of 0, 1, true, false, got 'yes'"):
+        envs.UBTREE_DRAFT_CUDA_GRAPHS

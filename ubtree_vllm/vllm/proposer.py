@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from vllm.config import CUDAGraphMode
 
-from ubtree_vllm import compat
+from ubtree_vllm import compat, envs
 from ubtree_vllm.drafter.io import load_drafter
 from ubtree_vllm.drafter.proposer import UBTreeDrafter
 from ubtree_vllm.tree.topology import DraftTree
@@ -53,8 +53,9 @@ class UBTreeProposer:
         self.config: UBTreeVllmConfig = config
         self.drafter: UBTreeDrafter | None = None
         self.draft_graphs: DraftGraphs | None = None
-        # Draft through CUDA graphs whenever the engine uses CUDA graphs for the target.
-        self._use_graphs = (not vllm_config.model_config.enforce_eager
+        # Draft through CUDA graphs whenever the engine uses CUDA graphs for the target
+        # (UBTREE_DRAFT_CUDA_GRAPHS=0 turns them off for debugging).
+        self._use_graphs = (envs.UBTREE_DRAFT_CUDA_GRAPHS and not vllm_config.model_config.enforce_eager
                             and vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE)
 
     def load_model(self, target: nn.Module) -> None:
