@@ -118,6 +118,7 @@ def time_verify_forward(model_dir: str | Path, *, context_len: int = CONTEXT_LEN
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     release_memory()  # earlier entries' cached CUDA blocks count against gpu_memory_utilization
     llm = LLM(model=str(model_dir), **kwargs)
+    block = llm.llm_engine.vllm_config.cache_config.block_size  # prefix-cache hits are whole blocks
     try:
         llm.generate([TokensPrompt(prompt_token_ids=prefix)], params, use_tqdm=False)  # warms the prefix cache
         times: dict[int, list[float]] = {n: [] for n in new_tokens}
@@ -136,7 +137,6 @@ def time_verify_forward(model_dir: str | Path, *, context_len: int = CONTEXT_LEN
         release_memory()
     known = [h for h in hits if h is not None]
     min_hits = min(known) if known else None
-    block = 16  # vLLM's default KV block size for FlashAttention: hits are whole blocks
     if min_hits is not None and min_hits < context_len // block * block:
         raise RuntimeError(f"verify-forward: a timed request hit only {min_hits} of its {context_len} context "
                            f"tokens in the prefix cache, so it recomputed context; the measurement is invalid")
