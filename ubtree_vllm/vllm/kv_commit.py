@@ -25,7 +25,7 @@ Both are fixed-shape and free of host syncs.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -79,13 +79,12 @@ def commit_accepted_paths_in_cache(kv_caches: Iterable[torch.Tensor], stash_slot
     if len(plan.stash_rows) == 0:
         return
     src, dst, moves = _commit_pairs(plan, accepted_path, num_accepted)
+    kv_caches = list(kv_caches)
+    block_size = kv_caches[0].shape[2]  # every layer of the one KV cache group shares it
     src_slot = stash_slots[src]
     dst_slot = torch.where(moves, stash_slots[dst], src_slot)
-    block_size = None
+    src_block, src_off = src_slot // block_size, src_slot % block_size
+    dst_block, dst_off = dst_slot // block_size, dst_slot % block_size
     for kv_cache in kv_caches:
-        if block_size is None:
-            block_size = kv_cache.shape[2]
-            src_block, src_off = src_slot // block_size, src_slot % block_size
-            dst_block, dst_off = dst_slot // block_size, dst_slot % block_size
         rows = kv_cache[src_block, :, src_off]  # [P, H_kv, 2 * head_size], gathered before the scatter
         kv_cache[dst_block, :, dst_off] = rows

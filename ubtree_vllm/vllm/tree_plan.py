@@ -19,7 +19,7 @@ the request is verified as a chain (parent of node j is j - 1), which is always 
 
 Everything here is host-side bookkeeping on numpy arrays that vLLM's own
 ``_prepare_inputs`` already holds (no device reads); :meth:`TreeStepPlan.to_device`
-copies the few index arrays the device code needs once per step.
+copies the few index arrays the device code needs once per step, in one transfer.
 """
 from __future__ import annotations
 
@@ -109,6 +109,11 @@ class TreeStepPlan:
     def has_tree_rows(self) -> bool:
         return len(self.row_index) > 0
 
+    @property
+    def row_context_len(self) -> np.ndarray:
+        """[num_rows] int64 committed context length (= root position) of each tree row's request."""
+        return self.root_positions[self.row_req]
+
     def positions(self) -> tuple[np.ndarray, np.ndarray]:
         """(rows, positions) to overwrite in vLLM's position buffer: root_pos + depth per node."""
         req = np.nonzero(self.is_tree)[0]
@@ -124,14 +129,18 @@ class TreeStepPlan:
     def to_device(self, device: torch.device) -> DeviceTrees:
         """Copy the index arrays used by attention, sampler and commit to ``device`` (once)."""
         if self.device is None:
-            def t(a: np.ndarray) -> torch.Tensor:
-                return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device, non_blocking=True)
-
-            self.device = DeviceTrees(
-                parents=t(self.parents), depth=t(self.depth), tokens=t(self.tokens),
-                row_index=t(self.row_index), row_path=t(self.row_path),
-                row_context_len=t(self.root_positions[self.row_req]), row_req=t(self.row_req),
-                row_depth=t(self.row_depth), stash_rows=t(self.stash_rows))
+            # One host-to-device copy of all arrays, then views of it.
+            arrays = {"parents": self.parents, "depth": self.depth, "tokens": self.tokens,
+                      "row_index": self.row_index, "row_path": self.row_path,
+                      "row_context_len": self.row_context_len, "row_req": self.row_req,
+                      "row_depth": self.row_depth, "stash_rows": self.stash_rows}
+            packed = torch.from_numpy(np.concatenate([a.astype(np.int64).ravel() for a in arrays.values()]))
+            packed = packed.to(device, non_blocking=True)
+            views, start = {}, 0
+            for name, a in arrays.items():
+                views[name] = packed[start:start + a.size].view(a.shape)
+                start += a.size
+            self.device = DeviceTrees(**views)
         return self.device
 
 

@@ -127,7 +127,7 @@ def fill_row_buffers(buffers: RowBuffers, plan: TreeStepPlan) -> None:
         cols = min(width, plan.row_path.shape[1])
         path[:, :cols] = plan.row_path[:, :cols]
         for dst, src in ((buffers.row_index, plan.row_index), (buffers.row_req, plan.row_req),
-                         (buffers.row_context_len, plan.root_positions[plan.row_req]), (buffers.row_path, path)):
+                         (buffers.row_context_len, plan.row_context_len), (buffers.row_path, path)):
             dst[:num_rows].copy_(torch.from_numpy(np.ascontiguousarray(src, dtype=np.int64)), non_blocking=True)
     if buffers.filled > num_rows:
         buffers.row_index[num_rows:buffers.filled].fill_(-1)
