@@ -14,7 +14,7 @@ from vllm import LLM, SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TokensPrompt
 
-from vllm_engines import ENGINE_KWARGS, TINY_TREE
+from vllm_engines import ENGINE_KWARGS, TINY_TREE, spec_counts
 from vllm_oracle import ReferenceOracle, engine_runner, install_oracle
 
 NUM_PROMPTS, MAX_TOKENS = 8, 24
@@ -26,13 +26,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
 def generate(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def spec_counters(llm: LLM) -> tuple[int, int]:
-    """(drafts, accepted draft tokens) from vLLM's spec-decode metrics."""
-    values = {m.name: m.value for m in llm.get_metrics() if m.name in (
-        "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")}
-    return values["vllm:spec_decode_num_drafts"], values["vllm:spec_decode_num_accepted_tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +64,13 @@ def test_greedy_concurrent_batch_of_different_lengths(ubtree_llm, reference_batc
 def test_copying_drafter_accepts_long_paths_and_metrics_report_it(ubtree_llm, reference_batch):
     runner = engine_runner(ubtree_llm)
     oracle = ReferenceOracle(PROMPTS, reference_batch, runner.drafter.config.tree, vocab_size=512)
-    drafts_before, accepted_before = spec_counters(ubtree_llm)
+    drafts_before, accepted_before = spec_counts(ubtree_llm)
     install_oracle(ubtree_llm, oracle)
     try:
         assert generate(ubtree_llm, PROMPTS) == reference_batch
     finally:
         install_oracle(ubtree_llm, None)
-    drafts, accepted = spec_counters(ubtree_llm)
+    drafts, accepted = spec_counts(ubtree_llm)
     mean_acceptance_length = 1 + (accepted - accepted_before) / (drafts - drafts_before)
     assert oracle.calls > 0
     assert mean_acceptance_length > 2.0, mean_acceptance_length

@@ -26,6 +26,7 @@ import pytest
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
+from vllm_engines import spec_counts
 from vllm_models import save_tiny_llama, save_untrained_drafter
 from ubtree_vllm.config import SamplingConfig
 
@@ -82,7 +83,7 @@ def run_pair(target, drafter):
     start = time.perf_counter()
     ubtree.generate(prompts[:1], params, use_tqdm=False)
     ubtree_s = time.perf_counter() - start
-    drafts, accepted = spec_counters(ubtree)
+    drafts, accepted = spec_counts(ubtree)
     tau = 1 + accepted / max(1, drafts)
     assert_greedy_equal_up_to_near_ties(spec, reference)
     return MAX_TOKENS / plain_s, MAX_TOKENS / ubtree_s, tau
@@ -151,16 +152,10 @@ def test_sampling_distribution_cuda_graphs(tmp_path):
     ubtree = engine(target, {"method": "ubtree", "model": str(drafter), "num_speculative_tokens": 9,
                              "beam_width": 3, "top_k": 6}, **small)
     for case, ref in zip(SAMPLING_CASES, reference):
-        before = spec_counters(ubtree)
+        before = spec_counts(ubtree)
         samples = sample_continuations(ubtree, case)
-        after = spec_counters(ubtree)
+        after = spec_counts(ubtree)
         # Losslessness is only tested if drafts were accepted: > 0.3 accepted tokens per round.
         assert after[1] - before[1] > 0.3 * (after[0] - before[0]), (case, before, after)
         pvals = two_sample_pvalues(samples, ref, VOCAB)
         assert min(pvals) > ALPHA / len(pvals), (case, pvals)
-
-
-def spec_counters(llm: LLM) -> tuple[float, float]:
-    values = {m.name: m.value for m in llm.get_metrics()
-              if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")}
-    return values["vllm:spec_decode_num_drafts"], values["vllm:spec_decode_num_accepted_tokens"]

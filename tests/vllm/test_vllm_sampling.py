@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
-from vllm_engines import ENGINE_KWARGS
+from vllm_engines import ENGINE_KWARGS, spec_counts
 from ubtree_vllm.config import SamplingConfig
 from exact_distribution import distribution_pvalues, exact_joint
 from vllm_models import save_tiny_llama, save_untrained_drafter
@@ -46,19 +46,13 @@ def hf_target(vocab8):
     return AutoModelForCausalLM.from_pretrained(vocab8[0], dtype=torch.float32).eval()
 
 
-def spec_counters(llm: LLM) -> tuple[float, float]:
-    values = {m.name: m.value for m in llm.get_metrics()
-              if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")}
-    return values["vllm:spec_decode_num_drafts"], values["vllm:spec_decode_num_accepted_tokens"]
-
-
 @pytest.mark.parametrize("sampling", CASES, ids=str)
 def test_samples_follow_the_target_distribution(llm, hf_target, sampling):
     params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                             max_tokens=HORIZON, ignore_eos=True, detokenize=False)
-    drafts_before, accepted_before = spec_counters(llm)
+    drafts_before, accepted_before = spec_counts(llm)
     outs = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)] * NUM_SAMPLES, params, use_tqdm=False)
-    drafts, accepted = spec_counters(llm)
+    drafts, accepted = spec_counts(llm)
     # Losslessness is only tested if drafts were accepted: > 0.3 accepted tokens per round.
     assert (accepted - accepted_before) > 0.3 * (drafts - drafts_before), (accepted, drafts)
     samples = torch.tensor([list(o.outputs[0].token_ids) for o in outs])

@@ -23,3 +23,18 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.update(extra)
     return env
+
+
+def spec_counts(llm) -> tuple[float, float]:
+    """(drafts, accepted draft tokens) so far, from vLLM's spec-decode metrics of an in-process engine.
+
+    Raises KeyError when the engine does not report them (the tests rely on vLLM's metrics).
+    """
+    from ubtree_vllm.bench.measurement import NUM_ACCEPTED, NUM_DRAFTS, spec_counters
+
+    metrics = llm.get_metrics()
+    missing = {NUM_DRAFTS, NUM_ACCEPTED} - {m.name for m in metrics}
+    if missing:
+        raise KeyError(f"vLLM reports no {sorted(missing)} metric")
+    totals = spec_counters(metrics)
+    return totals[NUM_DRAFTS], totals[NUM_ACCEPTED]
