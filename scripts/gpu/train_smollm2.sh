@@ -16,7 +16,9 @@
 #   ablations  the training ablations, one pipeline each, run side by side until DEADLINE_S
 #            seconds after the phase starts (default 540): hard-label CE, beta=0, T_train=0
 #            (data, train, export to runs/ablations/, tau on the three sets). Every step is
-#            resumable or skipped when done, so calling the phase again continues.
+#            resumable or skipped when done, so calling the phase again continues. ABLATIONS
+#            (default "t0 hard-ce beta0") selects pipelines; a file runs/ablations/NAME/eval-SET.done
+#            skips that evaluation.
 #   humaneval-t1  tau of UBTree at T=1 on HumanEval with the shipped drafter
 #   tests    the GPU tests of triton_ops (bf16/fp16 kernel vs its PyTorch reference) and of the
 #            draft-stage CUDA graphs
@@ -24,7 +26,7 @@
 #            BENCH_DATASETS, BENCH_TEMPS and BENCH_PROMPTS (per set, default 10) select a slice so
 #            each call stays < 10 minutes
 #   sweep    `ubtree bench e2e` concurrency 1,4,16,32 on MT-Bench, T=0, ar vs ubtree B=64
-#   microbench  `ubtree bench microbench --which all` (draft post-processing per round, tree attention
+#   microbench  `ubtree bench microbench --which ${MB_WHICH:-all}` (draft post-processing per round, tree attention
 #            vs FlashAttention, tree-65 vs chain-17 verification forward on a dummy Qwen3-8B)
 # Records go to $RECORDS (default docs/benchmarks/records.jsonl; on the device use runs/records.jsonl,
 # which survives between calls of one warm session, and append it to the local file afterwards).
@@ -110,20 +112,22 @@ for phase in "$@"; do
         --datasets mt_bench --temperatures 0 --num-prompts 64 --max-new-tokens 256 --methods ar,ubtree \
         --tree-budgets 64 --beam-width 12 --top-k 64 --concurrency 1,4,16,32 ;;
     microbench)
-      ubtree bench microbench --which all --drafter "$DRAFTER" --records "$RECORDS" --no-report ;;
+      ubtree bench microbench --which "${MB_WHICH:-all}" --drafter "$DRAFTER" --records "$RECORDS" --no-report ;;
     humaneval-t1)
       [ -f runs/humaneval-t1.done ] || { ubtree eval-tau --drafter "$DRAFTER" --datasets humaneval --methods ubtree \
         --temperatures 1 "${EVAL[@]}" && touch runs/humaneval-t1.done; } ;;
     ablations)
       END_AT=$(( $(date +%s) + ${DEADLINE_S:-540} ))
       mkdir -p runs/ablations
-      ablation t0 runs/smollm2/data-t0 &
-      if ! grep -qs '"complete": true' runs/smollm2/data-t1/manifest.json; then
+      wanted=" ${ABLATIONS:-t0 hard-ce beta0} "
+      [[ $wanted == *" t0 "* ]] && ablation t0 runs/smollm2/data-t0 &
+      if [[ $wanted == *" hard-ce "* || $wanted == *" beta0 "* ]] \
+          && ! grep -qs '"complete": true' runs/smollm2/data-t1/manifest.json; then
         ubtree gen-data --config "$CONFIG" --data-root .gpudata --set gpu_memory_utilization=0.25 \
           --max-minutes "$(minutes_left 200)" >> runs/data-t1.log 2>&1 || true
       fi
-      ablation hard-ce runs/smollm2/data-t1 --set selector_loss=hard_ce &
-      ablation beta0 runs/smollm2/data-t1 --set beta=0 &
+      [[ $wanted == *" hard-ce "* ]] && ablation hard-ce runs/smollm2/data-t1 --set selector_loss=hard_ce &
+      [[ $wanted == *" beta0 "* ]] && ablation beta0 runs/smollm2/data-t1 --set beta=0 &
       wait
       tail -n 4 runs/data-t1.log runs/ablations/*.log || true ;;
     *) echo "unknown phase $phase"; exit 2 ;;
