@@ -61,6 +61,14 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
             "graphs whenever the engine uses CUDA graphs; 0: draft eagerly (debugging; slower)."
         ),
     ),
+    "UBTREE_STAGE_TIMING": EnvVar(
+        default="0",
+        parse=_flag,
+        doc=(
+            "1: the UBTree runner times each stage of its steps, synchronizing the device at "
+            "stage boundaries (diagnosis; `ubtree bench e2e --stage-timing` sets it); 0: off."
+        ),
+    ),
     "UBTREE_COMMIT": EnvVar(
         default="",
         parse=str,

@@ -26,6 +26,8 @@
 #            BENCH_DATASETS, BENCH_TEMPS and BENCH_PROMPTS (per set, default 10) select a slice so
 #            each call stays < 10 minutes
 #   sweep    `ubtree bench e2e` concurrency 1,4,16,32 on MT-Bench, T=0, ar vs ubtree B=64
+#   stages   `ubtree bench e2e --stage-timing`: mean time per engine step of each UBTree runner stage
+#            (ar for the step wall time; same selectors as bench, default mt_bench, T=0, 4 prompts, B=16,64)
 #   microbench  `ubtree bench microbench --which ${MB_WHICH:-all}` (draft post-processing per round, tree attention
 #            vs FlashAttention, tree-65 vs chain-17 verification forward on a dummy Qwen3-8B)
 # Records go to $RECORDS (default docs/benchmarks/records.jsonl; on the device use runs/records.jsonl,
@@ -111,6 +113,12 @@ for phase in "$@"; do
         --gpu-memory-utilization 0.25 \
         --datasets mt_bench --temperatures 0 --num-prompts 64 --max-new-tokens 256 --methods ar,ubtree \
         --tree-budgets 64 --beam-width 12 --top-k 64 --concurrency 1,4,16,32 ;;
+    stages)
+      ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
+        --gpu-memory-utilization 0.25 --stage-timing \
+        --datasets "${BENCH_DATASETS:-mt_bench}" --temperatures "${BENCH_TEMPS:-0}" --num-prompts "${BENCH_PROMPTS:-4}" \
+        --max-new-tokens 256 --methods "${METHODS:-ar,ubtree}" --tree-budgets "${BUDGETS:-16,64}" \
+        --beam-width 12 --top-k 64 --concurrency 1 ;;
     microbench)
       ubtree bench microbench --which "${MB_WHICH:-all}" --drafter "$DRAFTER" --records "$RECORDS" --no-report ;;
     humaneval-t1)

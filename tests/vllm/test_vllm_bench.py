@@ -64,3 +64,27 @@ def test_summary_and_report_show_the_speed_rows(bench):
     regenerate(path)
     readme = (path.parent / "README.md").read_text()
     assert "## Speed (vLLM end-to-end)" in readme and readme.count("| toy |") >= len(rows)
+
+
+def test_stage_timing_writes_step_records_that_add_up(tiny_target, tiny_drafter, tmp_path):
+    from ubtree_vllm.bench.stage_timing import METRICS, STAGES, WALL, metric_of
+
+    path = tmp_path / "records.jsonl"
+    settings = validate(E2ESettings(target=str(tiny_target), drafter=str(tiny_drafter), datasets=("toy",),
+                                    temperatures=(0.0,), num_prompts=2, max_new_tokens=8, methods=("ubtree",),
+                                    tree_budgets=(4,), beam_width=2, top_k=4, stage_timing=True),
+                        check_datasets=False)
+    rows = run_e2e(settings, [PROMPTS], tiny_target, ENGINE, records_path=path, log=lambda line: None)
+    assert rec.read_records(path) == rows  # stage records only: no e2e (speed) record
+    values = {r["metric"]: r["value"] for r in rows}
+    assert all(r["kind"] == "microbench" and r["unit"] == "ms" and r["tree_budget"] == 4 for r in rows)
+    assert set(values) == set(METRICS) and all(v > 0 for v in values.values())
+    step = {s: values[metric_of(s)] for s in STAGES}
+    # Stages nest, and the runner's two calls lie inside the engine step.
+    assert step["execute_model"] >= step["prepare_inputs_vllm"] + step["tree_plan"] + step["forward"]
+    assert step["sample_tokens"] >= sum(step[s] for s in ("accept", "kv_commit", "feature_commit",
+                                                            "draft_context", "draft", "drafts_to_host"))
+    assert values[WALL] >= step["execute_model"] + step["sample_tokens"]
+    regenerate(path)
+    readme = (path.parent / "README.md").read_text()
+    assert "## Step time by stage" in readme and "drafts_to_host" in readme

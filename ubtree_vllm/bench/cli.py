@@ -45,6 +45,9 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="vLLM dtype")
     parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs")
     parser.add_argument("--seed", type=int, default=0, help="engine seed")
+    parser.add_argument("--stage-timing", action="store_true",
+                        help="time the UBTree runner's stages per engine step (device syncs at stage boundaries); "
+                             "appends step-time microbench records instead of e2e records")
 
 
 def _add_microbench_args(parser: argparse.ArgumentParser) -> None:

@@ -16,7 +16,8 @@ Sampling: `SamplingParams(temperature=T, max_tokens=--max-new-tokens, ignore_eos
 plus the target's EOS ids as stop ids; the engine seed is fixed (`--seed`), requests
 carry no per-request seed (that would put vLLM's sampler on its per-request generator
 path, which is not what serving measures). How tau, tok/s, TPOT and the speedup are
-computed: bench/measurement.py.
+computed: bench/measurement.py. With `--stage-timing` the runs append stage-time records
+instead of e2e records (bench/stage_timing.py).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from ubtree_vllm.bench.measurement import RunResult, SpeedupTable, e2e_record, s
 from ubtree_vllm.bench.prompts import PromptSet, dataset_prompt_sets
 from ubtree_vllm.bench.settings import (BenchArgumentError, E2ESettings, MethodRun, dflash_chain_run,
                                         planned_methods, settings_from_args, ubtree_chain_run, ubtree_run)
+from ubtree_vllm.bench.stage_timing import read_stage_times, stage_records, stage_timing_env, uses_runner_clock
 
 WARMUP_TOKENS = 32
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -74,14 +76,15 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_requests(llm: Any, prompts: Sequence[Sequence[int]], params: Any, concurrency: int) -> tuple[list[Any], float]:
-    """Finished RequestOutputs (completion order) and wall seconds, <= `concurrency` in flight."""
+def run_requests(llm: Any, prompts: Sequence[Sequence[int]], params: Any,
+                 concurrency: int) -> tuple[list[Any], float, int]:
+    """Finished RequestOutputs (completion order), wall seconds and engine steps, <= `concurrency` in flight."""
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
     queue = deque(prompts)
     outputs: list[Any] = []
-    in_flight = 0
+    in_flight = steps = 0
     started = time.perf_counter()
     while queue or in_flight:
         while queue and in_flight < concurrency:
@@ -89,11 +92,12 @@ def run_requests(llm: Any, prompts: Sequence[Sequence[int]], params: Any, concur
             in_flight += 1
         if not engine.has_unfinished_requests():
             raise RuntimeError(f"vLLM reports no unfinished request while {in_flight} are in flight")
+        steps += 1
         for output in engine.step():
             if output.finished:
                 outputs.append(output)
                 in_flight -= 1
-    return outputs, time.perf_counter() - started
+    return outputs, time.perf_counter() - started, steps
 
 
 def measure(llm: Any, prompt_set: PromptSet, temperature: float, concurrency: int, max_new_tokens: int) -> RunResult:
@@ -103,8 +107,8 @@ def measure(llm: Any, prompt_set: PromptSet, temperature: float, concurrency: in
     params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, ignore_eos=False, detokenize=False,
                             stop_token_ids=list(prompt_set.stop_token_ids) or None)
     before = spec_counters(llm.get_metrics())
-    outputs, wall_s = run_requests(llm, prompt_set.prompts, params, concurrency)
-    return summarize_run(outputs, wall_s, before, spec_counters(llm.get_metrics()))
+    outputs, wall_s, steps = run_requests(llm, prompt_set.prompts, params, concurrency)
+    return summarize_run(outputs, wall_s, before, spec_counters(llm.get_metrics()), steps)
 
 
 def _start_engine(label: str, settings: E2ESettings, target_path: Path, engine_kwargs: dict[str, Any],
@@ -151,23 +155,32 @@ def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path
     with tempfile.TemporaryDirectory(prefix="ubtree-bench-") as scratch:
         for label in planned_methods(settings):
             log(f"bench e2e: starting engine for {label}")
-            run, llm = _start_engine(label, settings, target_path, engine_kwargs, Path(scratch), log)
+            with stage_timing_env(settings.stage_timing):
+                run, llm = _start_engine(label, settings, target_path, engine_kwargs, Path(scratch), log)
+            clocked = settings.stage_timing and uses_runner_clock(run)
             try:
                 measure(llm, warmup, 0.0, 1, min(WARMUP_TOKENS, settings.max_new_tokens))
                 for concurrency in settings.concurrency:
                     for prompt_set in prompt_sets:
                         for temperature in settings.temperatures:
+                            if clocked:
+                                read_stage_times(llm, reset=True)
                             result = measure(llm, prompt_set, temperature, concurrency, settings.max_new_tokens)
                             speedup = speedups.speedup(run.method, prompt_set.dataset, temperature, concurrency,
                                                        result.tokens_per_s)
-                            record = e2e_record(run, result, target=target, drafter=settings.drafter,
-                                                dataset=prompt_set.dataset, temperature=temperature,
-                                                concurrency=concurrency, max_new_tokens=settings.max_new_tokens,
-                                                cuda_graphs=cuda_graphs, speedup=speedup)
-                            if records_path is not None:
-                                record = append_record(record, records_path)
-                            rows.append(record)
+                            where = dict(target=target, drafter=settings.drafter, dataset=prompt_set.dataset,
+                                         temperature=temperature, concurrency=concurrency,
+                                         max_new_tokens=settings.max_new_tokens, cuda_graphs=cuda_graphs)
+                            record = e2e_record(run, result, speedup=speedup, **where)
                             log(f"bench e2e: {summary_line(record)}")
+                            if settings.stage_timing:  # timed steps are slower: stage records only
+                                times = read_stage_times(llm, reset=True) if clocked else None
+                                new = stage_records(run, result, times, **where)
+                            else:
+                                new = [record]
+                            if records_path is not None:
+                                new = [append_record(r, records_path) for r in new]
+                            rows.extend(new)
             finally:
                 stop_engine(llm)
                 del llm
@@ -216,7 +229,12 @@ def run_cli(args: argparse.Namespace) -> int:
         engine_kwargs["max_model_len"] = args.max_model_len
     records_path = None if args.no_record else args.records
     rows = run_e2e(settings, prompt_sets, target_path, engine_kwargs, records_path)
-    print(summary_table(rows))
+    if settings.stage_timing:
+        for r in rows:
+            print(f"{r['method']:<12} B={r['tree_budget']} {r['dataset']} T={r['temperature']} "
+                  f"{r['metric']:<28} {r['value']:9.3f} ms")
+    else:
+        print(summary_table(rows))
     if records_path is not None and not args.no_report:
         from ubtree_vllm.bench.report import regenerate
 

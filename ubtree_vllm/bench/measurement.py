@@ -71,6 +71,7 @@ class RunResult:
     tau: float | None
     num_drafts: int
     num_accepted: int
+    engine_steps: int = 0  # LLMEngine.step calls of the run
 
     @property
     def tokens_per_s(self) -> float:
@@ -78,11 +79,11 @@ class RunResult:
 
 
 def summarize_run(outputs: list[Any], wall_s: float, before: Mapping[str, float],
-                  after: Mapping[str, float]) -> RunResult:
+                  after: Mapping[str, float], engine_steps: int = 0) -> RunResult:
     tau, drafts, accepted = tau_from_deltas(before, after)
     return RunResult(num_requests=len(outputs), output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
                      wall_s=wall_s, tpot_ms=mean_tpot_ms(outputs), tau=tau, num_drafts=drafts,
-                     num_accepted=accepted)
+                     num_accepted=accepted, engine_steps=engine_steps)
 
 
 class SpeedupTable:

@@ -13,7 +13,9 @@ Sections, in order: End-to-end (every e2e record, one table per dataset and temp
 Ablations (per target a drafter x (dataset, T) pivot of UBTree tau at B = ABLATION_BUDGET
 with the single-path tau in parentheses, each cell from the latest matching tau evaluation; the
 shipped drafter under checkpoints/ first, others labelled by `drafter_label`); Speed (e2e
-records with tokens/s, i.e. from `ubtree bench e2e`); Microbenchmarks; Training runs; Plots.
+records with tokens/s, i.e. from `ubtree bench e2e`); Step time by stage (microbench records
+`step_*_ms` of `ubtree bench e2e --stage-timing`, one row per run, stage columns in the order the
+records were written); Microbenchmarks (the others); Training runs; Plots.
 
 This module's top level imports only the standard library (the CLI builds its parser
 from it); matplotlib is imported when plotting.
@@ -146,6 +148,39 @@ def _speed_section(e2e: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+STEP_PREFIX = "step_"
+
+
+def _step_section(micro: Sequence[dict[str, Any]]) -> list[str]:
+    """Pivot of the stage-timed runs: one row per run, one column per step_* metric."""
+    steps = [r for r in micro if str(r["metric"]).startswith(STEP_PREFIX)]
+    if not steps:
+        return []
+    metrics = list(dict.fromkeys(r["metric"] for r in steps))
+    runs: dict[tuple, dict[str, Any]] = {}
+    for r in steps:
+        key = (r["hardware"], r["target"], r["method"], r["tree_budget"] or 0, r["beam_width"] or 0, r["top_k"] or 0,
+               str(r["dataset"]), r["temperature"] or 0.0, r["concurrency"] or 0, str(r["commit"]))
+        runs.setdefault(key, {"first": r})[r["metric"]] = r["value"]
+    lines = ["## Step time by stage", "",
+             "Records of `ubtree bench e2e --stage-timing`: mean ms per engine step of each UBTree runner stage "
+             "(the device is synchronized at stage boundaries, so the stages add up to the runner's share of "
+             "`step_wall`, and a timed step is slower than an untimed one). Nested stages: `execute_model` holds "
+             "`prepare_inputs_vllm`, `tree_plan` and `forward`; `sample_tokens` holds the rest.", ""]
+    header = ["method", "B", "W", "K", "dataset", "T", "conc", "tau"] + [m[len(STEP_PREFIX):].removesuffix("_ms")
+                                                                        for m in metrics]
+    rows = []
+    for key in sorted(runs, key=lambda k: (k[0], k[1], METHOD_ORDER.index(k[2]) if k[2] in METHOD_ORDER else 99,
+                                           k[3:])):
+        first = runs[key]["first"]
+        rows.append([first["method"], first["tree_budget"], first["beam_width"], first["top_k"], first["dataset"],
+                     first["temperature"], first["concurrency"], first["tau"]]
+                    + [runs[key].get(m) for m in metrics])
+    hardware = sorted({r["hardware"] for r in steps})
+    commits = sorted({str(r["commit"]) for r in steps})
+    return lines + _table(header, rows) + [f"Hardware: {', '.join(hardware)}; commits: {', '.join(commits)}.", ""]
+
+
 def render(records: Sequence[dict[str, Any]], plots: Sequence[str] = (), source: str = DEFAULT_PATH) -> str:
     """The README text for `records` (already validated)."""
     shown, hidden = latest(records)
@@ -173,7 +208,8 @@ def render(records: Sequence[dict[str, Any]], plots: Sequence[str] = (), source:
                  for r in rows])
         lines += _ablation_section([r for r in records if r["kind"] == "e2e"])
         lines += _speed_section(e2e)
-    micro = [r for r in shown if r["kind"] == "microbench"]
+    lines += _step_section([r for r in shown if r["kind"] == "microbench"])
+    micro = [r for r in shown if r["kind"] == "microbench" and not str(r["metric"]).startswith(STEP_PREFIX)]
     if micro:
         lines += ["## Microbenchmarks", ""]
         micro.sort(key=lambda r: (str(r["hardware"]), str(r["drafter"]), r["tree_budget"] or 0, r["beam_width"] or 0,

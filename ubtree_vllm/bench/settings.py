@@ -67,6 +67,7 @@ class E2ESettings:
     top_k: int = 64
     concurrency: tuple[int, ...] = (1,)
     seed: int = 0
+    stage_timing: bool = False
     # Drafter facts read from its config.json (None without a drafter).
     block_size: int | None = field(default=None, compare=False)
     vocab_size: int | None = field(default=None, compare=False)
@@ -158,6 +159,7 @@ def settings_from_args(args: argparse.Namespace, check_datasets: bool = True) ->
         top_k=args.top_k,
         concurrency=parse_list("--concurrency", args.concurrency, int, "integers"),
         seed=args.seed,
+        stage_timing=args.stage_timing,
     ), check_datasets=check_datasets)
 
 

@@ -11,10 +11,12 @@ from typing import Any
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from ubtree_vllm import compat, patches
+from ubtree_vllm.vllm.stage_clock import StageTimesRPC
 
 
-class UBTreeCPUWorker(CPUWorker):
+class UBTreeCPUWorker(StageTimesRPC, CPUWorker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         compat.check_vllm_version()
         patches.apply("worker")
         super().__init__(*args, **kwargs)
+

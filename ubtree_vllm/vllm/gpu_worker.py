@@ -12,9 +12,10 @@ from typing import Any
 from vllm.v1.worker.gpu_worker import Worker
 
 from ubtree_vllm import compat, patches
+from ubtree_vllm.vllm.stage_clock import StageTimesRPC
 
 
-class UBTreeGPUWorker(Worker):
+class UBTreeGPUWorker(StageTimesRPC, Worker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         compat.check_vllm_version()
         patches.apply("worker")
@@ -27,3 +28,4 @@ class UBTreeGPUWorker(Worker):
         from ubtree_vllm.vllm.runner import UBTreeGPUModelRunner
 
         return UBTreeGPUModelRunner(self.vllm_config, self.device)
+

@@ -18,6 +18,7 @@ the UBTree hooks, in call order:
    a tree per decoding request and hand vLLM its B nodes as the draft tokens.
 
 Everything else (scheduling, KV allocation, stop handling, metrics) is vLLM's, unchanged.
+With ``UBTREE_STAGE_TIMING=1`` each of these stages is timed (:mod:`ubtree_vllm.vllm.stage_clock`).
 The runner requires the target to return aux hidden states (``SupportsEagle3``) for the
 drafter's layers, and every attention layer to use a tree-aware impl.
 """
@@ -30,7 +31,7 @@ import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from ubtree_vllm import compat
+from ubtree_vllm import compat, envs
 from ubtree_vllm.types import DraftContext
 from ubtree_vllm.verify.accept import AcceptResult
 from ubtree_vllm.vllm.attention.state import RowBuffers, tree_forward_state
@@ -39,6 +40,7 @@ from ubtree_vllm.vllm.features import ContextFeatureStore
 from ubtree_vllm.vllm.kv_commit import commit_accepted_paths, commit_accepted_paths_in_cache
 from ubtree_vllm.vllm.proposer import UBTreeProposer
 from ubtree_vllm.vllm.sampler import TreeRejectionSampler
+from ubtree_vllm.vllm.stage_clock import StageClock
 from ubtree_vllm.vllm.tree_plan import RequestTree, TreeStepPlan, ragged_arange, build_plan
 
 
@@ -69,6 +71,16 @@ class UBTreeRunnerMixin:
         # Fixed-size tree-row buffers for CUDA-graph-captured tree attention (FLASH_ATTN), one
         # entry per token; paths hold the root and at most gamma nodes.
         self._row_buffers = RowBuffers.empty(self.max_num_tokens, config.tree.block_size + 1, self.device)
+        self.ubtree_stage_clock = StageClock(self.device, envs.UBTREE_STAGE_TIMING)
+
+    # ---- the two calls of one vLLM step (timed as wholes in stage-timing mode) --------------
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        with self.ubtree_stage_clock.stage("execute_model"):
+            return super().execute_model(*args, **kwargs)  # type: ignore[misc]
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        with self.ubtree_stage_clock.stage("sample_tokens"):
+            return super().sample_tokens(*args, **kwargs)  # type: ignore[misc]
 
     # ---- model / aux layers ------------------------------------------------------------
     def _get_eagle3_aux_layers_from_config(self) -> tuple[int, ...]:
@@ -96,7 +108,14 @@ class UBTreeRunnerMixin:
 
     # ---- 1. tree layout, positions -----------------------------------------------------
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
-        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)  # type: ignore[misc]
+        clock = self.ubtree_stage_clock
+        with clock.stage("prepare_inputs_vllm"):
+            result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)  # type: ignore[misc]
+        with clock.stage("tree_plan"):
+            self._lay_out_trees(scheduler_output, num_scheduled_tokens)
+        return result
+
+    def _lay_out_trees(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
         num_reqs = self.input_batch.num_reqs
         plan = build_plan(
             self.input_batch.req_ids, self.query_start_loc.np[: num_reqs + 1], num_scheduled_tokens,
@@ -107,12 +126,12 @@ class UBTreeRunnerMixin:
             self.positions[torch.from_numpy(rows).to(self.device)] = torch.from_numpy(positions).to(self.device)
         self._plan, self._accept = plan, None
         self._tree_state.begin(plan, self.device, self._row_buffers if self._commit_in_cache else None)
-        return result
 
     # ---- 2. forward ---------------------------------------------------------------------
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super()._model_forward(*args, **kwargs)  # type: ignore[misc]
+            with self.ubtree_stage_clock.stage("forward"):
+                return super()._model_forward(*args, **kwargs)  # type: ignore[misc]
         finally:
             self._tree_state.end_forward()
 
@@ -121,8 +140,9 @@ class UBTreeRunnerMixin:
         if spec_decode_metadata is None or self._plan is None:
             return super()._sample(logits, spec_decode_metadata)  # type: ignore[misc]
         plan = self._plan
-        output, self._accept = self._tree_sampler(plan, plan.to_device(self.device), logits,
-                                                  self.input_batch.sampling_metadata)
+        with self.ubtree_stage_clock.stage("accept"):
+            output, self._accept = self._tree_sampler(plan, plan.to_device(self.device), logits,
+                                                      self.input_batch.sampling_metadata)
         return output
 
     # ---- 4. KV commit --------------------------------------------------------------------
@@ -130,7 +150,10 @@ class UBTreeRunnerMixin:
         super()._update_states_after_model_execute(output_token_ids, scheduler_output)  # type: ignore[misc]
         if self._plan is None or self._accept is None:
             return
-        plan, accept = self._plan, self._accept
+        with self.ubtree_stage_clock.stage("kv_commit"):
+            self._commit_kv(self._plan, self._accept)
+
+    def _commit_kv(self, plan: TreeStepPlan, accept: AcceptResult) -> None:
         if not self._commit_in_cache:  # CPU_ATTN: replay the stashed K/V
             commit_accepted_paths(self._tree_state, plan, accept.accepted_path, accept.num_accepted)
         elif len(plan.stash_rows):
@@ -156,8 +179,10 @@ class UBTreeRunnerMixin:
         assert isinstance(sampled_token_ids, list) and aux_hidden_states is not None
         plan = self._plan
         assert plan is not None
-        features = torch.cat([aux_hidden_states[i] for i in self._aux_order], dim=-1)  # [T, F]
-        self._commit_features(scheduler_output, plan, features)
+        clock = self.ubtree_stage_clock
+        with clock.stage("feature_commit"):
+            features = torch.cat([aux_hidden_states[i] for i in self._aux_order], dim=-1)  # [T, F]
+            self._commit_features(scheduler_output, plan, features)
         req_ids = list(self.input_batch.req_ids)
         drafts: list[list[int]] = [[] for _ in req_ids]
         drafting = [i for i, tokens in enumerate(sampled_token_ids) if tokens]
@@ -166,12 +191,15 @@ class UBTreeRunnerMixin:
         if not drafting:
             return drafts
         anchor_pos = [int(self.input_batch.num_tokens_no_spec[i]) - 1 for i in drafting]
-        ctx = self._draft_context([req_ids[i] for i in drafting], drafting,
-                                  [sampled_token_ids[i][-1] for i in drafting], anchor_pos)
-        tree = self.drafter.propose(ctx)  # type: ignore[attr-defined]
-        # SYNC: vLLM's scheduler takes draft tokens as host lists (custom_class contract);
-        # one device-to-host copy for tokens, parents and depth.
-        host = torch.stack([tree.tokens, tree.parents, tree.depth]).cpu().numpy()  # [3, N, B + 1]
+        with clock.stage("draft_context"):
+            ctx = self._draft_context([req_ids[i] for i in drafting], drafting,
+                                      [sampled_token_ids[i][-1] for i in drafting], anchor_pos)
+        with clock.stage("draft"):
+            tree = self.drafter.propose(ctx)  # type: ignore[attr-defined]
+        with clock.stage("drafts_to_host"):
+            # SYNC: vLLM's scheduler takes draft tokens as host lists (custom_class contract);
+            # one device-to-host copy for tokens, parents and depth.
+            host = torch.stack([tree.tokens, tree.parents, tree.depth]).cpu().numpy()  # [3, N, B + 1]
         tokens = host[0, :, 1:].tolist()
         parents, depth = host[1], host[2]
         for k, i in enumerate(drafting):
