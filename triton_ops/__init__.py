@@ -10,7 +10,8 @@ Each kernel comes as a private ``_*_kernel``, a public launcher in ``triton_ops/
 that asserts its shape/stride/dtype contract and never syncs with the host, and a
 pure-torch twin in :mod:`.reference` (the test oracle, ``tests/triton``);
 :mod:`.tree_attention_inputs` builds random paged inputs for the kernel tests and the
-tree-attention microbenchmark (not exported here). The on-device
+tree-attention microbenchmark, and :mod:`.compile_check` compiles the kernels for Hopper
+without a GPU (the interpreter accepts more than the compiler); neither is exported here. The on-device
 tree-acceptance and state-copy kernels are still to come.
 
 Triton is imported directly and defensively (not through ``vllm.triton_utils``, which

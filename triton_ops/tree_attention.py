@@ -8,18 +8,23 @@ non-speculative decode at that node would see:
 * its ancestors-or-self: the fresh K/V rows ``key/value[row_path[r, j]]`` of this forward,
   for the valid (>= 0) entries of the root-first, -1 padded path.
 
-Design: one program per (tree row, kv head) handles the whole GQA group of query heads
-(padded to ``GROUP_PAD`` >= 16 rows so both products are ``tl.dot``); it runs one online
-softmax (fp32 max / sum / accumulator, base-2 exponent) over the context in tiles of
-``BLOCK_N`` tokens -- each token's block id and offset come from the block table, so any
-block size and any (shuffled) table works -- then over the path in tiles of ``BLOCK_P``
-entries with the -1 mask, and finally writes ``acc / sum`` into ``out[row_index[r]]``.
-Rows of ``out`` not in ``row_index`` are never touched. A row with nothing to attend to
-(not produced by the plan: its path always holds the row itself) gets zeros. Entries with
-``row_index == -1`` are skipped: a CUDA graph captures one launch over fixed-size buffers
-(one entry per token of the forward) and each replay fills only the step's tree rows.
+Design: the tree rows of one request share their whole committed context, so a program
+takes a tile of ``ROWS`` consecutive entries for one kv head and flattens (entry, query head
+of the GQA group, padded to ``GROUP_PAD``) into ``BLOCK_M = ROWS * GROUP_PAD`` (64; 32 for
+head size 256) query vectors. For each request present in the tile (entries of a request are
+adjacent in the plan's layout, so a tile holds one or two; any order is still correct) it
+runs one online softmax (fp32 max / sum / accumulator, base-2 exponent) over that request's
+context in tiles of ``BLOCK_N`` tokens -- each K/V tile is loaded once for all the request's
+query vectors of the tile, and each token's block id and offset come from the block table, so
+any block size and any (shuffled) table works -- then over the path, one root-first entry at
+a time, each query vector reading the K/V row of its own row's path (-1 entries masked), and
+writes ``acc / sum`` into ``out[row_index]`` for that request's vectors. Rows of ``out`` not in
+``row_index`` are never touched. A row with nothing to attend to (not produced by the plan:
+its path always holds the row itself) gets zeros. Entries with ``row_index == -1`` are
+skipped: a CUDA graph captures one launch over fixed-size buffers (one entry per token of
+the forward) and each replay fills only the step's tree rows.
 
-The launcher reads no device value (no host sync); the grid is ``(M, H_kv)``.
+The launcher reads no device value (no host sync); the grid is ``(cdiv(M, ROWS), H_kv)``.
 Test oracle: :func:`ubtree_vllm.triton_ops.reference.tree_attention_reference`.
 """
 from __future__ import annotations
@@ -63,67 +68,87 @@ if triton is not None:
             row_index_ptr, row_req_ptr, row_context_len_ptr,
             row_path_ptr, stride_path_row,
             # Scalars
-            qk_scale, path_len,
-            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr,
-            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):
-        r = tl.program_id(0)
+            qk_scale, num_entries, path_len,
+            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        # One tile = ROWS consecutive entries x the GROUP query heads of one kv head, flattened
+        # into BLOCK_M = ROWS * GROUP_PAD query vectors m = (entry e(m), head g(m)).
+        tile = tl.program_id(0)
         kv_head = tl.program_id(1)
-        row = tl.load(row_index_ptr + r).to(tl.int64)
-        active = row >= 0  # row_index -1: an unused entry of a fixed-size (CUDA-graph) launch
-        row = tl.where(active, row, 0)
-        req = tl.where(active, tl.load(row_req_ptr + r).to(tl.int64), 0)
-        context_len = tl.where(active, tl.load(row_context_len_ptr + r).to(tl.int32), 0)
-
-        offs_g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD] query head within the group
-        head_ok = offs_g < tl.where(active, GROUP, 0)  # no head of a skipped entry is read or written
-        heads = kv_head * GROUP + offs_g
+        offs_m = tl.arange(0, ROWS * GROUP_PAD)
+        entry = tile * ROWS + offs_m // GROUP_PAD  # [BLOCK_M]
+        g = offs_m % GROUP_PAD
+        in_range = entry < num_entries
+        row = tl.load(row_index_ptr + entry, mask=in_range, other=-1).to(tl.int64)
+        live = row >= 0  # row_index -1: an unused entry of a fixed-size (CUDA-graph) launch
+        row = tl.where(live, row, 0)
+        req = tl.load(row_req_ptr + entry, mask=live, other=0).to(tl.int64)
+        heads = kv_head * GROUP + g
         offs_d = tl.arange(0, HEAD_SIZE)
-        q = tl.load(query_ptr + row * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :],
-                    mask=head_ok[:, None], other=0.0)  # [GROUP_PAD, D]
-
-        m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_SIZE], dtype=tl.float32)
-
-        # (a) committed context, BLOCK_N tokens at a time through the block table.
+        q = tl.load(query_ptr + row[:, None] * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :],
+                    mask=(live & (g < GROUP))[:, None], other=0.0)  # [BLOCK_M, D]
         offs_n = tl.arange(0, BLOCK_N)
-        for start in range(0, context_len, BLOCK_N):
-            pos = start + offs_n  # [BLOCK_N]
-            valid = pos < context_len
-            block_id = tl.load(block_table_ptr + req * stride_bt_req + pos // BLOCK_SIZE,
-                               mask=valid, other=0).to(tl.int64)
-            slot = pos % BLOCK_SIZE
-            k = tl.load(key_cache_ptr + (block_id * stride_kc_block + slot * stride_kc_slot
-                                         + kv_head * stride_kc_h)[:, None] + offs_d[None, :],
-                        mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
-            v = tl.load(value_cache_ptr + (block_id * stride_vc_block + slot * stride_vc_slot
-                                           + kv_head * stride_vc_h)[:, None] + offs_d[None, :],
-                        mask=valid[:, None], other=0.0)
-            m_i, l_i, acc = _online_softmax_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
-
-        # (b) ancestors-or-self: fresh K/V rows of the path, -1 entries masked out.
-        offs_p = tl.arange(0, BLOCK_P)
-        for start in range(0, path_len, BLOCK_P):
-            idx = start + offs_p
-            path_row = tl.load(row_path_ptr + r * stride_path_row + idx, mask=idx < tl.where(active, path_len, 0), other=-1)
-            valid = path_row >= 0
-            path_row = tl.where(valid, path_row, 0).to(tl.int64)  # [BLOCK_P]
-            k = tl.load(key_ptr + (path_row * stride_k_t + kv_head * stride_k_h)[:, None] + offs_d[None, :],
-                        mask=valid[:, None], other=0.0)  # [BLOCK_P, D]
-            v = tl.load(value_ptr + (path_row * stride_v_t + kv_head * stride_v_h)[:, None] + offs_d[None, :],
-                        mask=valid[:, None], other=0.0)
-            m_i, l_i, acc = _online_softmax_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
-
-        l_i = tl.where(l_i > 0.0, l_i, 1.0)  # empty row -> zeros instead of 0 / 0
-        o = acc / l_i[:, None]
-        tl.store(out_ptr + row * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+        no_req = tl.full([], 1 << 62, tl.int64)
+        # The tile's requests one after the other (entries of a request are usually adjacent,
+        # so a tile holds one or two): every query vector of request `cur` shares its context tiles.
+        cur = tl.min(tl.where(live, req, no_req), axis=0)
+        while cur < no_req:
+            sel = live & (req == cur)  # [BLOCK_M]
+            context_len = tl.max(tl.where(sel, tl.load(row_context_len_ptr + entry, mask=sel, other=0), 0),
+                                 axis=0).to(tl.int32)
+            m_i = tl.full([ROWS * GROUP_PAD], -1.0e30, dtype=tl.float32)
+            l_i = tl.zeros([ROWS * GROUP_PAD], dtype=tl.float32)
+            acc = tl.zeros([ROWS * GROUP_PAD, HEAD_SIZE], dtype=tl.float32)
+            # (a) committed context, BLOCK_N tokens at a time through the block table.
+            for start in range(0, context_len, BLOCK_N):
+                pos = start + offs_n  # [BLOCK_N]
+                valid = pos < context_len
+                block_id = tl.load(block_table_ptr + cur * stride_bt_req + pos // BLOCK_SIZE,
+                                   mask=valid, other=0).to(tl.int64)
+                slot = pos % BLOCK_SIZE
+                k = tl.load(key_cache_ptr + (block_id * stride_kc_block + slot * stride_kc_slot
+                                             + kv_head * stride_kc_h)[:, None] + offs_d[None, :],
+                            mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
+                v = tl.load(value_cache_ptr + (block_id * stride_vc_block + slot * stride_vc_slot
+                                               + kv_head * stride_vc_h)[:, None] + offs_d[None, :],
+                            mask=valid[:, None], other=0.0)
+                m_i, l_i, acc = _online_softmax_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+            # (b) ancestors-or-self: path entry j of each query vector's own row, -1 entries masked.
+            for j in range(0, path_len):
+                path_row = tl.load(row_path_ptr + entry * stride_path_row + j, mask=sel, other=-1)
+                valid = path_row >= 0  # [BLOCK_M]
+                path_row = tl.where(valid, path_row, 0).to(tl.int64)
+                k = tl.load(key_ptr + (path_row * stride_k_t + kv_head * stride_k_h)[:, None] + offs_d[None, :],
+                            mask=valid[:, None], other=0.0)  # [BLOCK_M, D]
+                v = tl.load(value_ptr + (path_row * stride_v_t + kv_head * stride_v_h)[:, None] + offs_d[None, :],
+                            mask=valid[:, None], other=0.0)
+                s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * qk_scale  # [BLOCK_M]
+                s = tl.where(valid, s, float("-inf"))
+                m_new = tl.maximum(m_i, s)
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new)
+                l_i = l_i * alpha + p
+                acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
+                m_i = m_new
+            l_i = tl.where(l_i > 0.0, l_i, 1.0)  # empty row -> zeros instead of 0 / 0
+            o = acc / l_i[:, None]
+            tl.store(out_ptr + row[:, None] * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=(sel & (g < GROUP))[:, None])
+            cur = tl.min(tl.where(live & (req > cur), req, no_req), axis=0)
 
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
+
+
+def launch_meta(group: int, head_size: int, block_size: int, dtype: torch.dtype) -> dict[str, object]:
+    """The kernel's compile-time parameters for a GQA group size, head size, KV block size and dtype."""
+    group_pad = 1 << (group - 1).bit_length()
+    block_m = 64 if head_size <= 128 else 32  # query vectors per program
+    return {"GROUP": group, "GROUP_PAD": group_pad, "ROWS": max(1, block_m // group_pad), "HEAD_SIZE": head_size,
+            "BLOCK_SIZE": block_size, "BLOCK_N": 64 if head_size <= 128 else 32,
+            "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
 
 
 def _interpreting() -> bool:
@@ -201,10 +226,8 @@ def tree_attention(
         raise RuntimeError("tree_attention on CPU tensors needs the Triton interpreter: set "
                            "TRITON_INTERPRET=1 before triton is first imported")
 
-    group = num_heads // num_kv_heads
-    path_len = row_path.shape[1]
-    block_n = 64 if head_size <= 128 else 32
-    grid = (num_rows, num_kv_heads)
+    meta = launch_meta(num_heads // num_kv_heads, head_size, key_cache.shape[1], query.dtype)
+    grid = (triton.cdiv(num_rows, meta["ROWS"]), num_kv_heads)
     _tree_attention_kernel[grid](
         # Outputs
         out, out.stride(0), out.stride(1),  # mutable
@@ -218,10 +241,7 @@ def tree_attention(
         row_index, row_req, row_context_len,
         row_path, row_path.stride(0),
         # Scalars
-        scale * _LOG2E, path_len,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_SIZE=head_size,
-        BLOCK_SIZE=key_cache.shape[1], BLOCK_N=block_n,
-        BLOCK_P=max(16, min(64, triton.next_power_of_2(path_len))),
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        scale * _LOG2E, num_rows, row_path.shape[1],
+        **meta,
     )
     return out

@@ -1,0 +1,68 @@
+"""Ahead-of-time compile of the Triton kernels for a GPU architecture, without a GPU.
+
+The Triton interpreter (the CPU tests) accepts programs the compiler rejects, so CI also
+compiles each kernel to a cubin for Hopper (sm_90) with Triton's bundled ptxas:
+
+    python -m ubtree_vllm.triton_ops.compile_check [--arch 90]
+
+prints one line per configuration and exits non-zero on the first failure. Must run
+without ``TRITON_INTERPRET`` (the kernels would be interpreter functions).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+
+import torch
+
+# (dtype, head size, GQA group, KV block size) configurations of tree_attention to compile.
+TREE_ATTENTION_CONFIGS = ((torch.bfloat16, 64, 3, 16), (torch.float16, 128, 4, 16), (torch.bfloat16, 256, 8, 16),
+                          (torch.float32, 128, 1, 32))
+_POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+_FLOAT_POINTERS = {"out_ptr", "query_ptr", "key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr"}
+
+
+def compile_tree_attention(dtype: torch.dtype, head_size: int, group: int, block_size: int, arch: int) -> int:
+    """Compile `_tree_attention_kernel` with the launcher's compile-time parameters; returns the cubin size."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    # the module, not the launcher that the package exports under the same name
+    module = importlib.import_module("ubtree_vllm.triton_ops.tree_attention")
+    kernel = module._tree_attention_kernel
+    if type(kernel).__name__ == "InterpretedFunction":
+        raise RuntimeError("TRITON_INTERPRET is set: the kernels are interpreter functions; unset it")
+    meta = module.launch_meta(group, head_size, block_size, dtype)
+    names = list(inspect.signature(kernel.fn).parameters)
+
+    def kind(name: str) -> str:
+        if name in meta:
+            return "constexpr"
+        if name.endswith("_ptr"):
+            return _POINTER[dtype] if name in _FLOAT_POINTERS else "*i64"
+        return "fp32" if name == "qk_scale" else "i64" if name.startswith("stride") else "i32"
+
+    source = ASTSource(fn=kernel, signature={n: kind(n) for n in names},
+                       constexprs={(names.index(n),): v for n, v in meta.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    shared_limit = 228 * 1024
+    if compiled.metadata.shared > shared_limit:
+        raise RuntimeError(f"needs {compiled.metadata.shared} bytes of shared memory > {shared_limit}")
+    return len(compiled.asm["cubin"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for Hopper")
+    args = parser.parse_args()
+    for dtype, head_size, group, block_size in TREE_ATTENTION_CONFIGS:
+        size = compile_tree_attention(dtype, head_size, group, block_size, args.arch)
+        print(f"tree_attention sm_{args.arch} {str(dtype).removeprefix('torch.')} head {head_size} "
+              f"group {group} block {block_size}: cubin {size} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
