@@ -35,8 +35,8 @@
 # The device copy has no .git: pass UBTREE_COMMIT=<local HEAD> so records name the commit.
 # Run phases that start vLLM engines one at a time: vLLM 0.32 asserts ("Error in memory profiling")
 # when another process frees GPU memory while an engine profiles at start-up (seen when gputest ran
-# beside the ablations). The ablations phase is the exception: its pipelines start their engines
-# while the others only allocate.
+# beside the ablations). The ablations phase itself starts two data-generation engines side by
+# side; that has worked so far, and if it ever fails, this assertion is the first suspect.
 # checkpoints/ is not git-ignored, so the device tree loses it on the next call unless the
 # exported drafter is first copied back into the local checkout.
 set -euo pipefail
