@@ -68,6 +68,8 @@ class ContextFeatureStore:
 
     def slots_of(self, req_ids: Sequence[str]) -> list[int]:
         """Slot of each request, assigning free slots (and growing) for new ones."""
+        # SYNC: host loop over request ids (dict lookups, no device read); `valid[slot] = False`
+        # is a device write only when a request joins.
         new = [r for r in dict.fromkeys(req_ids) if r not in self._slots]
         if len(new) > len(self._free):
             self._allocate(max(2 * self.num_slots, self.num_slots + len(new) - len(self._free)), self.capacity)
@@ -119,6 +121,7 @@ class ContextFeatureStore:
 
     def slot_or_scratch(self, req_ids: Sequence[str]) -> list[int]:
         """Slot of each request; the (always invalid) scratch slot for requests without one."""
+        # SYNC: host loop over request ids (dict lookups, no device read).
         return [self._slots.get(r, self.num_slots) for r in req_ids]
 
     def gather_slots(self, slots: torch.Tensor, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -183,6 +183,9 @@ class UBTreeRunnerMixin:
         with clock.stage("feature_commit"):
             features = torch.cat([aux_hidden_states[i] for i in self._aux_order], dim=-1)  # [T, F]
             self._commit_features(scheduler_output, plan, features)
+        # SYNC: host loops over requests below (no device read): vLLM hands the sampled tokens as
+        # per-request host lists and takes the drafts back the same way (V1 custom_class contract),
+        # and the trees are kept by request id for the next step's plan.
         req_ids = list(self.input_batch.req_ids)
         drafts: list[list[int]] = [[] for _ in req_ids]
         drafting = [i for i, tokens in enumerate(sampled_token_ids) if tokens]

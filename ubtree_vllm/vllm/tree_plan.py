@@ -179,6 +179,8 @@ def build_plan(req_ids: Sequence[str], query_start_loc: np.ndarray, num_schedule
     depth = np.zeros((num_reqs, max_nodes), dtype=np.int64)
     tokens = np.full((num_reqs, max_nodes), -1, dtype=np.int64)
     is_tree = np.zeros(num_reqs, dtype=bool)
+    # SYNC: host loop over requests (no device read): vLLM gives the scheduled drafts as a dict of
+    # per-request lists (V1 contract); each is matched against the tree proposed last step.
     for i, req_id in enumerate(req_ids):
         n = int(num_nodes[i])
         drafts = list(scheduled_drafts.get(req_id, ()))
