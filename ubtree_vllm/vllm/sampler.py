@@ -68,6 +68,7 @@ def draw_node_tokens(node_logits: torch.Tensor, metadata: SamplingMetadata,
         return greedy
     probs = processed_probs(node_logits, params)  # [N, n, V] float32
     noise = torch.empty_like(probs).exponential_(1.0)
+    # SYNC: host loop over the requests with their own seed only (a torch.Generator each; no device read).
     for req_idx, generator in metadata.generators.items():
         if req_idx < noise.shape[0]:
             noise[req_idx].exponential_(1.0, generator=generator)
