@@ -60,12 +60,16 @@ def sampling_tensors(metadata: SamplingMetadata, num_reqs: int, device: torch.de
     return SamplingTensors(temperature=temperature, top_k=top_k, top_p=top_p)
 
 
-def draw_node_tokens(node_logits: torch.Tensor, metadata: SamplingMetadata,
+def draw_node_tokens(logits: torch.Tensor, index: torch.Tensor, metadata: SamplingMetadata,
                      params: SamplingTensors) -> torch.Tensor:
-    """The target's draw at every node. node_logits [N, n, V] -> [N, n] int64."""
-    greedy = node_logits.argmax(dim=-1)
+    """The target's draw at every node: logits [T, V], index [N, n] (logits row of each node) -> [N, n] int64.
+
+    All-greedy batches take the argmax of the T rows and never gather [N, n, V] logits.
+    """
     if metadata.all_greedy:
-        return greedy
+        return logits.argmax(dim=-1)[index]
+    node_logits = logits[index]  # [N, n, V]
+    greedy = node_logits.argmax(dim=-1)
     probs = processed_probs(node_logits, params)  # [N, n, V] float32
     noise = torch.empty_like(probs).exponential_(1.0)
     # SYNC: host loop over the requests with their own seed only (a torch.Generator each; no device read).
@@ -92,10 +96,9 @@ class TreeRejectionSampler:
         start = torch.from_numpy(plan.num_nodes.cumsum() - plan.num_nodes).to(device)
         last = torch.from_numpy(plan.num_nodes - 1).to(device)
         node = torch.arange(max_nodes, device=device)
-        index = start[:, None] + torch.minimum(node[None, :], last[:, None])
-        node_logits = logits[index]  # [num_reqs, max_nodes, V]
+        index = start[:, None] + torch.minimum(node[None, :], last[:, None])  # [num_reqs, max_nodes]
         params = sampling_tensors(metadata, num_reqs, device)
-        draws = draw_node_tokens(node_logits, metadata, params)
+        draws = draw_node_tokens(logits, index, metadata, params)
         tree = DraftTree(tokens=trees.tokens, parents=trees.parents, depth=trees.depth,
                          scores=torch.zeros_like(trees.depth, dtype=torch.float32))
         result = accept_tree(tree, draws, plan.max_depth)
