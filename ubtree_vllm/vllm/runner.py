@@ -121,9 +121,9 @@ class UBTreeRunnerMixin:
             self.input_batch.req_ids, self.query_start_loc.np[: num_reqs + 1], num_scheduled_tokens,
             self.input_batch.num_computed_tokens_cpu[:num_reqs], self.input_ids.np,
             scheduler_output.scheduled_spec_decode_tokens, self._trees)
-        rows, positions = plan.positions()
-        if len(rows):
-            self.positions[torch.from_numpy(rows).to(self.device)] = torch.from_numpy(positions).to(self.device)
+        if plan.has_tree_rows:  # chains keep vLLM's linear positions; trees get root_pos + depth
+            trees = plan.to_device(self.device)  # the step's one host-to-device copy
+            self.positions[trees.position_rows] = trees.position_values
         self._plan, self._accept = plan, None
         self._tree_state.begin(plan, self.device, self._row_buffers if self._commit_in_cache else None)
 

@@ -68,6 +68,9 @@ class DeviceTrees:
     row_depth: torch.Tensor
     # [num_commit_nodes] int64 global rows whose fresh K/V the attention stashes for the commit
     stash_rows: torch.Tensor
+    # [num_tree_nodes] int64 rows of vLLM's position buffer to overwrite, and their RoPE positions
+    position_rows: torch.Tensor
+    position_values: torch.Tensor
 
 
 @dataclass
@@ -130,10 +133,12 @@ class TreeStepPlan:
         """Copy the index arrays used by attention, sampler and commit to ``device`` (once)."""
         if self.device is None:
             # One host-to-device copy of all arrays, then views of it.
+            position_rows, position_values = self.positions()
             arrays = {"parents": self.parents, "depth": self.depth, "tokens": self.tokens,
                       "row_index": self.row_index, "row_path": self.row_path,
                       "row_context_len": self.row_context_len, "row_req": self.row_req,
-                      "row_depth": self.row_depth, "stash_rows": self.stash_rows}
+                      "row_depth": self.row_depth, "stash_rows": self.stash_rows,
+                      "position_rows": position_rows, "position_values": position_values}
             packed = torch.from_numpy(np.concatenate([a.astype(np.int64).ravel() for a in arrays.values()]))
             packed = packed.to(device, non_blocking=True)
             views, start = {}, 0

@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from ubtree_vllm.vllm.tree_plan import DeviceTrees, TreeStepPlan
@@ -123,12 +122,14 @@ def fill_row_buffers(buffers: RowBuffers, plan: TreeStepPlan) -> None:
         raise RuntimeError(f"ubtree: a tree row of depth {int(plan.row_depth.max())} exceeds the row "
                            f"buffers' path width {width}")
     if num_rows:
-        path = np.full((num_rows, width), -1, dtype=np.int64)
-        cols = min(width, plan.row_path.shape[1])
-        path[:, :cols] = plan.row_path[:, :cols]
-        for dst, src in ((buffers.row_index, plan.row_index), (buffers.row_req, plan.row_req),
-                         (buffers.row_context_len, plan.row_context_len), (buffers.row_path, path)):
-            dst[:num_rows].copy_(torch.from_numpy(np.ascontiguousarray(src, dtype=np.int64)), non_blocking=True)
+        # Device-to-device from the plan's one host-to-device copy (cached by to_device).
+        trees = plan.to_device(buffers.row_index.device)
+        cols = min(width, trees.row_path.shape[1])
+        for dst, src in ((buffers.row_index, trees.row_index), (buffers.row_req, trees.row_req),
+                         (buffers.row_context_len, trees.row_context_len)):
+            dst[:num_rows].copy_(src)
+        buffers.row_path[:num_rows, :cols].copy_(trees.row_path[:, :cols])
+        buffers.row_path[:num_rows, cols:].fill_(-1)
     if buffers.filled > num_rows:
         buffers.row_index[num_rows:buffers.filled].fill_(-1)
     buffers.filled = num_rows
