@@ -112,8 +112,7 @@ class DraftGraphs:
                 logger.warning("ubtree: CUDA graph capture of the drafting stage for %s requests x %s "
                                "context rows failed (%s); drafting eagerly for this bucket", *key, err)
                 torch.cuda.synchronize(self.device)  # SYNC: once per failed bucket, error path
-                captured = self._graphs[key] = _Captured(None, *self._buffers(*key, ctx.features.dtype,
-                                                                              num_features), tree=None)
+                captured = _Captured(None, *self._buffers(*key, ctx.features.dtype, num_features), tree=None)
             self._graphs[key] = captured
         captured.anchor[:num_reqs].copy_(ctx.anchor)
         captured.anchor[num_reqs:].zero_()
