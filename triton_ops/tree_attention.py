@@ -117,7 +117,8 @@ if triton is not None:
             for j in range(0, path_len):
                 path_row = tl.load(row_path_ptr + entry * stride_path_row + j, mask=sel, other=-1)
                 valid = path_row >= 0  # [BLOCK_M]
-                path_row = tl.where(valid, path_row, 0).to(tl.int64)
+                # max, not where: Triton 3.6's layout pass rejects a select here (sm_90 compile error).
+                path_row = tl.maximum(path_row, 0).to(tl.int64)
                 k = tl.load(key_ptr + (path_row * stride_k_t + kv_head * stride_k_h)[:, None] + offs_d[None, :],
                             mask=valid[:, None], other=0.0)  # [BLOCK_M, D]
                 v = tl.load(value_ptr + (path_row * stride_v_t + kv_head * stride_v_h)[:, None] + offs_d[None, :],
