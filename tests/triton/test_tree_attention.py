@@ -7,6 +7,8 @@ imported. On CUDA the same cases run on the GPU, plus bf16/fp16 and head size 25
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,14 +190,24 @@ def test_entries_in_any_order_with_tiles_spanning_requests():
     assert_rows_match(got, ref, shuffled, atol=1e-4, rtol=1e-4)
 
 
-def test_kernels_compile_for_hopper_without_a_gpu():
-    """The interpreter accepts more than the compiler: compile every configuration to an sm_90 cubin."""
+DEVICE_TRITON = Path(sys.prefix) / "device-triton"  # the H200's Triton, put there by scripts/setup_env.sh
+
+
+@pytest.mark.parametrize("compiler", ["installed", "device"])
+def test_kernels_compile_for_hopper_without_a_gpu(compiler):
+    """The interpreter accepts more than the compiler, and Triton versions differ in what they reject:
+    compile every configuration to an sm_90 cubin with the installed Triton and with the H200's."""
     import subprocess
-    import sys
 
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if compiler == "device":
+        if not (DEVICE_TRITON / "triton").is_dir():
+            pytest.skip(f"no device Triton at {DEVICE_TRITON} (run scripts/setup_env.sh)")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(DEVICE_TRITON), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, "-m", "ubtree_vllm.triton_ops.compile_check", "--arch", "90"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("cubin") == 4, proc.stdout
+    if compiler == "device":
+        assert f"from {DEVICE_TRITON}" in proc.stdout, proc.stdout
