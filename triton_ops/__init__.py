@@ -5,14 +5,15 @@ Public launchers only:
 * :func:`tree_attention` -- tree rows attend to their committed paged context plus their
   ancestors-or-self among the fresh K/V (used by the CUDA attention backend,
   :mod:`ubtree_vllm.vllm.attention.flash`).
+* :func:`kv_path_commit` -- moves the accepted tree nodes' K/V to the slots of their depths
+  in every layer's paged cache, one launch for all layers (the V1 runner's FLASH_ATTN commit).
 
 Each kernel comes as a private ``_*_kernel``, a public launcher in ``triton_ops/<op>.py``
 that asserts its shape/stride/dtype contract and never syncs with the host, and a
 pure-torch twin in :mod:`.reference` (the test oracle, ``tests/triton``);
 :mod:`.tree_attention_inputs` builds random paged inputs for the kernel tests and the
 tree-attention microbenchmark, and :mod:`.compile_check` compiles the kernels for Hopper
-without a GPU (the interpreter accepts more than the compiler); neither is exported here. The on-device
-tree-acceptance and state-copy kernels are still to come.
+without a GPU (the interpreter accepts more than the compiler); neither is exported here.
 
 Triton is imported directly and defensively (not through ``vllm.triton_utils``, which
 disables Triton on CPU builds and would rule out the interpreter the CPU tests run
@@ -21,6 +22,7 @@ package still imports and the launchers raise a clear error when called. On CPU 
 the kernels run under the Triton interpreter, which ``TRITON_INTERPRET=1`` selects when
 set before triton is first imported.
 """
+from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers, kv_path_commit
 from ubtree_vllm.triton_ops.tree_attention import tree_attention
 
-__all__ = ["tree_attention"]
+__all__ = ["kv_cache_pointers", "kv_path_commit", "tree_attention"]

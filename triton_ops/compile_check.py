@@ -53,6 +53,30 @@ def compile_tree_attention(dtype: torch.dtype, head_size: int, group: int, block
     return len(compiled.asm["cubin"])
 
 
+# (cache dtype, H_kv, E) configurations of kv_path_commit to compile.
+KV_PATH_COMMIT_CONFIGS = ((torch.bfloat16, 8, 256), (torch.float16, 3, 128))
+
+
+def compile_kv_path_commit(dtype: torch.dtype, heads: int, elems: int, arch: int) -> int:
+    """Compile `_kv_path_commit_kernel` as its launcher would; returns the cubin size."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module = importlib.import_module("ubtree_vllm.triton_ops.kv_path_commit")
+    kernel = module._kv_path_commit_kernel
+    if type(kernel).__name__ == "InterpretedFunction":
+        raise RuntimeError("TRITON_INTERPRET is set: the kernels are interpreter functions; unset it")
+    meta = {"ELEMS": elems, "NUM_ELEMS": heads * elems, "BLOCK": min(1024, triton.next_power_of_2(heads * elems)),
+            "DTYPE": module._TL_DTYPES[dtype]}
+    names = list(inspect.signature(kernel.fn).parameters)
+    kinds = {"kv_cache_ptrs": "*i64", "src_slot_ptr": "*i64", "dst_slot_ptr": "*i64", "moves_ptr": "*i1",
+             "num_depths": "i32", "block_size": "i32"}
+    signature = {n: "constexpr" if n in meta else kinds.get(n, "i64") for n in names}
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in meta.items()})
+    return len(triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["cubin"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for Hopper")
@@ -64,6 +88,10 @@ def main() -> int:
         size = compile_tree_attention(dtype, head_size, group, block_size, args.arch)
         print(f"tree_attention sm_{args.arch} {str(dtype).removeprefix('torch.')} head {head_size} "
               f"group {group} block {block_size}: cubin {size} bytes")
+    for dtype, heads, elems in KV_PATH_COMMIT_CONFIGS:
+        size = compile_kv_path_commit(dtype, heads, elems, args.arch)
+        print(f"kv_path_commit sm_{args.arch} {str(dtype).removeprefix('torch.')} heads {heads} elems {elems}: "
+              f"cubin {size} bytes")
     return 0
 
 

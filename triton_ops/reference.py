@@ -56,3 +56,19 @@ def tree_attention_reference(
         scores = torch.einsum("hd,nhd->hn", query[row].float(), k) * scale  # [H, n]
         out[row] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v).to(out.dtype)
     return out
+
+
+def kv_path_commit_reference(
+        # the layers' caches, each [num_blocks, H_kv, block_size, E] (mutated)
+        kv_caches: list[torch.Tensor],
+        # [Q * D] int64 source / destination slot per (request, depth), depth-major within a request
+        src_slot: torch.Tensor, dst_slot: torch.Tensor,
+        # [Q * D] bool: copy this pair
+        moves: torch.Tensor,
+        num_depths: int) -> None:
+    """Twin of :func:`ubtree_vllm.triton_ops.kv_path_commit.kv_path_commit`: pairs one by one, depths ascending."""
+    for cache in kv_caches:
+        block_size = cache.shape[2]
+        for i, (src, dst, move) in enumerate(zip(src_slot.tolist(), dst_slot.tolist(), moves.tolist())):
+            if move:
+                cache[dst // block_size, :, dst % block_size] = cache[src // block_size, :, src % block_size].clone()

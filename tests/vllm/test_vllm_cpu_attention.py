@@ -20,6 +20,7 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from ubtree_vllm.vllm.attention.cpu import TreeCPUAttentionImpl, VirtualLayout
 from ubtree_vllm.vllm.attention.state import RowBuffers, TreeForwardState
+from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers
 from ubtree_vllm.vllm.kv_commit import commit_accepted_paths, commit_accepted_paths_in_cache
 from ubtree_vllm.vllm.tree_plan import build_plan
 from vllm_batches import BLOCK_SIZE, BLOCK_TABLE, NUM_COMPUTED, PARENTS, ancestors, make_batch
@@ -115,9 +116,8 @@ def test_in_cache_kv_commit_on_a_flash_attention_layout():
     batch = make_batch()
     plan = batch.plan
     torch.manual_seed(0)
-    # Two layers' caches [num_blocks, H_kv, block_size, 2 * head_size], one non-contiguous.
-    caches = [torch.randn(NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE),
-              torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE).transpose(1, 2)]
+    # Two layers' caches [num_blocks, H_kv, block_size, 2 * head_size], non-contiguous (FA's physical layout).
+    caches = [torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE).transpose(1, 2) for _ in range(2)]
     stash_slots = batch.slot_mapping[torch.from_numpy(plan.stash_rows)]
     # r0 accepted root -> 1 -> 3 -> 5 (node 1 already sits at depth 1); r2 accepted node 2 only.
     accepted_path = torch.tensor([[0, 1, 3, 5], [0, -1, -1, -1], [0, 2, -1, -1]])
@@ -127,7 +127,8 @@ def test_in_cache_kv_commit_on_a_flash_attention_layout():
         for root, depth, node in [(0, 2, 3), (0, 3, 5), (11, 1, 2)]:  # (root row, depth, node)
             src, dst = int(batch.slot_mapping[root + node]), int(batch.slot_mapping[root + depth])
             exp[dst // BLOCK_SIZE, :, dst % BLOCK_SIZE] = cache[src // BLOCK_SIZE, :, src % BLOCK_SIZE]
-    commit_accepted_paths_in_cache(caches, stash_slots, plan, accepted_path, num_accepted)
+    commit_accepted_paths_in_cache(kv_cache_pointers(caches), caches[0], stash_slots, plan, accepted_path,
+                                   num_accepted)
     for got, exp in zip(caches, expected):
         assert torch.equal(got, exp)
 

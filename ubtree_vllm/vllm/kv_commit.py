@@ -16,19 +16,17 @@ Two writers, chosen by the attention backend:
   writers skip.
 * :func:`commit_accepted_paths_in_cache` (FLASH_ATTN's ``[num_blocks, H_kv, block_size,
   2 * head_size]`` cache): the stock forward already wrote every node's K/V at its linear
-  slot, so each layer's commit is one gather of the source slots and one scatter to the
-  destination slots, 2 kernels per layer and no stash. All gathers of a layer happen
-  before its scatter, so a destination that is also a source is read before it is
-  overwritten; pairs that need no copy write a slot's own value back.
+  slot, so the commit copies slot to slot inside the caches of all layers in one Triton
+  launch (:mod:`ubtree_vllm.triton_ops.kv_path_commit`, which orders the copies so a
+  destination that is also a source is read first), and nothing is stashed.
 
 Both are fixed-shape and free of host syncs.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 
+from ubtree_vllm.triton_ops.kv_path_commit import kv_path_commit
 from ubtree_vllm.vllm.attention.state import TreeForwardState
 from ubtree_vllm.vllm.tree_plan import TreeStepPlan
 
@@ -68,23 +66,18 @@ def commit_accepted_paths(state: TreeForwardState, plan: TreeStepPlan, accepted_
         layer.impl.do_kv_cache_update(layer, entry.key[src], entry.value[src], layer.kv_cache, slots)
 
 
-def commit_accepted_paths_in_cache(kv_caches: Iterable[torch.Tensor], stash_slots: torch.Tensor,
-                                   plan: TreeStepPlan, accepted_path: torch.Tensor,
+def commit_accepted_paths_in_cache(kv_cache_ptrs: torch.Tensor, kv_cache_like: torch.Tensor,
+                                   stash_slots: torch.Tensor, plan: TreeStepPlan, accepted_path: torch.Tensor,
                                    num_accepted: torch.Tensor) -> None:
-    """In-cache writer for ``[num_blocks, H_kv, block_size, 2 * head_size]`` caches (FLASH_ATTN).
+    """In-cache writer for ``[num_blocks, H_kv, block_size, 2 * head_size]`` caches (FLASH_ATTN): one launch.
 
-    stash_slots: [num_stash] int64 KV slot each of the plan's stash rows was written to
-    this step; accepted_path / num_accepted as in :func:`commit_accepted_paths`.
+    kv_cache_ptrs: [L] int64 base addresses of the layers' caches
+    (:func:`ubtree_vllm.triton_ops.kv_path_commit.kv_cache_pointers`), kv_cache_like: one of them;
+    stash_slots: [num_stash] int64 KV slot each of the plan's stash rows was written to this step;
+    accepted_path / num_accepted as in :func:`commit_accepted_paths`.
     """
     if len(plan.stash_rows) == 0:
         return
     src, dst, moves = _commit_pairs(plan, accepted_path, num_accepted)
-    kv_caches = list(kv_caches)
-    block_size = kv_caches[0].shape[2]  # every layer of the one KV cache group shares it
-    src_slot = stash_slots[src]
-    dst_slot = torch.where(moves, stash_slots[dst], src_slot)
-    src_block, src_off = src_slot // block_size, src_slot % block_size
-    dst_block, dst_off = dst_slot // block_size, dst_slot % block_size
-    for kv_cache in kv_caches:
-        rows = kv_cache[src_block, :, src_off]  # [P, H_kv, 2 * head_size], gathered before the scatter
-        kv_cache[dst_block, :, dst_off] = rows
+    kv_path_commit(kv_cache_ptrs, kv_cache_like, stash_slots[src], stash_slots[dst], moves,
+                   num_depths=accepted_path.shape[1] - 1)

@@ -32,6 +32,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from ubtree_vllm import compat, envs
+from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers
 from ubtree_vllm.types import DraftContext
 from ubtree_vllm.verify.accept import AcceptResult
 from ubtree_vllm.vllm.attention.state import RowBuffers, tree_forward_state
@@ -101,6 +102,7 @@ class UBTreeRunnerMixin:
                                f"attention layers use {stock or 'no attention layers'}; was the backend "
                                "selected before the ubtree worker patches were applied?")
         self._tree_attention_layers = layers
+        self._kv_cache_ptrs: torch.Tensor | None = None  # [L] int64, built at the first in-cache commit
         for m in layers:  # this engine's layers read this engine's row buffers (flash.py)
             m.impl.ubtree_row_buffers = self._row_buffers
         # FLASH_ATTN's tree impl: KV commit inside the cache, tree rows read from the row buffers.
@@ -162,8 +164,11 @@ class UBTreeRunnerMixin:
             # FLASH_ATTN: this step's KV slot of every stash row, from vLLM's slot-mapping buffer.
             slot_mapping = self.input_batch.block_table[0].slot_mapping.gpu
             stash_slots = slot_mapping[plan.to_device(self.device).stash_rows].long()
-            commit_accepted_paths_in_cache([layer.kv_cache for layer in self._tree_attention_layers], stash_slots,
-                                           plan, accept.accepted_path, accept.num_accepted)
+            caches = [layer.kv_cache for layer in self._tree_attention_layers]
+            if self._kv_cache_ptrs is None:  # once: the caches are allocated before the first step and never move
+                self._kv_cache_ptrs = kv_cache_pointers(caches)
+            commit_accepted_paths_in_cache(self._kv_cache_ptrs, caches[0], stash_slots, plan, accept.accepted_path,
+                                           accept.num_accepted)
 
     # ---- 5. features and drafting ----------------------------------------------------------
     def _input_fits_in_drafter(self, common_attn_metadata: Any) -> bool:
