@@ -16,9 +16,10 @@ adjacent in the plan's layout, so a tile holds one or two; any order is still co
 runs one online softmax (fp32 max / sum / accumulator, base-2 exponent) over that request's
 context in tiles of ``BLOCK_N`` tokens -- each K/V tile is loaded once for all the request's
 query vectors of the tile, and each token's block id and offset come from the block table, so
-any block size and any (shuffled) table works -- then over the path, one root-first entry at
-a time, each query vector reading the K/V row of its own row's path (-1 entries masked), and
-writes ``acc / sum`` into ``out[row_index]`` for that request's vectors. Rows of ``out`` not in
+any block size and any (shuffled) table works -- then over this forward's fresh K/V rows from
+the request's root (path entry 0) to its deepest path row, again in dense ``BLOCK_N`` tiles,
+each query vector masked to the rows of its own path (-1 entries match no row), and writes
+``acc / sum`` into ``out[row_index]`` for that request's vectors. Rows of ``out`` not in
 ``row_index`` are never touched. A row with nothing to attend to (not produced by the plan:
 its path always holds the row itself) gets zeros. Entries with ``row_index == -1`` are
 skipped: a CUDA graph captures one launch over fixed-size buffers (one entry per token of
@@ -42,11 +43,11 @@ if triton is not None:
     def _online_softmax_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
         """Fold one K/V tile into the running (max, sum, acc); all statistics in base 2.
 
-        q [GROUP_PAD, D]; k, v [N, D]; valid [N] bool; m_i, l_i [GROUP_PAD] fp32;
-        acc [GROUP_PAD, D] fp32. Returns the updated (m_i, l_i, acc).
+        q [M, D]; k, v [N, D]; valid: bool, [M, N] or broadcastable to it; m_i, l_i [M] fp32;
+        acc [M, D] fp32. Returns the updated (m_i, l_i, acc).
         """
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, N]
-        s = tl.where(valid[None, :], s, float("-inf"))
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+        s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: m_i starts at -1e30
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # masked entries: exp2(-inf) = 0
@@ -112,25 +113,29 @@ if triton is not None:
                 v = tl.load(value_cache_ptr + (block_id * stride_vc_block + slot * stride_vc_slot
                                                + kv_head * stride_vc_h)[:, None] + offs_d[None, :],
                             mask=valid[:, None], other=0.0)
-                m_i, l_i, acc = _online_softmax_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
-            # (b) ancestors-or-self: path entry j of each query vector's own row, -1 entries masked.
+                m_i, l_i, acc = _online_softmax_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale,
+                                                     DOT_PRECISION)
+            # (b) ancestors-or-self among this forward's rows, as tiles of BLOCK_N rows from the root
+            # (path entry 0) to the deepest path row of the request's vectors, each vector masked to
+            # the rows of its own path: dense tiles instead of one dependent gather per path entry.
+            lo = tl.min(tl.where(sel, tl.load(row_path_ptr + entry * stride_path_row, mask=sel, other=0)
+                                 .to(tl.int64), no_req), axis=0)
+            hi = tl.full([], -1, tl.int64)
             for j in range(0, path_len):
-                path_row = tl.load(row_path_ptr + entry * stride_path_row + j, mask=sel, other=-1)
-                valid = path_row >= 0  # [BLOCK_M]
-                # max, not where: Triton 3.6's layout pass rejects a select here (sm_90 compile error).
-                path_row = tl.maximum(path_row, 0).to(tl.int64)
-                k = tl.load(key_ptr + (path_row * stride_k_t + kv_head * stride_k_h)[:, None] + offs_d[None, :],
-                            mask=valid[:, None], other=0.0)  # [BLOCK_M, D]
-                v = tl.load(value_ptr + (path_row * stride_v_t + kv_head * stride_v_h)[:, None] + offs_d[None, :],
-                            mask=valid[:, None], other=0.0)
-                s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * qk_scale  # [BLOCK_M]
-                s = tl.where(valid, s, float("-inf"))
-                m_new = tl.maximum(m_i, s)
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new)
-                l_i = l_i * alpha + p
-                acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
-                m_i = m_new
+                hi = tl.maximum(hi, tl.max(tl.load(row_path_ptr + entry * stride_path_row + j, mask=sel, other=-1)
+                                           .to(tl.int64), axis=0))
+            for start in range(lo, hi + 1, BLOCK_N):
+                rows = start + offs_n  # [BLOCK_N]
+                in_tile = rows <= hi
+                k = tl.load(key_ptr + (rows * stride_k_t + kv_head * stride_k_h)[:, None] + offs_d[None, :],
+                            mask=in_tile[:, None], other=0.0)  # [BLOCK_N, D]
+                v = tl.load(value_ptr + (rows * stride_v_t + kv_head * stride_v_h)[:, None] + offs_d[None, :],
+                            mask=in_tile[:, None], other=0.0)
+                on_path = tl.zeros([ROWS * GROUP_PAD, BLOCK_N], dtype=tl.int32)
+                for j in range(0, path_len):
+                    path_row = tl.load(row_path_ptr + entry * stride_path_row + j, mask=sel, other=-1).to(tl.int64)
+                    on_path = on_path | (path_row[:, None] == rows[None, :]).to(tl.int32)  # -1 matches no row
+                m_i, l_i, acc = _online_softmax_tile(q, k, v, on_path != 0, m_i, l_i, acc, qk_scale, DOT_PRECISION)
             l_i = tl.where(l_i > 0.0, l_i, 1.0)  # empty row -> zeros instead of 0 / 0
             o = acc / l_i[:, None]
             tl.store(out_ptr + row[:, None] * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :],
