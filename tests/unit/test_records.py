@@ -152,3 +152,41 @@ def test_hardware_names_the_cpu_when_asked_even_beside_a_gpu(monkeypatch):
     assert hardware() == "1x NVIDIA H200"
     assert hardware("cuda") == "1x NVIDIA H200"
     assert hardware("cpu") == f"CPU ({os.cpu_count()} cores)"
+
+
+def test_goals_section_judges_each_goal_from_gpu_records(tmp_path):
+    """Goals: per e2e cell UBTree vs the single path (T=0) and vs ar; post-processing ms; tree vs chain verify.
+    CPU records never count."""
+    path = tmp_path / "records.jsonl"
+    gpu = {"hardware": "1x NVIDIA H200", "commit": "abc1234", "date": "2026-11-30"}
+    cell = {**E2E, **gpu, "dataset": "mt_bench", "temperature": 0.0, "concurrency": 1, "batch_size": 1,
+            "num_prompts": 8}
+    off = {"tree_budget": None, "beam_width": None, "top_k": None, "block_size": None, "drafter": None, "tau": None}
+    rec.append_record({**cell, **off, "method": "ar", "output_tokens_per_s": 100.0, "speedup_vs_ar": 1.0}, path=path)
+    rec.append_record({**cell, "method": "dflash-chain", "tree_budget": 16, "beam_width": 1, "top_k": 1, "tau": 1.5,
+                       "output_tokens_per_s": 120.0, "speedup_vs_ar": 1.2}, path=path)
+    rec.append_record({**cell, "tree_budget": 64, "tau": 2.5, "output_tokens_per_s": 180.0, "speedup_vs_ar": 1.8},
+                      path=path)
+    rec.append_record({**cell, "tree_budget": 16, "tau": 2.0, "output_tokens_per_s": 90.0, "speedup_vs_ar": 0.9},
+                      path=path)
+    rec.append_record({**cell, "hardware": "CPU (2 cores)", "dataset": "humaneval", "tree_budget": 64, "tau": 2.5,
+                       "output_tokens_per_s": 9.0, "speedup_vs_ar": 9.0}, path=path)  # CPU: not a goal figure
+    micro = {"kind": "microbench", "method": "ubtree", "target": "t", "drafter": "checkpoints/d", "unit": "ms",
+             "tree_budget": 64, "beam_width": 12, "top_k": 64, "block_size": 16, "batch_size": 1, **gpu}
+    rec.append_record({**micro, "metric": "draft_postprocess_ms", "value": 2.5}, path=path)
+    rec.append_record({**micro, "metric": "draft_postprocess_graphed_ms", "value": 0.75, "cuda_graphs": True},
+                      path=path)
+    rec.append_record({**micro, "metric": "tree_verify_over_chain16", "value": 1.25, "unit": "x"}, path=path)
+    regenerate(path)
+    goals = (tmp_path / "README.md").read_text().split("## Goals")[1].split("\n## ")[0]
+    rows = [line for line in goals.splitlines() if line.startswith("| ") and "goal |" not in line
+            and not line.startswith("|---")]
+    assert "| UBTree speedup >= 1.3x the single path's (T=0) | smollm2-135m-instruct, mt_bench, T=0.0, conc 1, " \
+           "B=64 | 1.50x (1.80 vs 1.20) | yes |" in goals
+    assert "B=16 | 0.75x (0.90 vs 1.20) | no |" in goals
+    assert "| UBTree throughput >= no speculation | smollm2-135m-instruct, mt_bench, T=0.0, conc 1, B=64 | 1.80x | yes" \
+        in goals
+    assert "| draft post-processing <= 1.0 ms per round | t, eager, batch 1 | 2.50 ms | no |" in goals
+    assert "| draft post-processing <= 1.0 ms per round | t, CUDA graph, batch 1 | 0.75 ms | yes |" in goals
+    assert "| 64-node verification <= 1.15x the 16-token chain | t | 1.250x | no |" in goals
+    assert "humaneval" not in goals and len(rows) == 7

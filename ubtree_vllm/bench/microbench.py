@@ -25,6 +25,8 @@ serving path `UBTreeDrafter.draft_tree` minus `block_hidden`, calling the real f
   selector_scoring   `BigramSelector.score_tree_edges`: all K + (gamma - 1) K^2 edges
   tree_construction  `tree.search.build_tree`: depth-wise beam + pruning to B nodes
   total              the three back to back (metric `draft_postprocess_ms`)
+  graphed            on CUDA, the three back to back replayed from one CUDA graph, as the
+                     proposer serves them (metric `draft_postprocess_graphed_ms`)
 Inputs are random but shaped and distributed like serving: the drafter's own weights
 (loaded from `--drafter`, bf16 on CUDA, fp32 on CPU), a random target embedding / LM head
 of the drafter's [V, H] (std 0.02; serving binds the real ones, whose values do not change
@@ -35,6 +37,7 @@ Selector tables are precomputed once, as at engine load. Timing: bench/timing.py
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -45,7 +48,7 @@ import torch
 
 from ubtree_vllm.bench.records import hardware
 from ubtree_vllm.bench.settings import BenchArgumentError, parse_list
-from ubtree_vllm.bench.timing import TOTAL, summarize, time_stages
+from ubtree_vllm.bench.timing import GRAPH_CLOCK, TOTAL, summarize, time_launches, time_stages
 
 # stage name (bench/timing.py) -> record metric
 DRAFT_POSTPROCESS_METRICS = {
@@ -123,8 +126,21 @@ def draft_postprocess(settings: MicrobenchSettings) -> list[dict[str, Any]]:
     notes = (f"{_timing_notes(settings, device, dtype)} per round; random hidden states and random [V, H] "
              f"embedding/LM head; stages: UBTreeDrafter.top_k_candidates, BigramSelector.score_tree_edges, "
              f"tree.search.build_tree")
-    return [_drafter_record(settings, cfg, tree_cfg, device, metric, medians[stage], notes)
-            for stage, metric in DRAFT_POSTPROCESS_METRICS.items()]
+    records = [_drafter_record(settings, cfg, tree_cfg, device, metric, medians[stage], notes)
+               for stage, metric in DRAFT_POSTPROCESS_METRICS.items()]
+    if device.type == "cuda":  # as served: the proposer replays drafting from a CUDA graph (vllm/draft_graphs.py)
+        def postprocess() -> Any:
+            value = hidden
+            for _, fn in stages:
+                value = fn(value)
+            return value
+
+        with torch.inference_mode():
+            times, clock = time_launches(postprocess, device, settings.iters, settings.warmup)
+        records.append(_drafter_record(
+            settings, cfg, tree_cfg, device, "draft_postprocess_graphed_ms", statistics.median(times),
+            f"{notes}; the three stages back to back, {clock}", cuda_graphs=clock == GRAPH_CLOCK))
+    return records
 
 
 DRAFT_STAGE_CONTEXT = 512

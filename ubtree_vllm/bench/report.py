@@ -9,7 +9,9 @@ dataset and temperature from the same kind of measurement (:func:`measurement`: 
 of `ubtree bench e2e` with tokens/s, or a tau evaluation of `ubtree eval-tau`, which uses
 more prompts and the reference decoder); the two kinds are never mixed in one comparison.
 
-Sections, in order: End-to-end (every e2e record, one table per dataset and temperature);
+Sections, in order: Goals (each goal of the GPU fast path, issue 4, computed from the latest GPU
+records: per `ubtree bench e2e` cell UBTree's speedup over the single path's at T = 0 and its
+throughput over no speculation; draft post-processing ms; tree vs chain verification); End-to-end (every e2e record, one table per dataset and temperature);
 Ablations (per target a drafter x (dataset, T) pivot of UBTree tau at B = ABLATION_BUDGET
 with the single-path tau in parentheses, each cell from the latest matching tau evaluation; the
 shipped drafter under checkpoints/ first, others labelled by `drafter_label`); Speed (e2e
@@ -181,6 +183,71 @@ def _step_section(micro: Sequence[dict[str, Any]]) -> list[str]:
     return lines + _table(header, rows) + [f"Hardware: {', '.join(hardware)}; commits: {', '.join(commits)}.", ""]
 
 
+GOAL_TREE_OVER_SINGLE = 1.3  # UBTree speedup / single-path speedup, T = 0, same run
+GOAL_POSTPROCESS_MS = 1.0  # draft post-processing per round at gamma 16, K 64, W 12, B 64
+GOAL_VERIFY_RATIO = 1.15  # 64-node tree verification / 16-token chain, Qwen3-8B-shaped target
+GOAL_CONFIG = {"tree_budget": 64, "beam_width": 12, "top_k": 64}
+
+
+def _on_gpu(record: dict[str, Any]) -> bool:
+    return not str(record["hardware"]).startswith("CPU")
+
+
+def _same_run(r: dict[str, Any]) -> tuple:
+    """Records of one `ubtree bench e2e` invocation's cell: same machine, commit, date, target, set, T, concurrency."""
+    return (r["hardware"], str(r["commit"]), r["date"], r["target"], str(r["dataset"]), r["temperature"],
+            r["concurrency"] or 1)
+
+
+def _goal_rows(shown: Sequence[dict[str, Any]]) -> list[list[Any]]:
+    """[goal, cell, measured, met, commit, date] for every goal with a GPU measurement."""
+    rows: list[list[Any]] = []
+    speed = [r for r in shown if r["kind"] == "e2e" and _on_gpu(r) and r.get("output_tokens_per_s") is not None]
+    runs: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in speed:
+        runs[_same_run(r)].append(r)
+    for key in sorted(runs, key=lambda k: (str(k[2]), str(k[1]), str(k[3]), str(k[4]), k[5] or 0, k[6])):
+        cell = runs[key]
+        ar = next((r for r in cell if r["method"] == "ar"), None)
+        single = next((r for r in cell if r["method"] in SINGLE_PATH_METHODS and r.get("speedup_vs_ar")), None)
+        trees = sorted((r for r in cell if r["method"] == "ubtree"), key=lambda r: r["tree_budget"] or 0)
+        where = f"{key[3]}, {key[4]}, T={_fmt(key[5], 1)}, conc {key[6]}"
+        for tree in trees:
+            label = f"{where}, B={tree['tree_budget']}"
+            if key[5] == 0 and key[6] == 1 and single is not None and tree.get("speedup_vs_ar"):
+                ratio = tree["speedup_vs_ar"] / single["speedup_vs_ar"]
+                rows.append([f"UBTree speedup >= {GOAL_TREE_OVER_SINGLE}x the single path's (T=0)", label,
+                             f"{ratio:.2f}x ({tree['speedup_vs_ar']:.2f} vs {single['speedup_vs_ar']:.2f})",
+                             ratio >= GOAL_TREE_OVER_SINGLE, tree["commit"], tree["date"]])
+            if ar is not None:
+                ratio = tree["output_tokens_per_s"] / ar["output_tokens_per_s"]
+                rows.append(["UBTree throughput >= no speculation", label, f"{ratio:.2f}x", ratio >= 1.0,
+                             tree["commit"], tree["date"]])
+    micro = [r for r in shown if r["kind"] == "microbench" and _on_gpu(r)]
+    for metric in ("draft_postprocess_ms", "draft_postprocess_graphed_ms"):
+        for r in micro:
+            if r["metric"] == metric and all(r.get(k) == v for k, v in GOAL_CONFIG.items()):
+                rows.append([f"draft post-processing <= {GOAL_POSTPROCESS_MS} ms per round",
+                             f"{r['target']}, {'CUDA graph' if r['cuda_graphs'] else 'eager'}, batch {r['batch_size']}",
+                             f"{r['value']:.2f} ms", r["value"] <= GOAL_POSTPROCESS_MS, r["commit"], r["date"]])
+    for r in micro:
+        if r["metric"] == "tree_verify_over_chain16":
+            rows.append([f"64-node verification <= {GOAL_VERIFY_RATIO}x the 16-token chain", r["target"],
+                         f"{r['value']:.3f}x", r["value"] <= GOAL_VERIFY_RATIO, r["commit"], r["date"]])
+    return rows
+
+
+def _goals_section(shown: Sequence[dict[str, Any]]) -> list[str]:
+    rows = _goal_rows(shown)
+    if not rows:
+        return []
+    return ["## Goals", "",
+            ("Each goal of the GPU fast path against the latest GPU records: speed goals per `ubtree bench e2e` cell "
+             "(records of one invocation: same commit, date, dataset, T and concurrency); single path = "
+             f"{' / '.join(SINGLE_PATH_METHODS)}."), ""] + _table(
+        ["goal", "cell", "measured", "met", "commit", "date"], rows)
+
+
 def render(records: Sequence[dict[str, Any]], plots: Sequence[str] = (), source: str = DEFAULT_PATH) -> str:
     """The README text for `records` (already validated)."""
     shown, hidden = latest(records)
@@ -188,6 +255,7 @@ def render(records: Sequence[dict[str, Any]], plots: Sequence[str] = (), source:
              (f"Generated from `{source}`: {len(records)} records, of which {hidden} superseded (a later record "
               f"of the same configuration exists) are not shown. Speed figures count only from GPU hardware."),
              ""]
+    lines += _goals_section(shown)
     e2e = [r for r in shown if r["kind"] == "e2e"]
     if e2e:
         lines += ["## End-to-end", ""]
