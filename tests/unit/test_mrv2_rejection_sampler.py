@@ -1,0 +1,119 @@
+"""The MRV2 tree rejection sampler on the CPU: vLLM's MRV2 batch tensors built by hand, an identity
+``apply_sampling_params`` and an argmax draw (the T = 0 case of vLLM's Gumbel draw)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from ubtree_vllm.vllm.mrv2.rejection_sampler import TreeTopology, UBTreeRejectionSampler
+
+V = 64
+B = 6  # nodes per tree after the root
+
+
+def argmax_draw(logits, expanded_idx_mapping, temperature, seeds, pos):
+    return logits.argmax(dim=-1)
+
+
+class IdentitySampler:
+    def __init__(self, prefill_len: list[int]):
+        self.req_states = SimpleNamespace(prefill_len=SimpleNamespace(gpu=torch.tensor(prefill_len)))
+        self.sampling_states = SimpleNamespace(temperature=SimpleNamespace(gpu=torch.zeros(len(prefill_len))),
+                                               seeds=SimpleNamespace(gpu=torch.zeros(len(prefill_len))))
+        self.calls = 0
+
+    def apply_sampling_params(self, logits, *args):
+        self.calls += 1
+        return logits
+
+
+def make_batch(requests):
+    """requests: list of (req_state_idx, root position, node tokens [n], target argmax [n], seq_len).
+
+    Token rows: one prefill-like row of another request first, then each request's nodes."""
+    input_ids, positions, logits_indices, exp_idx, local_pos, cu = [7], [3], [], [], [], [0]
+    logits = []
+    row = 1
+    for state, root_pos, tokens, target, _ in requests:
+        for j, (tok, tgt) in enumerate(zip(tokens, target)):
+            input_ids.append(tok)
+            positions.append(root_pos + j)  # the test's depth positions, as the runner's tree layout writes them
+            logits_indices.append(row)
+            exp_idx.append(state)
+            local_pos.append(j)
+            logits.append(torch.nn.functional.one_hot(torch.tensor(tgt), V).float())
+            row += 1
+        cu.append(cu[-1] + len(tokens))
+    idx_mapping = torch.tensor([r[0] for r in requests])
+    batch = SimpleNamespace(
+        input_ids=torch.tensor(input_ids, dtype=torch.int32), positions=torch.tensor(positions),
+        logits_indices=torch.tensor(logits_indices), expanded_idx_mapping=torch.tensor(exp_idx),
+        expanded_local_pos=torch.tensor(local_pos, dtype=torch.int32), idx_mapping=idx_mapping,
+        idx_mapping_np=idx_mapping.numpy(), cu_num_logits=torch.tensor(cu, dtype=torch.int32),
+        seq_lens=torch.tensor([r[4] for r in requests], dtype=torch.int32),
+        seq_lens_cpu_upper_bound=torch.tensor([r[4] for r in requests], dtype=torch.int32))
+    return batch, torch.stack(logits)
+
+
+def topology(trees: dict[int, list[int]], max_reqs: int = 4) -> TreeTopology:
+    parents = torch.full((max_reqs, B + 1), -2, dtype=torch.int32)
+    depth = torch.zeros((max_reqs, B + 1), dtype=torch.int32)
+    for state, par in trees.items():
+        for j, p in enumerate(par):
+            parents[state, j] = p
+            depth[state, j] = 0 if p < 0 else depth[state, p] + 1
+    return TreeTopology(parents=parents, depth=depth)
+
+
+def test_tree_walk_truncation_placeholders_and_chunked_prefill():
+    # state 2: tree 0 -> {1, 2}, 1 -> 3, 2 -> 4 -> 5; target follows 0 -> 2 -> 4, then draws 9 at node 4
+    #          (node 4's child 5 carries 11): accepted [2, 4] = tokens 20, 40, bonus 9.
+    # state 0: drafts truncated by the scheduler to 2 nodes (chain 0 -> 1), target rejects node 1 at once.
+    # state 1: still prefilling (prefill_len 50 > seq_len 30): a chunk, nothing is sampled.
+    # state 3: draft rows are placeholders (root position 10 inside its prefill of 12 tokens).
+    topo = topology({2: [-1, 0, 0, 1, 2, 4], 0: [-1, 0, 1], 1: [-1], 3: [-1, 0, 1]})
+    requests = [
+        (2, 100, [5, 10, 20, 30, 40, 11], [20, 30, 40, 1, 9, 2], 106),
+        (0, 40, [6, 13], [14, 3], 42),
+        (1, 29, [8], [4], 30),
+        (3, 10, [9, 2, 2], [2, 2, 2], 13),
+    ]
+    batch, logits = make_batch(requests)
+    sampler = IdentitySampler(prefill_len=[0, 50, 0, 12])
+    rs = UBTreeRejectionSampler(sampler, topo, max_depth=B, draw=argmax_draw)
+    out = rs(logits, batch)
+    assert sampler.calls == 1
+    rows = out.sampled_token_ids.tolist()
+    assert rows[0][:3] == [20, 40, 9]
+    assert rows[1][0] == 14
+    assert rows[3][0] == 2  # the root's draw only: its drafts were placeholders
+    assert out.num_sampled.tolist() == [3, 1, 0, 1]
+    assert out.num_rejected.tolist() == [6 - 3, 2 - 1, 0, 3 - 1]
+    assert rs.last_accept.accepted_path[0, :3].tolist() == [0, 2, 4]
+    assert rs.last_accept.num_accepted.tolist() == [2, 0, 0, 0]
+
+
+def test_invalid_drafts_are_never_accepted():
+    topo = topology({0: [-1, 0, 1]})
+    requests = [(0, 20, [1, 2, 3], [2, 3, 4], 23)]
+    batch, logits = make_batch(requests)
+    rs = UBTreeRejectionSampler(IdentitySampler([0]), topo, max_depth=B, draw=argmax_draw)
+    assert rs(logits, batch).num_sampled.tolist() == [3]  # both drafts match
+    out = rs(logits, batch, invalid_drafts=torch.tensor([False, False, True]))
+    assert out.num_sampled.tolist() == [2]  # the grammar-rejected node 2 stops the walk
+    assert out.sampled_token_ids[0, :2].tolist() == [2, 3]
+
+
+def test_refuses_draft_logits():
+    topo = topology({0: [-1]})
+    batch, logits = make_batch([(0, 5, [1], [2], 6)])
+    rs = UBTreeRejectionSampler(IdentitySampler([0]), topo, max_depth=B, draw=argmax_draw)
+    try:
+        rs(logits, batch, draft_logits=torch.zeros(1, 1, V))
+    except RuntimeError as e:
+        assert "draft logits" in str(e)
+    else:
+        raise AssertionError("draft logits were accepted")
+    assert np.array_equal(batch.idx_mapping_np, [0])

@@ -1,0 +1,140 @@
+"""Tree rejection sampler for Model Runner V2 (docs/design/mrv2.md §5); not wired into a runner yet.
+
+Replaces ``GPUModelRunner.rejection_sampler`` (MRV2 calls it as
+``rejection_sampler(logits, input_batch, draft_logits, invalid_drafts)``). The logits rows
+of request r are its tree nodes 0..n_r-1 (node 0 = the root = the last sampled token,
+node j >= 1 = draft j; the scheduler may truncate, and a parents-first prefix is a tree).
+
+1. Every node's input token and position (depth position, written by the runner's tree
+   layout) are gathered from the batch; draft rows of a request still inside its prefill
+   are placeholders (-1), as in vLLM's ``gather_draft_sampled``.
+2. vLLM's own ``Sampler.apply_sampling_params`` processes the logits (temperature, min_p,
+   top-k/top-p, logit bias) and the target's token is drawn at every node with vLLM's
+   ``gumbel_sample``: noise keyed on (request seed, position), a plain argmax at T = 0. A
+   node at depth d of the accepted path is at position root + d, so its draw is the one
+   non-speculative MRV2 makes at that position given the same prefix.
+3. :func:`ubtree_vllm.verify.accept.accept_tree` walks each tree (lossless rule, see there).
+
+Output (MRV2's ``SamplerOutput``): ``sampled_token_ids [R, max_depth + 1]`` = accepted draft
+tokens then the bonus, ``num_sampled = accepted + 1``, ``num_rejected = n_r - num_sampled``
+(both 0 for a chunked-prefill row). The :class:`AcceptResult` of the step is kept in
+``last_accept`` for the KV commit and the drafter's context. No host sync: fixed-shape
+torch ops plus vLLM's kernels; ``idx_mapping_np`` / ``seq_lens_cpu_upper_bound`` are host
+arrays vLLM already holds.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ubtree_vllm.tree.topology import DraftTree
+from ubtree_vllm.verify.accept import AcceptResult, accept_tree
+
+# draw(processed_logits [L, V], expanded_idx_mapping [L], temperature [max_reqs], seeds [max_reqs], pos [L]) -> [L]
+DrawFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def vllm_gumbel_draw(processed_logits: torch.Tensor, expanded_idx_mapping: torch.Tensor, temperature: torch.Tensor,
+                     seeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """vLLM MRV2's draw (CUDA): temperature already applied by ``apply_sampling_params``."""
+    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+
+    return gumbel_sample(processed_logits, expanded_idx_mapping, temperature, seeds, pos,
+                         apply_temperature=False, is_drafting=False)
+
+
+@dataclass
+class TreeTopology:
+    """Per-request draft-tree topology, indexed by MRV2's req_state_idx (owned by the speculator)."""
+
+    # [max_reqs, B + 1] int32 parent of each node: -1 at the root, -2 = no node
+    parents: torch.Tensor
+    # [max_reqs, B + 1] int32 depth of each node (0 at the root)
+    depth: torch.Tensor
+
+
+def gather_node_inputs(input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
+                       expanded_idx_mapping: torch.Tensor, expanded_local_pos: torch.Tensor,
+                       prefill_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [L] int64, pos [L] int64) of each logits row; draft rows of a still-prefilling request are -1.
+
+    Same rule as vLLM's ``gather_draft_sampled``: local pos j > 0 with ``pos - j < prefill_len``.
+    """
+    token = input_ids[logits_indices].long()  # [L]
+    pos = positions[logits_indices].long()  # [L]
+    local = expanded_local_pos.long()
+    placeholder = (local > 0) & (pos - local < prefill_len[expanded_idx_mapping].long())
+    return torch.where(placeholder, -1, token), pos
+
+
+def per_request_nodes(values: torch.Tensor, cu_num_logits: torch.Tensor, num_nodes: int,
+                      fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scatter flat per-logits-row ``values [L]`` to ``[R, num_nodes]`` (``fill`` past a request's rows).
+
+    Returns (nodes [R, num_nodes], present [R, num_nodes] bool)."""
+    start = cu_num_logits[:-1].long()  # [R]
+    count = cu_num_logits[1:].long() - start  # [R]
+    j = torch.arange(num_nodes, device=values.device)  # [n]
+    present = j[None, :] < count[:, None]  # [R, n]
+    index = (start[:, None] + j[None, :]).clamp(max=max(values.shape[0] - 1, 0))  # [R, n]
+    return torch.where(present, values[index], fill), present
+
+
+def sampled_and_rejected(num_accepted: torch.Tensor, cu_num_logits: torch.Tensor, seq_lens: torch.Tensor,
+                         idx_mapping: torch.Tensor, prefill_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MRV2's (num_sampled, num_rejected), int32 [R]: 0 and 0 for a chunked-prefill row (seq_len < prefill_len)."""
+    num_logits = (cu_num_logits[1:] - cu_num_logits[:-1]).int()
+    num_sampled = (num_accepted + 1).int()
+    chunked = seq_lens < prefill_len[idx_mapping]
+    num_sampled = torch.where(chunked, 0, num_sampled)
+    num_rejected = torch.where(chunked, 0, num_logits - num_sampled)
+    return num_sampled.int(), num_rejected.int()
+
+
+class UBTreeRejectionSampler:
+    """MRV2 rejection sampler over draft trees (see the module docstring)."""
+
+    def __init__(self, sampler: Any, topology: TreeTopology, max_depth: int, draw: DrawFn = vllm_gumbel_draw):
+        self.sampler = sampler  # vLLM's MRV2 Sampler: apply_sampling_params, sampling_states, req_states
+        self.topology = topology
+        self.max_depth = max_depth  # the drafter's block size gamma: no tree is deeper
+        self.draw = draw
+        self.last_accept: AcceptResult | None = None
+
+    def __call__(self, logits: torch.Tensor, input_batch: Any, draft_logits: torch.Tensor | None = None,
+                 invalid_drafts: torch.Tensor | None = None) -> Any:
+        from vllm.v1.worker.gpu.sample.output import SamplerOutput
+
+        if draft_logits is not None:
+            raise RuntimeError("ubtree drafts greedily: the rejection sampler takes no draft logits")
+        prefill_len = self.sampler.req_states.prefill_len.gpu  # [max_reqs]
+        tokens, pos = gather_node_inputs(input_batch.input_ids, input_batch.positions, input_batch.logits_indices,
+                                         input_batch.expanded_idx_mapping, input_batch.expanded_local_pos,
+                                         prefill_len)
+        if invalid_drafts is not None:  # structured output marks drafts its grammar rejects
+            tokens = tokens.masked_fill(invalid_drafts, -1)
+        processed = self.sampler.apply_sampling_params(
+            logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping, input_batch.idx_mapping_np, pos,
+            tokens, input_batch.expanded_local_pos, input_batch.seq_lens_cpu_upper_bound.numpy())
+        states = self.sampler.sampling_states
+        draws = self.draw(processed, input_batch.expanded_idx_mapping, states.temperature.gpu, states.seeds.gpu, pos)
+        num_nodes = self.topology.parents.shape[1]
+        node_tokens, present = per_request_nodes(tokens, input_batch.cu_num_logits, num_nodes, -1)  # [R, n]
+        node_draws, _ = per_request_nodes(draws.long(), input_batch.cu_num_logits, num_nodes, -1)
+        req = input_batch.idx_mapping.long()
+        parents = self.topology.parents[req].long()  # [R, n]
+        valid = present & (node_tokens >= 0)
+        valid[:, 0] = present[:, 0]
+        parents = torch.where(valid, parents, -2)
+        parents[:, 0] = -1
+        tree = DraftTree(tokens=node_tokens, parents=parents, depth=self.topology.depth[req].long(),
+                         scores=torch.zeros_like(node_tokens, dtype=torch.float32))
+        result = accept_tree(tree, node_draws, self.max_depth)
+        self.last_accept = result
+        num_sampled, num_rejected = sampled_and_rejected(result.num_accepted, input_batch.cu_num_logits,
+                                                         input_batch.seq_lens, input_batch.idx_mapping, prefill_len)
+        return SamplerOutput(sampled_token_ids=result.output_tokens, logprobs_tensors=None, num_nans=None,
+                             num_sampled=num_sampled, num_rejected=num_rejected)
