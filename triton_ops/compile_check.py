@@ -77,6 +77,24 @@ def compile_kv_path_commit(dtype: torch.dtype, heads: int, elems: int, arch: int
     return len(triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["cubin"])
 
 
+def compile_tree_accept(max_depth: int, nodes_pad: int, arch: int) -> int:
+    """Compile `_tree_accept_kernel` as its launcher would (int64 trees); returns the cubin size."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module = importlib.import_module("ubtree_vllm.triton_ops.tree_accept")
+    kernel = module._tree_accept_kernel
+    if type(kernel).__name__ == "InterpretedFunction":
+        raise RuntimeError("TRITON_INTERPRET is set: the kernels are interpreter functions; unset it")
+    meta = {"MAX_DEPTH": max_depth, "NODES_PAD": nodes_pad}
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature = {n: "constexpr" if n in meta else "*i64" if n.endswith("_ptr") else
+                 "i32" if n == "num_nodes" else "i64" for n in names}
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in meta.items()})
+    return len(triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["cubin"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for Hopper")
@@ -92,6 +110,9 @@ def main() -> int:
         size = compile_kv_path_commit(dtype, heads, elems, args.arch)
         print(f"kv_path_commit sm_{args.arch} {str(dtype).removeprefix('torch.')} heads {heads} elems {elems}: "
               f"cubin {size} bytes")
+    for max_depth, nodes_pad in ((16, 128), (8, 32)):
+        size = compile_tree_accept(max_depth, nodes_pad, args.arch)
+        print(f"tree_accept sm_{args.arch} depth {max_depth} nodes {nodes_pad}: cubin {size} bytes")
     return 0
 
 

@@ -14,6 +14,7 @@ from ubtree_vllm.vllm.sampler import TreeRejectionSampler, check_supported
 from vllm_batches import make_batch
 
 VOCAB = 32
+BLOCK_SIZE = 4  # the drafter block size: bounds the trees of vllm_batches.make_batch
 
 
 def metadata(num_reqs: int, temperature=None, top_k=None, generators=None, **overrides) -> SamplingMetadata:
@@ -37,7 +38,7 @@ def test_greedy_walk_emits_accepted_tokens_then_the_bonus():
     plan = make_batch().plan  # r0 nodes 1..5 = tokens 11..15, r1 root only, r2 nodes 1..3 = 21..23
     # Rows: r0 nodes 0..5, r1 root, r2 nodes 0..3 (vLLM's logits_indices order).
     argmax = [12, 0, 7, 0, 0, 0] + [5] + [22, 0, 23, 9]
-    output, result = TreeRejectionSampler()(plan, plan.to_device(torch.device("cpu")), peaked_logits(argmax),
+    output, result = TreeRejectionSampler(BLOCK_SIZE)(plan, plan.to_device(torch.device("cpu")), peaked_logits(argmax),
                                             metadata(3))
     assert output.sampled_token_ids.dtype == torch.int32
     assert output.sampled_token_ids.tolist() == [[12, 7, -1, -1, -1, -1], [5, -1, -1, -1, -1, -1],
@@ -55,12 +56,12 @@ def test_seeded_requests_are_reproducible_and_top_k_1_is_greedy():
 
     def run(seed):
         gens = {i: torch.Generator().manual_seed(seed + i) for i in range(3)}
-        return TreeRejectionSampler()(plan, trees, logits, metadata(3, temperature, generators=gens))[0]
+        return TreeRejectionSampler(BLOCK_SIZE)(plan, trees, logits, metadata(3, temperature, generators=gens))[0]
 
     assert torch.equal(run(7).sampled_token_ids, run(7).sampled_token_ids)
     top1 = metadata(3, temperature, top_k=torch.tensor([1, 1, 1]))
-    greedy = TreeRejectionSampler()(plan, trees, logits, metadata(3))[0]
-    assert torch.equal(TreeRejectionSampler()(plan, trees, logits, top1)[0].sampled_token_ids,
+    greedy = TreeRejectionSampler(BLOCK_SIZE)(plan, trees, logits, metadata(3))[0]
+    assert torch.equal(TreeRejectionSampler(BLOCK_SIZE)(plan, trees, logits, top1)[0].sampled_token_ids,
                        greedy.sampled_token_ids)
 
 

@@ -4,7 +4,8 @@ For every request of the step (trees, chains and requests without drafts alike) 
 target's token is drawn at every verified node exactly as non-speculative decoding
 would draw it at that node's position (:func:`ubtree_vllm.verify.sampling.processed_probs`:
 temperature, top-k, top-p with vLLM's semantics; argmax at temperature 0), then the
-tree is walked with :func:`ubtree_vllm.verify.accept.accept_tree`: accept the child
+tree is walked with :func:`ubtree_vllm.verify.accept.accept_tree` (on CUDA its one-launch
+Triton form, :func:`ubtree_vllm.triton_ops.tree_accept.tree_accept`): accept the child
 carrying the drawn token, stop at the first node without one and emit its draw as the
 bonus token. That rule is lossless (see ``ubtree_vllm/verify/accept.py``).
 
@@ -25,6 +26,7 @@ from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
 
 from ubtree_vllm.tree.topology import DraftTree
+from ubtree_vllm.triton_ops.tree_accept import tree_accept
 from ubtree_vllm.verify.accept import AcceptResult, accept_tree
 from ubtree_vllm.verify.sampling import SamplingTensors, processed_probs
 from ubtree_vllm.vllm.tree_plan import DeviceTrees, TreeStepPlan
@@ -81,7 +83,15 @@ def draw_node_tokens(logits: torch.Tensor, index: torch.Tensor, metadata: Sampli
 
 
 class TreeRejectionSampler:
-    """Replaces the V1 runner's chain RejectionSampler for UBTree steps."""
+    """Replaces the V1 runner's chain RejectionSampler for UBTree steps.
+
+    block_size: the drafter's gamma, a static bound on tree depth. On CUDA the walk is the
+    one-launch Triton kernel (:mod:`ubtree_vllm.triton_ops.tree_accept`), compiled for that
+    bound once; on the CPU it is ``accept_tree``'s torch ops, bounded by the step's depth.
+    """
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
 
     def __call__(self, plan: TreeStepPlan, trees: DeviceTrees, logits: torch.Tensor,
                  metadata: SamplingMetadata) -> tuple[SamplerOutput, AcceptResult]:
@@ -99,9 +109,13 @@ class TreeRejectionSampler:
         index = start[:, None] + torch.minimum(node[None, :], last[:, None])  # [num_reqs, max_nodes]
         params = sampling_tensors(metadata, num_reqs, device)
         draws = draw_node_tokens(logits, index, metadata, params)
-        tree = DraftTree(tokens=trees.tokens, parents=trees.parents, depth=trees.depth,
-                         scores=torch.zeros_like(trees.depth, dtype=torch.float32))
-        result = accept_tree(tree, draws, plan.max_depth)
+        if logits.is_cuda:
+            result = AcceptResult(*tree_accept(trees.parents.contiguous(), trees.tokens.contiguous(), draws,
+                                               max(self.block_size, plan.max_depth)))
+        else:
+            tree = DraftTree(tokens=trees.tokens, parents=trees.parents, depth=trees.depth,
+                             scores=torch.zeros_like(trees.depth, dtype=torch.float32))
+            result = accept_tree(tree, draws, plan.max_depth)
         sampled = torch.full((num_reqs, max_nodes), -1, dtype=torch.int32, device=device)
         width = min(max_nodes, result.output_tokens.shape[1])
         sampled[:, :width] = result.output_tokens[:, :width].to(torch.int32)
