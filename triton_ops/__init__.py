@@ -7,6 +7,8 @@ Public launchers only:
   :mod:`ubtree_vllm.vllm.attention.flash`).
 * :func:`kv_path_commit` -- moves the accepted tree nodes' K/V to the slots of their depths
   in every layer's paged cache, one launch for all layers (the V1 runner's FLASH_ATTN commit).
+* :func:`tree_accept` -- the tree acceptance walk, one program per request (the V1 sampler's
+  walk on CUDA; oracle ``verify.accept.accept_tree``).
 
 Each kernel comes as a private ``_*_kernel``, a public launcher in ``triton_ops/<op>.py``
 that asserts its shape/stride/dtype contract and never syncs with the host, and a
@@ -23,6 +25,7 @@ the kernels run under the Triton interpreter, which ``TRITON_INTERPRET=1`` selec
 set before triton is first imported.
 """
 from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers, kv_path_commit
+from ubtree_vllm.triton_ops.tree_accept import tree_accept
 from ubtree_vllm.triton_ops.tree_attention import tree_attention
 
-__all__ = ["kv_cache_pointers", "kv_path_commit", "tree_attention"]
+__all__ = ["kv_cache_pointers", "kv_path_commit", "tree_accept", "tree_attention"]
