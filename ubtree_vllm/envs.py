@@ -40,6 +40,13 @@ def _flag(raw: str) -> bool:
     return value in ("1", "true")
 
 
+def _choice(raw: str, allowed: tuple[str, ...]) -> str:
+    value = raw.strip().lower()
+    if value not in allowed:
+        raise ValueError(f"expected one of {', '.join(allowed)}, got {raw!r}")
+    return value
+
+
 def _path(raw: str) -> Path:
     return Path(os.path.expandvars(os.path.expanduser(raw))).absolute()
 
@@ -67,6 +74,14 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         doc=(
             "1: the UBTree runner times each stage of its steps, synchronizing the device at "
             "stage boundaries (diagnosis; `ubtree bench e2e --stage-timing` sets it); 0: off."
+        ),
+    ),
+    "UBTREE_VLLM_RUNNER": EnvVar(
+        default="v1",
+        parse=lambda raw: _choice(raw, ("v1", "mrv2")),
+        doc=(
+            "vLLM model runner for 'ubtree' on CUDA: v1 (the tested path); mrv2 (Model Runner V2, "
+            "docs/design/mrv2.md) is in progress and has not run on a GPU yet: development only."
         ),
     ),
     "UBTREE_COMMIT": EnvVar(

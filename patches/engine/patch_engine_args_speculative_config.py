@@ -12,6 +12,10 @@ vLLM sees it (works for ``LLM(speculative_config=...)``, ``--speculative-config`
    "num_speculative_tokens": B}`` -- which selects the V1 model runner, disables async
    scheduling and loads no draft model -- and put the UBTree settings into
    ``EngineArgs.additional_config["ubtree"]``;
+On CUDA with ``UBTREE_VLLM_RUNNER=mrv2`` (development only: Model Runner V2 is in progress,
+docs/design/mrv2.md) step 2 presents ``"dflash"`` with a proposer-only copy of the drafter
+instead, which keeps vLLM on Model Runner V2 with async scheduling allowed.
+
 3. after vLLM built the ``SpeculativeConfig``, point ``ParallelConfig.worker_cls`` at the
    UBTree worker of this platform (the parallel config is built before the speculative
    config, so only this hook can still set it) and, on CUDA, pin the FLASH_ATTN backend
@@ -40,7 +44,7 @@ def _merged_user_spec(args: Any) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in merged.items()}
 
 
-def _check_engine_args(args: Any) -> None:
+def _check_engine_args(args: Any, mrv2: bool = False) -> None:
     """Engine options the UBTree path does not support yet; ValueError names each."""
     from vllm.platforms import current_platform
 
@@ -63,7 +67,7 @@ def _check_engine_args(args: Any) -> None:
     if args.logits_processors:
         raise ValueError("logits_processors cannot be used with speculative method 'ubtree': "
                          "tree verification cannot apply them exactly")
-    if args.async_scheduling:
+    if args.async_scheduling and not mrv2:
         raise ValueError("async_scheduling must be off with speculative method 'ubtree' "
                          "(the tree commit runs synchronously in the V1 model runner)")
     if current_platform.is_cuda():
@@ -78,18 +82,44 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
     """Validate the user's ubtree dict and replace it by the form vLLM understands."""
     from vllm.platforms import current_platform
 
+    from ubtree_vllm import envs
     from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, PROPOSER_CLASS_PATH, VLLM_METHOD,
                                          TargetInfo, parse_speculative_config)
 
     spec = parse_speculative_config(_merged_user_spec(args), TargetInfo.from_model_config(target_model_config))
-    _check_engine_args(args)
-    args.speculative_config = {"method": VLLM_METHOD, "model": PROPOSER_CLASS_PATH,
-                               "num_speculative_tokens": spec.tree.tree_budget}
+    mrv2 = current_platform.is_cuda() and envs.UBTREE_VLLM_RUNNER == "mrv2"
+    _check_engine_args(args, mrv2)
+    if mrv2:
+        spec = _mrv2_form(args, spec)
+    else:
+        args.speculative_config = {"method": VLLM_METHOD, "model": PROPOSER_CLASS_PATH,
+                                   "num_speculative_tokens": spec.tree.tree_budget}
     args.spec_method = args.spec_model = args.spec_tokens = None
     args.additional_config = {**(args.additional_config or {}), ADDITIONAL_CONFIG_KEY: spec.to_additional_config()}
     if current_platform.is_cuda() and args.attention_backend is None and \
             getattr(args.attention_config, "backend", None) is None:
         args.attention_backend = "FLASH_ATTN"
+
+
+def _mrv2_form(args: Any, spec: Any) -> Any:
+    """Model Runner V2 (in progress, UBTREE_VLLM_RUNNER=mrv2): present ``"dflash"`` with a proposer-only
+    copy of the drafter (vLLM's DFlash model computes our backbone; the selector stays ours)."""
+    import dataclasses
+    import hashlib
+
+    from ubtree_vllm import envs
+    from ubtree_vllm.training.export import export_dflash_proposer
+    from ubtree_vllm.vllm.config import MRV2_VLLM_METHOD
+
+    gamma, budget = spec.tree.block_size, spec.tree.tree_budget
+    if budget < gamma:
+        raise ValueError(f"num_speculative_tokens ({budget}) must be >= the drafter's block size gamma ({gamma}) "
+                         "on Model Runner V2: vLLM reserves num_speculative_tokens lookahead KV slots and the "
+                         "drafter writes gamma of them")
+    digest = hashlib.sha256(spec.drafter_dir.encode()).hexdigest()[:16]
+    proposer = export_dflash_proposer(spec.drafter_dir, envs.UBTREE_CACHE_DIR / "dflash-proposers" / digest)
+    args.speculative_config = {"method": MRV2_VLLM_METHOD, "model": str(proposer), "num_speculative_tokens": budget}
+    return dataclasses.replace(spec, runner="mrv2")
 
 
 def _select_worker(target_parallel_config: Any) -> None:
@@ -105,7 +135,7 @@ def _select_worker(target_parallel_config: Any) -> None:
 def apply() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
-    from ubtree_vllm.vllm.config import ADDITIONAL_CONFIG_KEY, METHOD, is_ubtree_speculative_config
+    from ubtree_vllm.vllm.config import ADDITIONAL_CONFIG_KEY, METHOD, MRV2_VLLM_METHOD, is_ubtree_speculative_config
 
     original = EngineArgs.create_speculative_config
 
@@ -113,7 +143,10 @@ def apply() -> None:
         if _merged_user_spec(self).get("method") == METHOD:
             _rewrite_to_vllm(self, target_model_config)
         speculative_config = original(self, target_model_config, target_parallel_config)
-        if is_ubtree_speculative_config(speculative_config):
+        ours = (self.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}
+        if ours.get("runner") == "mrv2" and getattr(speculative_config, "method", None) == MRV2_VLLM_METHOD:
+            _select_worker(target_parallel_config)  # the MRV2 form (in progress): our worker builds our runner
+        elif is_ubtree_speculative_config(speculative_config):
             if ADDITIONAL_CONFIG_KEY not in (self.additional_config or {}):
                 raise ValueError(f"speculative_config {speculative_config.model!r} is internal to "
                                  f"ubtree_vllm; use \"method\": {METHOD!r}")

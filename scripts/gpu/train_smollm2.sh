@@ -20,6 +20,7 @@
 #            (default "t0 hard-ce beta0") selects pipelines; a file runs/ablations/NAME/eval-SET.done
 #            skips that evaluation.
 #   humaneval-t1  tau of UBTree at T=1 on HumanEval with the shipped drafter
+#   mrv2test tests/vllm/test_vllm_mrv2_gpu.py: UBTree on Model Runner V2 (in progress), greedy equality
 #   tests    the GPU tests of triton_ops (bf16/fp16 kernel vs its PyTorch reference) and of the
 #            draft-stage CUDA graphs
 #   bench    `ubtree bench e2e` at batch 1 (ar, dflash-chain, ubtree B=16/32/64); METHODS, BUDGETS,
@@ -101,6 +102,10 @@ for phase in "$@"; do
       ( cd /tmp && GPU_TEST_DRAFTER="$R/$DRAFTER" GPU_TEST_RECORDS="$R/$RECORDS" python3 -m pytest -q -s \
           -p no:cacheprovider --rootdir "$R" -k "${GPUTEST_K:-}" "$R/tests/vllm/test_vllm_gpu.py" \
           "$R/tests/vllm/test_vllm_patches.py" ) ;;
+    mrv2test)
+      R=$PWD
+      ( cd /tmp && GPU_TEST_DRAFTER="$R/$DRAFTER" python3 -m pytest -q -s -x -p no:cacheprovider --rootdir "$R" \
+          -k "${GPUTEST_K:-}" "$R/tests/vllm/test_vllm_mrv2_gpu.py" ) ;;
     tests)
       R=$PWD
       ( cd /tmp && python3 -m pytest -q -p no:cacheprovider --rootdir "$R" "$R/tests/triton" \

@@ -73,9 +73,9 @@ def assert_greedy_equal_up_to_near_ties(spec: list[list[int]], plain_outputs) ->
             f"divergence at {pos}: reference logits {first} vs {second} differ by {ulps:g} bf16 ulps (not a near-tie)")
 
 
-def run_pair(target, drafter):
+def run_pair(target, drafter, **engine_kwargs):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
-    plain = engine(target, logprobs_mode="raw_logits")
+    plain = engine(target, logprobs_mode="raw_logits", **engine_kwargs)
     vocab = plain.llm_engine.model_config.get_vocab_size()
     prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts_for(vocab)]
     with_logits = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False,
@@ -87,7 +87,7 @@ def run_pair(target, drafter):
     plain_s = time.perf_counter() - start
     del plain
     gc.collect()  # the engine core process exits and frees its GPU memory before the next engine
-    ubtree = engine(target, {"method": "ubtree", "model": str(drafter), **TREE})
+    ubtree = engine(target, {"method": "ubtree", "model": str(drafter), **TREE}, **engine_kwargs)
     spec = [list(o.outputs[0].token_ids) for o in ubtree.generate(prompts, params, use_tqdm=False)]
     start = time.perf_counter()
     ubtree.generate(prompts[:1], params, use_tqdm=False)

@@ -81,6 +81,39 @@ def test_other_speculative_methods_are_untouched(tiny_target):
     assert config.parallel_config.worker_cls not in (CPU_WORKER_CLASS_PATH, GPU_WORKER_CLASS_PATH)
 
 
+def test_engine_args_mrv2_form_on_cuda_is_dflash_with_a_proposer_only_copy(tiny_target, tiny_drafter, monkeypatch,
+                                                                          tmp_path):
+    """UBTREE_VLLM_RUNNER=mrv2 (development only) on CUDA: "dflash" + proposer-only folder, runner recorded;
+    B < gamma refused. The CUDA platform is faked: only the rewrite runs, no engine config is built."""
+    import json
+    import struct
+
+    from vllm.platforms import current_platform
+
+    rewrite = importlib.import_module("ubtree_vllm.patches.engine.patch_engine_args_speculative_config")
+    monkeypatch.setenv("UBTREE_VLLM_RUNNER", "mrv2")
+    monkeypatch.setenv("UBTREE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+
+    def args_for(spec):
+        return EngineArgs(model=str(tiny_target), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
+                          speculative_config=spec)
+
+    args = args_for(ubtree_spec(tiny_drafter))
+    rewrite._rewrite_to_vllm(args, args.create_model_config())
+    assert args.speculative_config["method"] == "dflash" and args.speculative_config["num_speculative_tokens"] == 8
+    assert args.additional_config[ADDITIONAL_CONFIG_KEY]["runner"] == "mrv2"
+    weights = (tmp_path / "dflash-proposers").glob("*/model.safetensors")
+    with open(next(weights), "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    names = [n for n in header if n != "__metadata__"]
+    assert names and not [n for n in names if n.startswith("selector.")]
+    args = args_for(ubtree_spec(tiny_drafter, num_speculative_tokens=3, beam_width=3))  # gamma is 4
+    with pytest.raises(ValueError, match=r"num_speculative_tokens \(3\) must be >= the drafter's block size"):
+        rewrite._rewrite_to_vllm(args, args.create_model_config())
+
+
 @pytest.fixture(scope="module")
 def gpt2_target(tmp_path_factory):
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -39,6 +39,9 @@ METHOD = "ubtree"
 ADDITIONAL_CONFIG_KEY = "ubtree"
 # What vLLM is told instead of "ubtree" (see the module docstring).
 VLLM_METHOD = "custom_class"
+# ... and on Model Runner V2 (docs/design/mrv2.md; in progress, not selected by any engine yet)
+MRV2_VLLM_METHOD = "dflash"
+RUNNERS = ("v1", "mrv2")
 PROPOSER_CLASS_PATH = "ubtree_vllm.vllm.proposer.UBTreeProposer"
 CPU_WORKER_CLASS_PATH = "ubtree_vllm.vllm.cpu_worker.UBTreeCPUWorker"
 GPU_WORKER_CLASS_PATH = "ubtree_vllm.vllm.gpu_worker.UBTreeGPUWorker"
@@ -88,6 +91,8 @@ class UBTreeVllmConfig:
     drafter_dir: str
     tree: UBTreeConfig
     drafter: DrafterConfig
+    # vLLM model runner: "v1" (custom_class form) or "mrv2" (the "dflash" form, Model Runner V2; in progress)
+    runner: str = "v1"
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -96,13 +101,17 @@ class UBTreeVllmConfig:
 
     def to_additional_config(self) -> dict[str, Any]:
         """Plain JSON for ``VllmConfig.additional_config["ubtree"]`` (hashed by vLLM)."""
-        return {"drafter": self.drafter_dir, **self.tree.to_dict()}
+        return {"drafter": self.drafter_dir, "runner": self.runner, **self.tree.to_dict()}
 
     @classmethod
     def from_additional_config(cls, values: Mapping[str, Any]) -> "UBTreeVllmConfig":
         """Rebuild in a worker from :meth:`to_additional_config`; re-reads the drafter config."""
         values = dict(values)
         drafter_dir = values.pop("drafter", None)
+        runner = values.pop("runner", "v1")
+        if runner not in RUNNERS:
+            raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]['runner'] must be one of {RUNNERS}, "
+                             f"got {runner!r}")
         if not isinstance(drafter_dir, str):
             raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] has no 'drafter' path: {values}")
         drafter = load_drafter_config(drafter_dir)
@@ -110,7 +119,7 @@ class UBTreeVllmConfig:
         if tree.block_size != drafter.block_size:
             raise ValueError(f"block_size {tree.block_size} does not match the drafter's gamma "
                              f"{drafter.block_size} ({drafter_dir} changed since the engine was configured)")
-        return cls(drafter_dir=drafter_dir, tree=tree, drafter=drafter)
+        return cls(drafter_dir=drafter_dir, tree=tree, drafter=drafter, runner=runner)
 
 
 def load_drafter_config(model: Any) -> DrafterConfig:
@@ -197,11 +206,17 @@ def is_ubtree_speculative_config(speculative_config: Any) -> bool:
 
 
 def from_vllm_config(vllm_config: Any) -> UBTreeVllmConfig | None:
-    """The engine's UBTree settings, or None when the engine does not use method 'ubtree'."""
-    if not is_ubtree_speculative_config(vllm_config.speculative_config):
-        return None
+    """The engine's UBTree settings, or None when the engine does not use method 'ubtree'.
+
+    Two presentations: the V1 form (``custom_class`` + :data:`PROPOSER_CLASS_PATH`) and the
+    Model Runner V2 form (``dflash`` with ``additional_config["ubtree"]["runner"] == "mrv2"``).
+    """
     additional = vllm_config.additional_config
     values = additional.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional, Mapping) else None
+    mrv2_form = (isinstance(values, Mapping) and values.get("runner") == "mrv2"
+                 and getattr(vllm_config.speculative_config, "method", None) == MRV2_VLLM_METHOD)
+    if not (mrv2_form or is_ubtree_speculative_config(vllm_config.speculative_config)):
+        return None
     if values is None:
         raise ValueError(f"speculative method {VLLM_METHOD!r} with {PROPOSER_CLASS_PATH} is internal to "
                          f"ubtree_vllm; configure it with \"method\": {METHOD!r}")

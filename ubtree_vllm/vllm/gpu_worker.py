@@ -22,9 +22,18 @@ class UBTreeGPUWorker(StageTimesRPC, Worker):
         super().__init__(*args, **kwargs)
 
     def _make_model_runner(self) -> Any:
-        if self.use_v2_model_runner:
-            raise RuntimeError("speculative method 'ubtree' runs on the V1 model runner; "
+        from ubtree_vllm.vllm.config import from_vllm_config
+
+        config = from_vllm_config(self.vllm_config)
+        mrv2 = config is not None and config.runner == "mrv2"
+        if self.use_v2_model_runner != mrv2:
+            raise RuntimeError(f"speculative method 'ubtree' was configured for the {config.runner if config else 'v1'} "
+                               f"runner but vLLM selected {'Model Runner V2' if self.use_v2_model_runner else 'V1'}; "
                                "unset VLLM_USE_V2_MODEL_RUNNER")
+        if mrv2:  # in progress (UBTREE_VLLM_RUNNER=mrv2), docs/design/mrv2.md
+            from ubtree_vllm.vllm.mrv2.model_runner import UBTreeModelRunnerV2
+
+            return UBTreeModelRunnerV2(self.vllm_config, self.device)
         from ubtree_vllm.vllm.runner import UBTreeGPUModelRunner
 
         return UBTreeGPUModelRunner(self.vllm_config, self.device)

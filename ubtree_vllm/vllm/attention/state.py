@@ -89,6 +89,14 @@ class TreeForwardState:
         if row_buffers is not None:
             fill_row_buffers(row_buffers, plan)
 
+    def begin_device_rows(self) -> None:
+        """The next forward has tree rows laid out on the device (Model Runner V2: the row buffers
+        were filled by ``mrv2.tree_layout``; there is no host plan and nothing is stashed)."""
+        self.stash.clear()
+        self.step_cache.clear()
+        self._plan, self._trees = None, None
+        self._in_forward = True
+
     @property
     def has_tree_rows(self) -> bool:
         """The forward in flight has tree rows (False outside the forward)."""

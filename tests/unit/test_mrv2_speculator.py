@@ -1,0 +1,332 @@
+"""UBTreeSpeculator (MRV2, docs/design/mrv2.md §2) on the CPU: what is checkable without a GPU.
+
+The class itself needs a CUDA engine (vLLM's DFlash model, attention metadata, graphs). Here:
+it imports on the CPU build and overrides DFlash methods with their signatures; its pure
+helpers (tree drafting from the block's hidden states, the linearisation of a verified tree
+step, the target embedding/LM head lookup) run on CPU tensors; and its glue
+(``_generate_draft``'s row mapping, ``propose``'s pending-accept and topology scatter) runs on
+an instance whose vLLM parts are replaced by stubs.
+"""
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from ubtree_vllm.config import UBTreeConfig
+from ubtree_vllm.drafter.config import DrafterConfig
+from ubtree_vllm.drafter.io import save_drafter
+from ubtree_vllm.drafter.proposer import UBTreeDrafter
+from ubtree_vllm.types import DraftContext
+from ubtree_vllm.vllm.config import UBTreeVllmConfig
+from ubtree_vllm.vllm.mrv2 import speculator as spec_mod
+from ubtree_vllm.vllm.mrv2.rejection_sampler import TreeTopology
+from ubtree_vllm.vllm.mrv2.speculator import (
+    UBTreeSpeculator,
+    linear_logits_positions_,
+    linearise_target_rows,
+    root_only_,
+    target_embedding_and_head,
+    tree_rows_from_hidden,
+    ubtree_settings,
+)
+from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+VOCAB, HIDDEN, GAMMA, B = 97, 64, 4, 12
+TREE = UBTreeConfig(tree_budget=B, beam_width=4, top_k=6, block_size=GAMMA)
+OVERRIDES = {"__init__", "load_draft_model", "init_cudagraph_manager", "_generate_draft",
+             "_num_graph_context_tokens", "propose"}
+
+
+def drafter_config() -> DrafterConfig:
+    return DrafterConfig(target_name="tiny", vocab_size=VOCAB, hidden_size=HIDDEN, target_num_layers=4,
+                         target_layer_ids=(1, 2), block_size=GAMMA, top_k=6, num_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, intermediate_size=128, selector_rank=8,
+                         selector_hidden=32)
+
+
+def make_drafter(device: str = "cpu") -> UBTreeDrafter:
+    torch.manual_seed(0)
+    drafter = UBTreeDrafter(drafter_config()).to(device)
+    drafter.bind_target(torch.randn(VOCAB, HIDDEN, device=device), torch.randn(VOCAB, HIDDEN, device=device))
+    return drafter.eval()
+
+
+def context(lengths: list[int], num_features: int, seed: int) -> DraftContext:
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    positions = torch.arange(width)[None, :].expand(len(lengths), -1)
+    return DraftContext(anchor=torch.randint(VOCAB, (len(lengths),), generator=gen),
+                        anchor_pos=torch.tensor(lengths), features=torch.randn(len(lengths), width, num_features,
+                                                                               generator=gen),
+                        positions=positions, valid=positions < torch.tensor(lengths)[:, None],
+                        tokens=torch.zeros_like(positions))
+
+
+# ---- class shape -----------------------------------------------------------------------------
+
+def test_is_a_dflash_speculator():
+    assert issubclass(UBTreeSpeculator, DFlashSpeculator)
+    assert UBTreeSpeculator._speculator_name == "UBTree"
+
+
+def test_overrides_exist_on_the_base_with_its_signature():
+    own = {name for name, value in vars(UBTreeSpeculator).items()
+           if callable(value) and hasattr(DFlashSpeculator, name)}
+    assert own == OVERRIDES
+    for name in sorted(OVERRIDES):
+        ours = inspect.signature(getattr(UBTreeSpeculator, name)).parameters
+        base = inspect.signature(getattr(DFlashSpeculator, name)).parameters
+        assert list(ours) == list(base), name
+        for param in base:
+            assert ours[param].kind == base[param].kind, (name, param)
+            assert ours[param].default == base[param].default, (name, param)
+
+
+def test_settings_checks_name_both_numbers():
+    settings = UBTreeVllmConfig(drafter_dir="unused", tree=UBTreeConfig(tree_budget=3, beam_width=2, top_k=6,
+                                                                        block_size=GAMMA), drafter=drafter_config())
+    vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3,
+                                                                     enable_adaptive_verification=False),
+                                  parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    with pytest.raises(ValueError, match=r"num_speculative_tokens = 3.*gamma \(4\)"):
+        UBTreeSpeculator._check_settings(vllm_config, settings)
+    vllm_config.speculative_config.num_speculative_tokens = 5
+    with pytest.raises(ValueError, match="must equal the UBTree tree budget"):
+        UBTreeSpeculator._check_settings(vllm_config, settings)
+
+
+def test_settings_from_additional_config(tmp_path):
+    save_drafter(UBTreeDrafter(drafter_config()), tmp_path / "drafter")
+    values = {"drafter": str(tmp_path / "drafter"), **TREE.to_dict(), "runner": "mrv2"}
+    vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(method="dflash", model=str(tmp_path / "p"),
+                                                                     num_speculative_tokens=B),
+                                  additional_config={"ubtree": values})
+    settings = ubtree_settings(vllm_config)
+    assert settings.tree == TREE and settings.drafter_dir == str(tmp_path / "drafter")
+    assert settings.runner == "mrv2"
+    with pytest.raises(ValueError, match="additional_config"):
+        ubtree_settings(SimpleNamespace(speculative_config=vllm_config.speculative_config, additional_config={}))
+
+
+# ---- pure helpers -------------------------------------------------------------------------------
+
+def test_tree_rows_agree_with_draft_tree():
+    drafter = make_drafter()
+    for seed, lengths in enumerate([[5], [9, 3, 20], [40, 41, 42, 7]]):
+        ctx = context(lengths, drafter.cfg.num_features, seed)
+        with torch.no_grad():
+            want = drafter.draft_tree(ctx, TREE)
+            hidden = drafter.block_hidden(ctx.anchor[:, None], ctx.anchor_pos[:, None], ctx.features,
+                                          ctx.positions, ctx.valid)[:, 0]  # [R, gamma, H]
+            tokens, parents, depth = tree_rows_from_hidden(drafter, TREE, hidden, ctx.anchor.int())
+        assert tokens.dtype == torch.int64 and tokens.shape == (len(lengths), B)
+        assert parents.dtype == depth.dtype == torch.int32 and parents.shape == (len(lengths), B + 1)
+        assert torch.equal(tokens, want.tokens[:, 1:])
+        assert torch.equal(parents, want.parents.int())
+        assert torch.equal(depth, want.depth.int())
+
+
+def test_root_only():
+    parents, depth = torch.zeros(3, 5, dtype=torch.int32), torch.ones(3, 5, dtype=torch.int32)
+    root_only_(parents, depth)
+    assert parents.tolist() == [[-1, -2, -2, -2, -2]] * 3 and not depth.any()
+
+
+def tree_step_batch():
+    """Three requests: p (prefill, rows 0-2, one logits row), a and b (trees of 5 nodes at rows 3-7, 8-12).
+
+    a: parents [-1, 0, 0, 1, 2], root position 10, accepted path 0 -> 2 -> 4.
+    b: a chain at root position 30, accepted path 0 -> 1.
+    """
+    linear = torch.tensor([0, 1, 2, 10, 11, 12, 13, 14, 30, 31, 32, 33, 34, 0, 0])  # T_pad = 15
+    tree = linear.clone()
+    tree[3:8] = torch.tensor([10, 11, 11, 12, 12])  # root + depth
+    batch = SimpleNamespace(num_tokens=13, positions=tree, logits_indices=torch.tensor([2, *range(3, 13)]),
+                            cu_num_logits=torch.tensor([0, 1, 6, 11], dtype=torch.int32),
+                            expanded_local_pos=torch.tensor([0, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4], dtype=torch.int32))
+    accepted_path = torch.tensor([[0, -1, -1, -1, -1], [0, 2, 4, -1, -1], [0, 1, -1, -1, -1]])
+    num_accepted = torch.tensor([0, 2, 1])
+    return batch, linear, accepted_path, num_accepted
+
+
+def test_linear_positions_restored():
+    batch, linear, _, _ = tree_step_batch()
+    linear_logits_positions_(batch.positions, batch.logits_indices, batch.expanded_local_pos)
+    assert torch.equal(batch.positions, linear)
+
+
+def test_linearise_target_rows_moves_the_accepted_path():
+    batch, linear, accepted_path, num_accepted = tree_step_batch()
+    aux = [torch.arange(15.0)[:, None].expand(-1, 3) + 100 * i for i in range(2)]  # [T_pad, 3], row id in column
+    last = torch.randn(15, 3)
+    new_aux, new_last = linearise_target_rows(batch, aux, last, accepted_path, num_accepted, GAMMA)
+    assert new_last is last
+    want_rows = [0, 1, 2, 3, 5, 7, 6, 7, 8, 9, 10, 11, 12]  # a: row 4 <- node 2 (row 5), row 5 <- node 4 (row 7)
+    for i, h in enumerate(new_aux):
+        assert h.shape == (13, 3)
+        assert h[:, 0].tolist() == [r + 100 * i for r in want_rows]
+    assert torch.equal(batch.positions, linear)
+    _, new_last = linearise_target_rows(tree_step_batch()[0], None, last, accepted_path, num_accepted, GAMMA)
+    assert torch.equal(new_last, last[want_rows])
+
+
+class _Inner(nn.Module):
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(rows, HIDDEN)
+
+
+class _Target(nn.Module):
+    def __init__(self, rows: int, tied: bool) -> None:
+        super().__init__()
+        self.model = _Inner(rows)
+        self.lm_head = self.model.embed_tokens if tied else nn.Embedding(rows, HIDDEN)
+
+
+def test_target_embedding_and_head():
+    tied = _Target(VOCAB + 31, tied=True)  # vLLM pads the vocabulary
+    embed, head = target_embedding_and_head(tied, VOCAB)
+    assert embed.shape == head.shape == (VOCAB, HIDDEN) and embed.data_ptr() == head.data_ptr()
+    untied = _Target(VOCAB, tied=False)
+    embed, head = target_embedding_and_head(untied, VOCAB)
+    assert torch.equal(head, untied.lm_head.weight) and torch.equal(embed, untied.model.embed_tokens.weight)
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        target_embedding_and_head(_Target(VOCAB // 2, tied=True), VOCAB)
+
+
+# ---- glue, on an instance with stubbed vLLM parts -------------------------------------------------
+
+MAX_REQS = 6
+
+
+def stub_speculator(drafter: UBTreeDrafter, last_hidden: torch.Tensor) -> UBTreeSpeculator:
+    """The attributes DFlash's constructor would set, then our buffer setup; `_run_model` returns `last_hidden`."""
+    spec = object.__new__(UBTreeSpeculator)
+    spec.device, spec.max_num_reqs, spec.max_num_tokens = torch.device("cpu"), MAX_REQS, 64
+    spec.num_speculative_steps = B
+    spec.tree_budget, spec.gamma, spec.tree_cfg = B, GAMMA, TREE
+    spec.input_buffers = SimpleNamespace(input_ids=torch.zeros(64, dtype=torch.int32))
+    spec.sample_indices = torch.zeros(MAX_REQS * B, dtype=torch.int64)
+    spec.draft_tokens = torch.zeros(MAX_REQS, B, dtype=torch.int64)
+    spec._split_block_from_slots()
+    spec._init_tree_buffers()
+    spec.ubtree_drafter = drafter
+    spec.pending_accept = None
+    spec._run_model = lambda *args, **kwargs: last_hidden
+    return spec
+
+
+def fill_like_prepare_kernel(spec: UBTreeSpeculator, anchors: torch.Tensor) -> None:
+    """What prepare_dflash_inputs writes: anchors at query row r * (1 + gamma), sample rows at offsets 1..gamma."""
+    q = spec.num_query_per_req
+    for r, token in enumerate(anchors.tolist()):
+        spec.input_buffers.input_ids[r * q] = token
+        for d in range(1, GAMMA + 1):
+            spec.sample_indices[r * GAMMA + d - 1] = r * q + d
+
+
+def test_block_and_slots_are_split():
+    spec = stub_speculator(make_drafter(), torch.zeros(1, HIDDEN))
+    assert spec.num_speculative_steps == GAMMA and spec.num_query_per_req == GAMMA + 1
+    assert spec.sample_col.tolist() == list(range(GAMMA)) * MAX_REQS
+    assert spec.draft_tokens.shape == (MAX_REQS, B)
+    assert isinstance(spec.topology, TreeTopology)
+    assert spec.topology.parents.shape == spec.topology.depth.shape == (MAX_REQS, B + 1)
+    assert spec.topology.parents.dtype == spec.topology.depth.dtype == torch.int32
+    assert spec.topology.parents[:, 0].eq(-1).all() and spec.topology.parents[:, 1:].eq(-2).all()
+    assert spec._num_graph_context_tokens(3) == 3 * (B + 1)
+    assert spec._num_graph_context_tokens(5) == 64  # capped at max_num_batched_tokens
+
+
+def test_generate_draft_reads_the_sample_rows_and_anchors():
+    drafter = make_drafter()
+    num_reqs = 3
+    last_hidden = torch.randn(num_reqs * (GAMMA + 1) + 2, HIDDEN)  # padded rows at the end
+    spec = stub_speculator(drafter, last_hidden)
+    anchors = torch.tensor([5, 17, 96])
+    fill_like_prepare_kernel(spec, anchors)
+    spec._generate_draft(num_reqs, last_hidden.shape[0], None, None, None)
+    rows = torch.tensor([[r * (GAMMA + 1) + d for d in range(1, GAMMA + 1)] for r in range(num_reqs)])
+    with torch.no_grad():
+        tokens, parents, depth = tree_rows_from_hidden(drafter, TREE, last_hidden[rows], anchors)
+    assert torch.equal(spec.draft_tokens[:num_reqs], tokens)
+    assert torch.equal(spec._stage_parents[:num_reqs], parents)
+    assert torch.equal(spec._stage_depth[:num_reqs], depth)
+
+
+def test_propose_linearises_then_scatters_the_topology(monkeypatch):
+    drafter = make_drafter()
+    batch, linear, accepted_path, num_accepted = tree_step_batch()
+    last_hidden = torch.randn(3 * (GAMMA + 1), HIDDEN)
+    spec = stub_speculator(drafter, last_hidden)
+    fill_like_prepare_kernel(spec, torch.tensor([1, 2, 3]))
+    batch.num_reqs, batch.idx_mapping = 3, torch.tensor([4, 0, 2], dtype=torch.int32)
+    seen = {}
+
+    def dflash_propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
+                       *args, dummy_run=False, **kwargs):
+        seen["aux"], seen["positions"] = aux_hidden_states, input_batch.positions.clone()
+        self._generate_draft(input_batch.num_reqs, last_hidden.shape[0], None, None, None)
+        return self.draft_tokens[:input_batch.num_reqs]
+
+    monkeypatch.setattr(DFlashSpeculator, "propose", dflash_propose)
+    aux = [torch.arange(15.0)[:, None].expand(-1, 3)]
+    zeros = torch.zeros(3, dtype=torch.int32)
+
+    def propose(dummy_run: bool):
+        return spec.propose(batch, {}, {}, torch.zeros(15, 3), aux, zeros, zeros, zeros, zeros, zeros, zeros,
+                            dummy_run=dummy_run)
+
+    spec.pending_accept = SimpleNamespace(accepted_path=accepted_path, num_accepted=num_accepted)
+    drafts = propose(dummy_run=True)  # stale request slots: no linearisation, no scatter
+    assert spec.pending_accept is not None and seen["aux"] is aux
+    assert spec.topology.parents[:, 1:].eq(-2).all()
+
+    drafts = propose(dummy_run=False)
+    assert spec.pending_accept is None
+    assert torch.equal(seen["positions"], linear)
+    assert seen["aux"][0][:, 0].tolist() == [0, 1, 2, 3, 5, 7, 6, 7, 8, 9, 10, 11, 12]
+    assert drafts.shape == (3, B)
+    for b, slot in enumerate([4, 0, 2]):
+        assert torch.equal(spec.topology.parents[slot], spec._stage_parents[b])
+        assert torch.equal(spec.topology.depth[slot], spec._stage_depth[b])
+    for slot in (1, 3, 5):
+        assert spec.topology.parents[slot].tolist() == [-1] + [-2] * B
+    spec.reset_request(0)
+    assert spec.topology.parents[0].tolist() == [-1] + [-2] * B and not spec.topology.depth[0].any()
+
+
+@pytest.mark.gpu
+def test_tree_rows_capture_in_a_cuda_graph():
+    drafter = make_drafter("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(5, GAMMA, HIDDEN, device="cuda", generator=gen)
+    anchor = torch.randint(VOCAB, (5,), device="cuda", generator=gen, dtype=torch.int32)
+    with torch.inference_mode():
+        want = tree_rows_from_hidden(drafter, TREE, hidden, anchor)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            tree_rows_from_hidden(drafter, TREE, hidden, anchor)  # warm-up
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = tree_rows_from_hidden(drafter, TREE, hidden, anchor)
+        graph.replay()
+        torch.cuda.synchronize()
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_module_has_no_host_sync_in_drafting():
+    """The captured path (tree_rows_from_hidden, _generate_draft) reads no device value on the host."""
+    for fn in (tree_rows_from_hidden, UBTreeSpeculator._generate_draft, linearise_target_rows,
+               linear_logits_positions_, UBTreeSpeculator._commit_topology):
+        source = inspect.getsource(fn)
+        for call in (".item()", ".tolist()", ".cpu()", "nonzero", ".numpy()"):
+            assert call not in source, (fn.__name__, call)
+    assert spec_mod.ROOT_PARENT == -1 and spec_mod.NO_NODE == -2

@@ -1,0 +1,129 @@
+"""UBTree on vLLM's Model Runner V2 (docs/design/mrv2.md §3-§6); in progress, not selected by any engine yet.
+
+``UBTreeModelRunnerV2`` subclasses MRV2's ``GPUModelRunner`` and changes four things, each
+through a method MRV2 already calls:
+
+1. ``__init__``: the speculator is :class:`~ubtree_vllm.vllm.mrv2.speculator.UBTreeSpeculator`
+   (the engine presents the speculative config as ``"dflash"``, so MRV2 built a plain DFlash
+   speculator first) and the runner owns the fixed-size tree-attention row buffers.
+2. ``load_model``: the rejection sampler becomes
+   :class:`~ubtree_vllm.vllm.mrv2.rejection_sampler.UBTreeRejectionSampler`, and the target's
+   attention layers (not the drafter's) are bound to the row buffers.
+3. ``prepare_attn``: after vLLM computed the slot mappings from linear positions (so node j's
+   K/V goes to the slot of row root + j), the tree layout rewrites the positions to
+   root + depth and fills the row buffers; the tree-aware FLASH_ATTN impl
+   (``ubtree_vllm/vllm/attention/flash.py``) then recomputes the tree rows' attention.
+4. ``postprocess_sampled``: after vLLM's bookkeeping, the accepted nodes' K/V move to the
+   slots of their depths (one ``kv_path_commit`` launch over all target layers), and the
+   accepted paths are handed to the speculator, which linearises the rows it drafts from.
+
+Everything on the decode path is fixed-shape device work; shapes depend on host-known sizes.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers, kv_path_commit
+from ubtree_vllm.vllm.attention.state import RowBuffers, tree_forward_state
+from ubtree_vllm.vllm.config import from_vllm_config
+from ubtree_vllm.vllm.mrv2.rejection_sampler import UBTreeRejectionSampler
+from ubtree_vllm.vllm.mrv2.speculator import UBTreeSpeculator
+from ubtree_vllm.vllm.mrv2.tree_layout import commit_pairs, lay_out_tree_rows
+
+
+class UBTreeModelRunnerV2(GPUModelRunner):
+    def __init__(self, vllm_config: Any, device: torch.device) -> None:
+        config = from_vllm_config(vllm_config)
+        if config is None or config.runner != "mrv2":
+            raise ValueError(f"{type(self).__name__} needs an engine configured with method 'ubtree' on MRV2")
+        super().__init__(vllm_config, device)
+        if self.pcp_manager is not None or self.use_pp:
+            raise NotImplementedError("ubtree on Model Runner V2 supports neither PCP nor pipeline parallelism")
+        self.ubtree_config = config
+        self.gamma = config.tree.block_size
+        self.speculator = UBTreeSpeculator(vllm_config, device)  # replaces MRV2's DFlashSpeculator
+        self._row_buffers = RowBuffers.empty(self.max_num_tokens, self.gamma + 1, device)
+        self._kv_cache_ptrs: torch.Tensor | None = None  # [L] target layers' caches, at the first commit
+        self._target_layers: list[Any] = []
+        self._target_group = 0
+        # (input_batch, slot_mappings [groups, T_pad]) of the step being verified, for the commit
+        self._step: tuple[Any, torch.Tensor] | None = None
+
+    # ---- 2. sampler swap, layer binding -----------------------------------------------------
+    def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().load_model(*args, **kwargs)
+        self.rejection_sampler = UBTreeRejectionSampler(self.sampler, self.speculator.topology, self.gamma)
+        return result
+
+    def _bind_target_layers(self) -> None:
+        """The target's attention layers (the drafter's excluded) read the row buffers; once, after KV init."""
+        from vllm.model_executor.layers.attention import Attention
+
+        draft = self.speculator.draft_attn_layer_names
+        forward_context = self.compilation_config.static_forward_context
+        self._target_layers = [m for name, m in forward_context.items()
+                               if isinstance(m, Attention) and name not in draft]
+        stock = sorted({type(m.impl).__name__ for m in self._target_layers
+                        if not getattr(m.impl, "ubtree_commit_in_cache", False)})
+        if not self._target_layers or stock:
+            raise RuntimeError(f"ubtree on MRV2 needs the tree-aware FLASH_ATTN backend for the target, got {stock}")
+        for m in self._target_layers:
+            m.impl.ubtree_row_buffers = self._row_buffers
+        names = {m.layer_name for m in self._target_layers}
+        groups = [gid for gid, g in enumerate(self.kv_cache_config.kv_cache_groups) if names & set(g.layer_names)]
+        if len(groups) != 1:
+            raise NotImplementedError(f"ubtree on MRV2 needs the target's layers in one KV cache group, got {groups}")
+        self._target_group = groups[0]
+
+    # ---- 3. tree positions and attention rows --------------------------------------------------
+    def prepare_attn(self, input_batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        block_tables, slot_mappings = super().prepare_attn(input_batch)  # linear slots: node j at root + j
+        if not self._target_layers:
+            self._bind_target_layers()
+        buffers = self._row_buffers
+        if input_batch.num_draft_tokens > 0:
+            lay_out_tree_rows(input_batch.positions, input_batch.logits_indices, input_batch.cu_num_logits,
+                              input_batch.expanded_idx_mapping, input_batch.expanded_local_pos,
+                              self.speculator.topology.parents, self.speculator.topology.depth, self.gamma,
+                              buffers.row_index, buffers.row_req, buffers.row_context_len, buffers.row_path)
+            tree_forward_state().begin_device_rows()
+            self._step = (input_batch, slot_mappings)
+        else:  # prefill / no drafts: stock attention
+            buffers.row_index.fill_(-1)
+            tree_forward_state().end_forward()
+            self._step = None
+        return block_tables, slot_mappings
+
+    def prepare_dummy_attn(self, input_batch: Any, valid_state_slots: bool = False) -> Any:
+        self._row_buffers.row_index.fill_(-1)  # capture / profile runs: every entry skipped
+        tree_forward_state().end_forward()
+        return super().prepare_dummy_attn(input_batch, valid_state_slots)
+
+    # ---- 4. KV commit, hand-over to the drafter ---------------------------------------------------
+    def postprocess_sampled(self, idx_mapping: torch.Tensor, sampled_tokens: torch.Tensor, num_sampled: torch.Tensor,
+                            num_rejected: torch.Tensor, query_start_loc: torch.Tensor | None = None) -> None:
+        super().postprocess_sampled(idx_mapping, sampled_tokens, num_sampled, num_rejected, query_start_loc)
+        tree_forward_state().end_forward()
+        accept, self.rejection_sampler.last_accept = self.rejection_sampler.last_accept, None
+        step, self._step = self._step, None
+        if accept is None or step is None:
+            return
+        input_batch, slot_mappings = step
+        max_depth = accept.accepted_path.shape[1] - 1
+        src, dst, moves = commit_pairs(slot_mappings[self._target_group], input_batch.logits_indices,
+                                       input_batch.cu_num_logits, accept.accepted_path, accept.num_accepted,
+                                       max_depth)
+        caches = [m.kv_cache for m in self._target_layers]
+        if self._kv_cache_ptrs is None:  # the caches are allocated before the first step and never move
+            self._kv_cache_ptrs = kv_cache_pointers(caches)
+        kv_path_commit(self._kv_cache_ptrs, caches[0], src, dst, moves, num_depths=max_depth)
+        self.speculator.pending_accept = accept
+
+    # ---- request lifecycle --------------------------------------------------------------------
+    def add_requests(self, scheduler_output: Any) -> None:
+        super().add_requests(scheduler_output)
+        for new_req in scheduler_output.scheduled_new_reqs:  # SYNC: host loop over new requests only, at admission
+            self.speculator.reset_request(self.req_states.req_id_to_index[new_req.req_id])

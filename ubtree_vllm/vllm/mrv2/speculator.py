@@ -1,0 +1,366 @@
+"""UBTree drafting on Model Runner V2: vLLM's DFlash speculator, drafting a tree (docs/design/mrv2.md §2).
+
+:class:`UBTreeSpeculator` subclasses MRV2's ``DFlashSpeculator``. vLLM's DFlash model is the
+unigram proposer (it computes the same function as ``drafter/model.py:DFlashBackbone``, see
+the plan's status note); after its block forward, the gamma mask rows go through our
+pipeline instead of DFlash's per-row sampling: the target's LM head + top-K
+(``UBTreeDrafter.top_k_candidates``), the bigram selector's edge scores and the beam/prune
+tree search (``tree/search.py:build_tree``), the chain of ``bench/microbench.py:draft_postprocess``.
+The B draft slots of a request get the tree's nodes 1..B (parents first); the tree's
+topology (parents/depth ``[B + 1]``) lives in :attr:`UBTreeSpeculator.topology`, indexed by
+MRV2's request state slot, for the runner's tree layout and the rejection sampler.
+
+Configuration the engine must present (the runner's engine rewrite writes it):
+
+* ``speculative_config``: ``method="dflash"``, ``num_speculative_tokens = B`` (the tree
+  budget: the draft slots the target verifies), ``model`` = a *proposer-only* DFlash folder
+  (``training/export.py:export_dflash_proposer``; vLLM's weight loader raises on the full
+  drafter's ``selector.*`` tensors).
+* ``additional_config["ubtree"]`` (:data:`ubtree_vllm.vllm.config.ADDITIONAL_CONFIG_KEY`):
+  ``UBTreeVllmConfig.to_additional_config()``, i.e. ``{"drafter": <the FULL drafter folder,
+  with selector.* weights>, "tree_budget": B, "beam_width": W, "top_k": K, "block_size":
+  gamma, "runner": "mrv2"}``, read through ``ubtree_vllm.vllm.config.from_vllm_config``
+  (``drafter_dir`` is the full drafter folder; only its selector is loaded here).
+
+The two meanings of DFlash's ``num_speculative_steps`` are split: the DFlash query block is
+gamma (``num_speculative_steps = gamma``, ``num_query_per_req = 1 + gamma``: the block is
+non-causal, so its length changes every logit), while the draft slots ``draft_tokens
+[max_reqs, B]`` and the context rows of a captured step (``B + 1`` per request) stay B.
+B >= gamma is required (vLLM reserves B + 1 lookahead KV slots; the block writes 1 + gamma).
+
+What the runner must do (``ubtree_vllm/vllm/mrv2/model_runner.py``): replace MRV2's
+speculator by this class before ``load_model``; hand ``self.topology`` to the tree layout and
+the rejection sampler (the tensors are never reallocated); call :meth:`reset_request` for
+each request added; after verifying a step, set :attr:`UBTreeSpeculator.pending_accept` to
+the step's ``AcceptResult`` (``accepted_path [R, gamma + 1]``, ``num_accepted [R]``) before
+MRV2 calls :meth:`propose`, so the drafter's context rows are linearised (target rows of the
+accepted path moved to ``root + 1 .. root + k``, linear positions restored).
+
+Everything inside :meth:`UBTreeSpeculator._generate_draft` is fixed-shape device work (it is
+captured in the draft's FULL CUDA graph); :meth:`propose` adds only fixed-shape launches.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.config.compilation import CUDAGraphMode
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import AttentionCGSupport
+from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import DFlashCudaGraphManager
+from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+from ubtree_vllm.config import UBTreeConfig
+from ubtree_vllm.drafter.io import load_drafter
+from ubtree_vllm.drafter.proposer import UBTreeDrafter
+from ubtree_vllm.tree.search import build_tree
+from ubtree_vllm.vllm.config import ADDITIONAL_CONFIG_KEY, UBTreeVllmConfig, from_vllm_config
+from ubtree_vllm.vllm.mrv2.rejection_sampler import TreeTopology
+from ubtree_vllm.vllm.mrv2.tree_layout import linearise_rows
+
+logger = init_logger(__name__)
+
+ROOT_PARENT = -1  # parents[:, 0]
+NO_NODE = -2  # parents of absent nodes
+
+
+# ---- pure helpers (CPU-testable) -------------------------------------------------------------
+
+def ubtree_settings(vllm_config: Any) -> UBTreeVllmConfig:
+    """The engine's UBTree settings (``from_vllm_config``); ValueError when the engine is not configured for them."""
+    config = from_vllm_config(vllm_config)
+    if config is None:
+        raise ValueError(f"UBTreeSpeculator needs an engine configured with method 'ubtree' for Model Runner V2 "
+                         f"(speculative method 'dflash' and additional_config[{ADDITIONAL_CONFIG_KEY!r}] with "
+                         f"'runner': 'mrv2')")
+    return config
+
+
+def root_only_(parents: torch.Tensor, depth: torch.Tensor) -> None:
+    """Set topology rows ``[..., B + 1]`` in place to a lone root (parents -1, -2, ...; depth 0)."""
+    parents.fill_(NO_NODE)
+    parents[..., 0] = ROOT_PARENT
+    depth.zero_()
+
+
+def tree_rows_from_hidden(
+        drafter: UBTreeDrafter, tree_cfg: UBTreeConfig,
+        # [R, gamma, H] proposer hidden states at the block's mask rows (depth 1..gamma)
+        hidden: torch.Tensor,
+        # [R] root tokens (any integer dtype)
+        anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draft one tree per request: ``(tokens [R, B] int64, parents [R, B + 1] int32, depth [R, B + 1] int32)``.
+
+    The chain of ``UBTreeDrafter.draft_tree`` after its backbone forward: target LM head +
+    top-K (``drafter.top_k_candidates``, the drafter bound to the target), selector edge
+    scores, ``build_tree``. tokens are nodes 1..B (node 0, the root, is the anchor);
+    parents are node indices (-1 at the root), parents first. Fixed shapes, no host sync:
+    safe to capture in a CUDA graph once the selector's tables exist (eval mode, bound).
+    """
+    anchor = anchor.long()
+    cands = drafter.top_k_candidates(hidden, tree_cfg.top_k)  # [R, gamma, K]
+    root_logp, trans_logp = drafter.selector.score_tree_edges(anchor, cands.tokens, cands.logp, cands.hidden,
+                                                              drafter.embed_weight)
+    tree = build_tree(anchor, cands.tokens, root_logp, trans_logp, tree_cfg)  # [R, B + 1]
+    return tree.tokens[:, 1:], tree.parents.to(torch.int32), tree.depth.to(torch.int32)
+
+
+def linearise_target_rows(
+        # MRV2 InputBatch of the verified step: positions (mutated), logits_indices, cu_num_logits,
+        # expanded_local_pos, num_tokens
+        input_batch: Any,
+        # num_layers x [T_pad, H] (or None), [T_pad, H]: the target's outputs for that batch
+        aux_hidden_states: list[torch.Tensor] | None, last_hidden_states: torch.Tensor,
+        # [R, gamma + 1] int64, [R] int64: the step's accepted node per depth and accepted count
+        accepted_path: torch.Tensor, num_accepted: torch.Tensor,
+        max_depth: int) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
+    """Make a verified tree step look like a verified chain to DFlash's ``propose``.
+
+    DFlash treats rows ``[ctx_start, ctx_end - num_rejected)`` as the accepted context and
+    reads their positions. After a tree step, the accepted node at depth d sits at row
+    ``root + path[d]`` (position root + d). This (1) permutes the target's hidden states so
+    row ``root + d`` holds that node (``tree_layout.linearise_rows``; returned as new tensors,
+    ``num_tokens`` rows: the aux states if there are any, else the last hidden states, i.e.
+    whichever DFlash consumes) and (2) rewrites ``input_batch.positions`` in place to the
+    linear ``positions[root] + j`` at every logits row (the root keeps its position; a row
+    that was already linear is unchanged).
+    """
+    num_tokens = input_batch.num_tokens
+    perm = linearise_rows(num_tokens, input_batch.logits_indices, input_batch.cu_num_logits, accepted_path,
+                          num_accepted, max_depth)  # [T]
+    linear_logits_positions_(input_batch.positions, input_batch.logits_indices, input_batch.expanded_local_pos)
+    if aux_hidden_states:
+        return [h[:num_tokens].index_select(0, perm) for h in aux_hidden_states], last_hidden_states
+    return aux_hidden_states, last_hidden_states[:num_tokens].index_select(0, perm)
+
+
+def linear_logits_positions_(
+        # [T_pad] int64, mutated
+        positions: torch.Tensor,
+        # [L] row of each logits row, [L] node index of each logits row within its request
+        logits_indices: torch.Tensor, expanded_local_pos: torch.Tensor) -> None:
+    """``positions[root + j] = positions[root] + j`` for every logits row (root = its request's row j = 0)."""
+    rows = logits_indices.long()  # [L]
+    local = expanded_local_pos.long()  # [L]
+    root_rows = rows[torch.arange(rows.shape[0], device=rows.device) - local]  # [L]
+    positions[rows] = positions[root_rows] + local  # the right side is read before the write
+
+
+def target_embedding_and_head(target_model: nn.Module, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input embedding [V, H], LM head [V, H]) of a vLLM target, its first ``vocab_size`` rows.
+
+    Found the way vLLM's ``load_dflash_model`` shares them with the DFlash draft
+    (``get_language_model()``, then ``.model.embed_tokens``; ``get_target_lm_head``); LoRA
+    wrappers are unwrapped. On a tied target both are the same tensor. vLLM pads the
+    vocabulary (and shards it over TP ranks): fewer than ``vocab_size`` rows is an error.
+    """
+    from vllm.v1.worker.gpu.spec_decode.eagle.utils import get_target_lm_head
+
+    language_model = target_model.get_language_model() if hasattr(target_model, "get_language_model") \
+        else target_model
+    inner = getattr(language_model, "model", language_model)
+    embed = getattr(inner, "embed_tokens", None)
+    if embed is None:
+        embed = getattr(inner, "embedding", None)
+    head = get_target_lm_head(target_model, language_model)
+    weights = []
+    for name, module in (("input embedding", embed), ("LM head", head)):
+        module = getattr(module, "base_layer", module)  # vLLM's LoRA wrappers
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+            raise ValueError(f"{type(target_model).__name__}: no unquantized {name} weight to bind the UBTree "
+                             f"selector to (found {type(module).__name__})")
+        if weight.shape[0] < vocab_size:
+            raise ValueError(f"{type(target_model).__name__}: the {name} has {weight.shape[0]} rows, fewer than the "
+                             f"vocabulary ({vocab_size}); a vocabulary sharded over tensor-parallel ranks is not "
+                             f"supported by ubtree on MRV2")
+        weights.append(weight[:vocab_size])
+    return weights[0], weights[1]
+
+
+# ---- the speculator ----------------------------------------------------------------------------
+
+class UBTreeSpeculator(DFlashSpeculator):
+    """DFlash's block forward, then one UBTree tree of B nodes per request (see the module docstring)."""
+
+    _speculator_name = "UBTree"
+
+    def __init__(self, vllm_config: Any, device: torch.device) -> None:
+        settings = ubtree_settings(vllm_config)
+        self._check_settings(vllm_config, settings)
+        super().__init__(vllm_config, device)
+        self.ubtree_config = settings
+        self.tree_cfg: UBTreeConfig = settings.tree
+        self.tree_budget = self.num_speculative_steps  # B: draft slots, draft_tokens [max_reqs, B]
+        self.gamma = settings.tree.block_size
+        if self.parallel_drafting_token_id != settings.drafter.mask_token_id:
+            raise ValueError(f"the DFlash folder's mask token {self.parallel_drafting_token_id} differs from the "
+                             f"UBTree drafter's mask_token_id {settings.drafter.mask_token_id}")
+        self._split_block_from_slots()
+        # Greedy tree drafting: no draft distribution for the rejection sampler.
+        if self.draft_logits is not None:
+            logger.warning("ubtree drafts greedily: ignoring draft_sample_method='probabilistic'")
+        self.draft_logits = None
+        self._init_tree_buffers()
+        self.ubtree_drafter: UBTreeDrafter | None = None  # selector + bound LM head, set by load_draft_model
+        # Set by the runner after verification, consumed by the next propose (see the module docstring).
+        self.pending_accept: Any | None = None
+
+    @staticmethod
+    def _check_settings(vllm_config: Any, settings: UBTreeVllmConfig) -> None:
+        """ValueError/NotImplementedError for presentations this class cannot serve (before any allocation)."""
+        spec = vllm_config.speculative_config
+        budget, gamma = spec.num_speculative_tokens, settings.tree.block_size
+        if budget != settings.tree.tree_budget:
+            raise ValueError(f"speculative_config.num_speculative_tokens ({budget}) must equal the UBTree tree "
+                             f"budget B ({settings.tree.tree_budget})")
+        if budget < gamma:
+            raise ValueError(f"the tree budget B (num_speculative_tokens = {budget}) must be >= the drafter's block "
+                             f"size gamma ({gamma}): vLLM reserves B + 1 lookahead KV slots and the DFlash block "
+                             f"writes 1 + gamma")
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
+            raise NotImplementedError("ubtree on MRV2 drafts with the whole target LM head; tensor parallelism "
+                                      "(a vocabulary-sharded head) is not supported yet")
+        if spec.enable_adaptive_verification:
+            raise ValueError("ubtree on MRV2 does not support adaptive verification")
+        if getattr(vllm_config, "watermark_config", None) is not None:
+            raise ValueError("ubtree on MRV2 does not support watermarking")
+
+    def _split_block_from_slots(self) -> None:
+        """DFlash's block is gamma rows of masks (plus the anchor); the B draft slots stay as allocated."""
+        self.num_speculative_steps = self.gamma
+        self.num_query_per_req = 1 + self.gamma
+        # Sample buffers (sample_indices/pos/idx_mapping) were sized max_reqs * B >= max_reqs * gamma.
+        self.sample_col = torch.arange(self.gamma, dtype=torch.int32, device=self.device).repeat(self.max_num_reqs)
+
+    def _init_tree_buffers(self) -> None:
+        shape = (self.max_num_reqs, self.tree_budget + 1)
+        # Per request state slot, read by the tree layout and the rejection sampler.
+        self.topology = TreeTopology(parents=torch.empty(shape, dtype=torch.int32, device=self.device),
+                                     depth=torch.empty(shape, dtype=torch.int32, device=self.device))
+        root_only_(self.topology.parents, self.topology.depth)
+        # Per batch row, written inside _generate_draft (static addresses for the CUDA graph).
+        self._stage_parents = torch.empty(shape, dtype=torch.int32, device=self.device)
+        self._stage_depth = torch.empty(shape, dtype=torch.int32, device=self.device)
+        root_only_(self._stage_parents, self._stage_depth)
+
+    @torch.inference_mode()
+    def reset_request(self, req_state_idx: int) -> None:
+        """Topology of slot ``req_state_idx`` (a host int) back to a lone root; call when a request is added."""
+        root_only_(self.topology.parents[req_state_idx], self.topology.depth[req_state_idx])
+
+    def _num_graph_context_tokens(self, num_reqs: int) -> int:
+        # Context rows a captured draft step stores: one tree verification (B + 1 rows) per request.
+        return min(num_reqs * (self.tree_budget + 1), self.max_num_tokens)
+
+    # ---- model loading -----------------------------------------------------------------------
+    def load_draft_model(self, target_model: nn.Module, target_attn_layer_names: set[str]) -> nn.Module:
+        """vLLM's DFlash model from the proposer-only folder, plus our selector bound to the target."""
+        model = super().load_draft_model(target_model, target_attn_layer_names)  # load_dflash_model
+        self.ubtree_drafter = self._load_selector(target_model)
+        return model
+
+    def _load_selector(self, target_model: nn.Module) -> UBTreeDrafter:
+        """The full drafter folder's UBTreeDrafter (backbone dropped), in the target dtype, bound, eval mode."""
+        drafter = load_drafter(self.ubtree_config.drafter_dir, device="cpu", dtype=self.dtype)  # eval mode
+        drafter.backbone = None  # vLLM's DFlash model is the proposer; only the selector runs here
+        drafter.requires_grad_(False).to(self.device)
+        embed, head = target_embedding_and_head(target_model, drafter.cfg.vocab_size)
+        drafter.bind_target(embed, head)  # eval mode: precomputes the selector's vocabulary tables
+        return drafter
+
+    # ---- CUDA graphs -------------------------------------------------------------------------
+    def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
+        """FULL_DECODE_ONLY draft graphs whenever the engine uses graphs at all (the target may run PIECEWISE)."""
+        supports_full = self.attn_cg_support.min_cg_support.value >= AttentionCGSupport.UNIFORM_BATCH.value
+        wants_graphs = cudagraph_mode != CUDAGraphMode.NONE
+        if wants_graphs and not supports_full:
+            logger.warning("%s draft attention (%s) does not support full CUDA graphs; running the draft eagerly.",
+                           self._speculator_name, self.attn_cg_support.min_cg_attn_backend)
+        mode = CUDAGraphMode.FULL_DECODE_ONLY if wants_graphs and supports_full else CUDAGraphMode.NONE
+        self.query_cudagraph_manager = DFlashCudaGraphManager(self.vllm_config, self.device, mode,
+                                                              decode_query_len=self.num_query_per_req)
+
+    # ---- drafting ------------------------------------------------------------------------------
+    def _generate_draft(
+        self,
+        num_reqs: int,
+        num_tokens_padded: int,
+        attn_metadata: dict[str, Any] | None,
+        slot_mappings: dict[str, torch.Tensor] | None,
+        num_tokens_across_dp: torch.Tensor | None,
+        cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
+    ) -> None:
+        """Block forward, then a tree per request into ``draft_tokens[:num_reqs]`` and the staging topology.
+
+        ``num_reqs`` may include CUDA-graph padding (their rows read query row 0 and stale
+        anchors; :meth:`propose` scatters only the real requests' topology).
+        """
+        last_hidden_states = self._run_model(num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp,
+                                             cudagraph_runtime_mode)  # [T_pad, H]
+        gamma, step = self.gamma, self.num_query_per_req
+        # prepare_dflash_inputs: sample row r * gamma + (d - 1) = query row r * (1 + gamma) + d, d = 1..gamma
+        hidden = last_hidden_states[self.sample_indices[:num_reqs * gamma]].view(num_reqs, gamma, -1)
+        # Query row r * (1 + gamma) is request r's anchor: the bonus (or next prefill) token.
+        anchor = self.input_buffers.input_ids[:num_reqs * step:step]  # [R] int32
+        assert self.ubtree_drafter is not None, "load_model() must run before drafting"
+        tokens, parents, depth = tree_rows_from_hidden(self.ubtree_drafter, self.tree_cfg, hidden, anchor)
+        self.draft_tokens[:num_reqs] = tokens  # [R, B]
+        self._stage_parents[:num_reqs] = parents  # [R, B + 1]
+        self._stage_depth[:num_reqs] = depth
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        input_batch: Any,
+        attn_metadata: dict[str, Any],
+        slot_mappings: dict[str, torch.Tensor],
+        # [num_tokens, hidden_size]
+        last_hidden_states: torch.Tensor,
+        # num_layers x [num_tokens, hidden_size]
+        aux_hidden_states: list[torch.Tensor] | None,
+        # [num_reqs]
+        num_sampled: torch.Tensor,
+        # [num_reqs]
+        num_rejected: torch.Tensor,
+        # [max_num_reqs]
+        last_sampled: torch.Tensor,
+        # [max_num_reqs]
+        next_prefill_tokens: torch.Tensor,
+        # [max_num_reqs]
+        temperature: torch.Tensor,
+        # [max_num_reqs]
+        seeds: torch.Tensor,
+        dp_sync_state: Any | None = None,
+        dummy_run: bool = False,
+        skip_attn_for_dummy_run: bool = False,
+        mm_inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+        is_profile: bool = False,
+        num_speculative_tokens: int | None = None,
+    ) -> torch.Tensor:
+        """DFlash's propose over linearised target rows, then the trees' topology into ``self.topology``.
+
+        Returns ``draft_tokens[:num_reqs]`` ``[R, B]`` int64 (nodes 1..B of each tree). Dummy
+        runs (profiling, capture warm-up, DP padding) neither consume ``pending_accept`` nor
+        touch ``self.topology``: their ``idx_mapping`` names stale request slots.
+        """
+        if not dummy_run and self.pending_accept is not None:
+            accept, self.pending_accept = self.pending_accept, None
+            aux_hidden_states, last_hidden_states = linearise_target_rows(
+                input_batch, aux_hidden_states, last_hidden_states, accept.accepted_path, accept.num_accepted,
+                self.gamma)
+        draft_tokens = super().propose(
+            input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled,
+            num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, dp_sync_state=dp_sync_state,
+            dummy_run=dummy_run, skip_attn_for_dummy_run=skip_attn_for_dummy_run, mm_inputs=mm_inputs,
+            is_profile=is_profile, num_speculative_tokens=num_speculative_tokens)
+        if not dummy_run:
+            self._commit_topology(input_batch.idx_mapping, input_batch.num_reqs)
+        return draft_tokens
+
+    def _commit_topology(self, idx_mapping: torch.Tensor, num_reqs: int) -> None:
+        """``topology[idx_mapping] = staging[:num_reqs]`` (after the draft ran or its graph replayed)."""
+        slots = idx_mapping[:num_reqs].long()  # [R]
+        self.topology.parents[slots] = self._stage_parents[:num_reqs]
+        self.topology.depth[slots] = self._stage_depth[:num_reqs]
