@@ -13,7 +13,8 @@ node j >= 1 = draft j; the scheduler may truncate, and a parents-first prefix is
    ``gumbel_sample``: noise keyed on (request seed, position), a plain argmax at T = 0. A
    node at depth d of the accepted path is at position root + d, so its draw is the one
    non-speculative MRV2 makes at that position given the same prefix.
-3. :func:`ubtree_vllm.verify.accept.accept_tree` walks each tree (lossless rule, see there).
+3. :func:`ubtree_vllm.verify.accept.accept_tree` walks each tree (lossless rule, see there); on
+   CUDA its one-launch form :func:`ubtree_vllm.triton_ops.tree_accept.tree_accept`.
 
 Output (MRV2's ``SamplerOutput``): ``sampled_token_ids [R, max_depth + 1]`` = accepted draft
 tokens then the bonus, ``num_sampled = accepted + 1``, ``num_rejected = n_r - num_sampled``
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from ubtree_vllm.tree.topology import DraftTree
+from ubtree_vllm.triton_ops.tree_accept import tree_accept
 from ubtree_vllm.verify.accept import AcceptResult, accept_tree
 
 # draw(processed_logits [L, V], expanded_idx_mapping [L], temperature [max_reqs], seeds [max_reqs], pos [L]) -> [L]
@@ -130,9 +132,12 @@ class UBTreeRejectionSampler:
         valid[:, 0] = present[:, 0]
         parents = torch.where(valid, parents, -2)
         parents[:, 0] = -1
-        tree = DraftTree(tokens=node_tokens, parents=parents, depth=self.topology.depth[req].long(),
-                         scores=torch.zeros_like(node_tokens, dtype=torch.float32))
-        result = accept_tree(tree, node_draws, self.max_depth)
+        if logits.is_cuda:  # the same walk in one launch
+            result = AcceptResult(*tree_accept(parents, node_tokens, node_draws, self.max_depth))
+        else:
+            tree = DraftTree(tokens=node_tokens, parents=parents, depth=self.topology.depth[req].long(),
+                             scores=torch.zeros_like(node_tokens, dtype=torch.float32))
+            result = accept_tree(tree, node_draws, self.max_depth)
         self.last_accept = result
         num_sampled, num_rejected = sampled_and_rejected(result.num_accepted, input_batch.cu_num_logits,
                                                          input_batch.seq_lens, input_batch.idx_mapping, prefill_len)
