@@ -9,6 +9,8 @@ Public launchers only:
   in every layer's paged cache, one launch for all layers (the V1 runner's FLASH_ATTN commit).
 * :func:`tree_accept` -- the tree acceptance walk, one program per request (the V1 sampler's
   walk on CUDA; oracle ``verify.accept.accept_tree``).
+* :func:`tree_search` -- tree construction (beam + global pruning), one program per request
+  (``tree.search.construct_tree`` on CUDA; oracle ``tree.search.build_tree``).
 
 Each kernel comes as a private ``_*_kernel``, a public launcher in ``triton_ops/<op>.py``
 that asserts its shape/stride/dtype contract and never syncs with the host, and a
@@ -27,5 +29,6 @@ set before triton is first imported.
 from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers, kv_path_commit
 from ubtree_vllm.triton_ops.tree_accept import tree_accept
 from ubtree_vllm.triton_ops.tree_attention import tree_attention
+from ubtree_vllm.triton_ops.tree_search import tree_search
 
-__all__ = ["kv_cache_pointers", "kv_path_commit", "tree_accept", "tree_attention"]
+__all__ = ["kv_cache_pointers", "kv_path_commit", "tree_accept", "tree_attention", "tree_search"]

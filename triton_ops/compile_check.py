@@ -95,6 +95,29 @@ def compile_tree_accept(max_depth: int, nodes_pad: int, arch: int) -> int:
     return len(triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["cubin"])
 
 
+def compile_tree_search(gamma: int, top_k: int, beam_width: int, budget: int, arch: int) -> int:
+    """Compile `_tree_search_kernel` as its launcher would (fp32 log-probs); returns the cubin size."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module = importlib.import_module("ubtree_vllm.triton_ops.tree_search")
+    kernel = module._tree_search_kernel
+    if type(kernel).__name__ == "InterpretedFunction":
+        raise RuntimeError("TRITON_INTERPRET is set: the kernels are interpreter functions; unset it")
+    nodes = module.beam_node_count(gamma, top_k, beam_width)
+    meta = {"GAMMA": gamma, "K": top_k, "K_PAD": triton.next_power_of_2(top_k), "W": beam_width,
+            "W_PAD": triton.next_power_of_2(beam_width), "BUDGET": budget, "M_PAD": triton.next_power_of_2(nodes),
+            "B_PAD": triton.next_power_of_2(budget)}
+    names = list(inspect.signature(kernel.fn).parameters)
+    pointers = {"anchor_ptr": "*i64", "cand_ptr": "*i64", "root_ptr": "*fp32", "trans_ptr": "*fp32",
+                "scratch_ptr": "*i32", "out_tokens_ptr": "*i64", "out_parents_ptr": "*i64", "out_depth_ptr": "*i64",
+                "out_scores_ptr": "*fp32"}
+    signature = {n: "constexpr" if n in meta else pointers.get(n, "i64") for n in names}
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in meta.items()})
+    return len(triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["cubin"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for Hopper")
@@ -113,6 +136,9 @@ def main() -> int:
     for max_depth, nodes_pad in ((16, 128), (8, 32)):
         size = compile_tree_accept(max_depth, nodes_pad, args.arch)
         print(f"tree_accept sm_{args.arch} depth {max_depth} nodes {nodes_pad}: cubin {size} bytes")
+    for gamma, top_k, beam_width, budget in ((16, 64, 12, 64), (8, 16, 4, 16)):
+        size = compile_tree_search(gamma, top_k, beam_width, budget, args.arch)
+        print(f"tree_search sm_{args.arch} gamma {gamma} K {top_k} W {beam_width} B {budget}: cubin {size} bytes")
     return 0
 
 

@@ -23,7 +23,9 @@ serving path `UBTreeDrafter.draft_tree` minus `block_hidden`, calling the real f
   lm_head_topk       `UBTreeDrafter.top_k_candidates`: target LM head over the gamma block
                      hidden states, log-softmax, top-K per depth
   selector_scoring   `BigramSelector.score_tree_edges`: all K + (gamma - 1) K^2 edges
-  tree_construction  `tree.search.build_tree`: depth-wise beam + pruning to B nodes
+  tree_construction  `tree.search.construct_tree`: depth-wise beam + pruning to B nodes (on CUDA the
+                     one-launch Triton kernel; its torch form `build_tree` is also timed there,
+                     metric `tree_construction_torch_ms`)
   total              the three back to back (metric `draft_postprocess_ms`)
   graphed            on CUDA, the three back to back replayed from one CUDA graph, as the
                      proposer serves them (metric `draft_postprocess_graphed_ms`)
@@ -97,7 +99,7 @@ def _check_counts(settings: MicrobenchSettings) -> None:
 
 def draft_postprocess(settings: MicrobenchSettings) -> list[dict[str, Any]]:
     """Records (one per stage + total) of the draft post-processing microbenchmark."""
-    from ubtree_vllm.tree.search import build_tree
+    from ubtree_vllm.tree.search import build_tree, construct_tree
 
     _check_counts(settings)
     device = resolve_device(settings.device)
@@ -119,13 +121,13 @@ def draft_postprocess(settings: MicrobenchSettings) -> list[dict[str, Any]]:
     stages = [
         ("lm_head_topk", lambda h: drafter.top_k_candidates(h, tree_cfg.top_k)),
         ("selector_scoring", score),
-        ("tree_construction", lambda x: build_tree(anchor, x[0].tokens, x[1], x[2], tree_cfg)),
+        ("tree_construction", lambda x: construct_tree(anchor, x[0].tokens, x[1], x[2], tree_cfg)),
     ]
     with torch.inference_mode():
         medians = summarize(time_stages(stages, hidden, device, settings.iters, settings.warmup))
     notes = (f"{_timing_notes(settings, device, dtype)} per round; random hidden states and random [V, H] "
              f"embedding/LM head; stages: UBTreeDrafter.top_k_candidates, BigramSelector.score_tree_edges, "
-             f"tree.search.build_tree")
+             f"tree.search.construct_tree")
     records = [_drafter_record(settings, cfg, tree_cfg, device, metric, medians[stage], notes)
                for stage, metric in DRAFT_POSTPROCESS_METRICS.items()]
     if device.type == "cuda":  # as served: the proposer replays drafting from a CUDA graph (vllm/draft_graphs.py)
@@ -140,6 +142,15 @@ def draft_postprocess(settings: MicrobenchSettings) -> list[dict[str, Any]]:
         records.append(_drafter_record(
             settings, cfg, tree_cfg, device, "draft_postprocess_graphed_ms", statistics.median(times),
             f"{notes}; the three stages back to back, {clock}", cuda_graphs=clock == GRAPH_CLOCK))
+        # The torch form of the tree search (the CPU path and the Triton kernel's oracle), for comparison.
+        with torch.inference_mode():
+            cands = drafter.top_k_candidates(hidden, tree_cfg.top_k)
+            _, root, trans = score(cands)
+            torch_ms = summarize(time_stages([("build_tree", lambda _: build_tree(anchor, cands.tokens, root, trans,
+                                                                                  tree_cfg))],
+                                             None, device, settings.iters, settings.warmup))["build_tree"]
+        records.append(_drafter_record(settings, cfg, tree_cfg, device, "tree_construction_torch_ms", torch_ms,
+                                       f"{notes}; tree.search.build_tree (torch ops) instead of the Triton kernel"))
     return records
 
 

@@ -14,7 +14,7 @@ from ubtree_vllm.config import UBTreeConfig
 from ubtree_vllm.drafter.config import DrafterConfig
 from ubtree_vllm.drafter.model import DFlashBackbone
 from ubtree_vllm.selector.bigram import BigramSelector
-from ubtree_vllm.tree.search import build_tree
+from ubtree_vllm.tree.search import construct_tree
 from ubtree_vllm.tree.topology import DraftTree
 from ubtree_vllm.types import DraftContext
 
@@ -115,4 +115,4 @@ class UBTreeDrafter(nn.Module):
         cands = self.propose(ctx.anchor, ctx.anchor_pos, ctx.features, ctx.positions, ctx.valid, tree_cfg.top_k)
         root_logp, trans_logp = self.selector.score_tree_edges(ctx.anchor, cands.tokens, cands.logp, cands.hidden,
                                                                self.embed_weight)
-        return build_tree(ctx.anchor, cands.tokens, root_logp, trans_logp, tree_cfg)
+        return construct_tree(ctx.anchor, cands.tokens, root_logp, trans_logp, tree_cfg)

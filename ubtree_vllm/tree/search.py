@@ -97,6 +97,21 @@ def build_tree(anchor: torch.Tensor, cand_tokens: torch.Tensor, root_logp: torch
     )
 
 
+def construct_tree(anchor: torch.Tensor, cand_tokens: torch.Tensor, root_logp: torch.Tensor,
+                   trans_logp: torch.Tensor, cfg: UBTreeConfig) -> DraftTree:
+    """:func:`build_tree`'s tree; on CUDA from one Triton launch (``triton_ops/tree_search.py``, identical
+    trees, tie-breaking included) instead of ~5 kernels per depth. Arguments as :func:`build_tree`."""
+    if not cand_tokens.is_cuda:
+        return build_tree(anchor, cand_tokens, root_logp, trans_logp, cfg)
+    from ubtree_vllm.triton_ops.tree_search import tree_search
+
+    if cand_tokens.shape[1] != cfg.block_size:
+        raise ValueError(f"candidates have {cand_tokens.shape[1]} depths but block_size is {cfg.block_size}")
+    tokens, parents, depth, scores = tree_search(anchor, cand_tokens, root_logp.float().contiguous(),
+                                                 trans_logp.float().contiguous(), cfg.beam_width, cfg.tree_budget)
+    return DraftTree(tokens=tokens, parents=parents, depth=depth, scores=scores)
+
+
 def _tokens_of(cand_tokens: torch.Tensor, node_depth: torch.Tensor, node_cand: torch.Tensor) -> torch.Tensor:
     """Token of each global node: cand_tokens[n, depth - 1, cand]. -> [N, M]"""
     top_k = cand_tokens.shape[2]
