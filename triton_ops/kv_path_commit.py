@@ -61,6 +61,12 @@ if triton is not None:
             tl.store(base + dst_off + inner, rows, mask=mask)
 
 
+def launch_meta(dtype: torch.dtype, heads: int, elems: int) -> dict[str, object]:
+    """The kernel's compile-time parameters for caches of ``dtype`` with ``heads x elems`` per slot."""
+    return {"ELEMS": elems, "NUM_ELEMS": heads * elems, "BLOCK": min(1024, triton.next_power_of_2(heads * elems)),
+            "DTYPE": _TL_DTYPES[dtype]}
+
+
 def kv_cache_pointers(kv_caches: list[torch.Tensor]) -> torch.Tensor:
     """[L] int64 base addresses of the layers' caches, on their device (build once; the caches never move).
 
@@ -100,8 +106,7 @@ def kv_path_commit(
         return
     _, heads, block_size, elems = kv_cache_like.shape
     s_block, s_head, s_slot, s_elem = kv_cache_like.stride()
-    block = min(1024, triton.next_power_of_2(heads * elems))
-    grid = (num_layers, num_reqs, triton.cdiv(heads * elems, block))
+    meta = launch_meta(kv_cache_like.dtype, heads, elems)
+    grid = (num_layers, num_reqs, triton.cdiv(heads * elems, meta["BLOCK"]))
     _kv_path_commit_kernel[grid](
-        kv_cache_ptrs, src_slot, dst_slot, moves, num_depths, block_size, s_block, s_head, s_slot, s_elem,
-        ELEMS=elems, NUM_ELEMS=heads * elems, BLOCK=block, DTYPE=_TL_DTYPES[kv_cache_like.dtype])
+        kv_cache_ptrs, src_slot, dst_slot, moves, num_depths, block_size, s_block, s_head, s_slot, s_elem, **meta)

@@ -61,6 +61,11 @@ if triton is not None:
         tl.store(last_ptr + r, cur)
 
 
+def launch_meta(max_depth: int, num_nodes: int) -> dict[str, int]:
+    """The kernel's compile-time parameters for trees of ``num_nodes`` nodes and depth <= ``max_depth``."""
+    return {"MAX_DEPTH": max_depth, "NODES_PAD": triton.next_power_of_2(num_nodes)}
+
+
 def tree_accept(
         # [N, n] int parent of each node (-1 root, negative = padding), parents-first
         parents: torch.Tensor,
@@ -91,6 +96,5 @@ def tree_accept(
     assert num_nodes >= 1, "every tree has a root"
     _tree_accept_kernel[(num_reqs,)](
         parents, tokens, draws, parents.stride(0), tokens.stride(0), draws.stride(0), num_nodes,
-        path, out, num_accepted, last, path.stride(0), out.stride(0),
-        MAX_DEPTH=max_depth, NODES_PAD=triton.next_power_of_2(num_nodes))
+        path, out, num_accepted, last, path.stride(0), out.stride(0), **launch_meta(max_depth, num_nodes))
     return path, num_accepted, out, last

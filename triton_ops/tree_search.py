@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ubtree_vllm.config import max_tree_nodes
+
 try:  # optional at import time, as in tree_attention
     import triton
     import triton.language as tl
@@ -124,13 +126,12 @@ if triton is not None:
         tl.store(out_scores_ptr + n * stride_out, 0.0)
 
 
-def beam_node_count(gamma: int, top_k: int, beam_width: int) -> int:
-    """M = sum over depths of min(W, K * previous width): the nodes the beam yields."""
-    total, width = 0, 1
-    for _ in range(gamma):
-        width = min(width * top_k, beam_width)
-        total += width
-    return total
+def launch_meta(gamma: int, top_k: int, beam_width: int, tree_budget: int) -> dict[str, int]:
+    """The kernel's compile-time parameters for one tree shape (gamma depths, K candidates, W, B)."""
+    nodes = max_tree_nodes(beam_width, top_k, gamma)
+    return {"GAMMA": gamma, "K": top_k, "K_PAD": triton.next_power_of_2(top_k), "W": beam_width,
+            "W_PAD": triton.next_power_of_2(beam_width), "BUDGET": tree_budget,
+            "M_PAD": triton.next_power_of_2(nodes), "B_PAD": triton.next_power_of_2(tree_budget)}
 
 
 def tree_search(
@@ -155,23 +156,20 @@ def tree_search(
     for name, t in (("cand_tokens", cand_tokens), ("root_logp", root_logp), ("trans_logp", trans_logp)):
         assert t.stride(-1) == 1, f"{name} needs a unit last-dim stride, got {t.stride()}"
         assert t.device == anchor.device, f"{name} on {t.device}, anchor on {anchor.device}"
-    nodes = beam_node_count(gamma, top_k, beam_width)
+    nodes = max_tree_nodes(beam_width, top_k, gamma)
     assert 1 <= tree_budget <= nodes, f"tree_budget must be in [1, {nodes}] (the beam's nodes), got {tree_budget}"
     device = anchor.device
     out = [torch.empty((num_reqs, tree_budget + 1), dtype=dtype, device=device)
            for dtype in (torch.int64, torch.int64, torch.int64, torch.float32)]
     if num_reqs == 0:
         return out[0], out[1], out[2], out[3]
-    m_pad = triton.next_power_of_2(nodes)
-    scratch = torch.empty((num_reqs, m_pad), dtype=torch.int32, device=device)
+    meta = launch_meta(gamma, top_k, beam_width, tree_budget)
+    scratch = torch.empty((num_reqs, meta["M_PAD"]), dtype=torch.int32, device=device)
     trans = trans_logp if gamma > 1 else root_logp.new_empty((num_reqs, 1, top_k, top_k))
     _tree_search_kernel[(num_reqs,)](
         anchor, cand_tokens, root_logp, trans,
         anchor.stride(0), cand_tokens.stride(0), cand_tokens.stride(1), root_logp.stride(0),
         trans.stride(0), trans.stride(1), trans.stride(2),
         scratch, scratch.stride(0),
-        out[0], out[1], out[2], out[3], out[0].stride(0),
-        GAMMA=gamma, K=top_k, K_PAD=triton.next_power_of_2(top_k), W=beam_width,
-        W_PAD=triton.next_power_of_2(beam_width), BUDGET=tree_budget, M_PAD=m_pad,
-        B_PAD=triton.next_power_of_2(tree_budget))
+        out[0], out[1], out[2], out[3], out[0].stride(0), **meta)
     return out[0], out[1], out[2], out[3]
