@@ -19,4 +19,3 @@ class UBTreeCPUWorker(StageTimesRPC, CPUWorker):
         compat.check_vllm_version()
         patches.apply("worker")
         super().__init__(*args, **kwargs)
-

@@ -35,7 +35,7 @@ from ubtree_vllm import compat, envs
 from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers
 from ubtree_vllm.types import DraftContext
 from ubtree_vllm.verify.accept import AcceptResult
-from ubtree_vllm.vllm.attention.state import RowBuffers, tree_forward_state
+from ubtree_vllm.vllm.attention.state import RowBuffers, bind_tree_layers, tree_forward_state
 from ubtree_vllm.vllm.config import from_vllm_config
 from ubtree_vllm.vllm.features import ContextFeatureStore
 from ubtree_vllm.vllm.kv_commit import commit_accepted_paths, commit_accepted_paths_in_cache
@@ -93,18 +93,9 @@ class UBTreeRunnerMixin:
 
     def _check_tree_attention(self) -> None:
         """Every decoder attention layer must run a tree-aware impl (else: wrong tokens)."""
-        from vllm.model_executor.layers.attention import Attention
-
-        layers = [m for m in self.compilation_config.static_forward_context.values() if isinstance(m, Attention)]
-        stock = sorted({type(m.impl).__name__ for m in layers if not getattr(m.impl, "ubtree_tree_aware", False)})
-        if not layers or stock:
-            raise RuntimeError(f"method 'ubtree' needs its tree-aware attention backend, but the target's "
-                               f"attention layers use {stock or 'no attention layers'}; was the backend "
-                               "selected before the ubtree worker patches were applied?")
+        layers = bind_tree_layers(self.compilation_config.static_forward_context, self._row_buffers)
         self._tree_attention_layers = layers
         self._kv_cache_ptrs: torch.Tensor | None = None  # [L] int64, built at the first in-cache commit
-        for m in layers:  # this engine's layers read this engine's row buffers (flash.py)
-            m.impl.ubtree_row_buffers = self._row_buffers
         # FLASH_ATTN's tree impl: KV commit inside the cache, tree rows read from the row buffers.
         self._commit_in_cache = all(getattr(m.impl, "ubtree_commit_in_cache", False) for m in layers)
 

@@ -16,6 +16,7 @@ stash lives until the next :meth:`begin`.
 """
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +120,26 @@ class TreeForwardState:
         rows = self._trees.stash_rows
         self.stash[layer.layer_name] = StashedLayer(layer=layer, key=key[rows], value=value[rows],
                                                     slots=slot_mapping[rows].to(torch.int64))
+
+
+def bind_tree_layers(forward_context: Mapping[str, Any], row_buffers: RowBuffers,
+                     exclude: Collection[str] = ()) -> list[Any]:
+    """The engine's attention layers (names in ``exclude``, e.g. a draft model's, left out), each checked
+    to run a tree-aware impl and bound to this engine's ``row_buffers`` (read by ``flash.py``).
+
+    RuntimeError when there is none or one runs a stock impl (it would answer tree rows wrongly).
+    """
+    from vllm.model_executor.layers.attention import Attention
+
+    layers = [m for name, m in forward_context.items() if isinstance(m, Attention) and name not in exclude]
+    stock = sorted({type(m.impl).__name__ for m in layers if not getattr(m.impl, "ubtree_tree_aware", False)})
+    if not layers or stock:
+        raise RuntimeError(f"method 'ubtree' needs its tree-aware attention backend, but the target's "
+                           f"attention layers use {stock or 'no attention layers'}; was the backend "
+                           "selected before the ubtree worker patches were applied?")
+    for m in layers:
+        m.impl.ubtree_row_buffers = row_buffers
+    return layers
 
 
 def fill_row_buffers(buffers: RowBuffers, plan: TreeStepPlan) -> None:

@@ -27,7 +27,7 @@ import torch
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers, kv_path_commit
-from ubtree_vllm.vllm.attention.state import RowBuffers, tree_forward_state
+from ubtree_vllm.vllm.attention.state import RowBuffers, bind_tree_layers, tree_forward_state
 from ubtree_vllm.vllm.config import from_vllm_config
 from ubtree_vllm.vllm.mrv2.rejection_sampler import UBTreeRejectionSampler
 from ubtree_vllm.vllm.mrv2.speculator import UBTreeSpeculator
@@ -60,18 +60,13 @@ class UBTreeModelRunnerV2(GPUModelRunner):
 
     def _bind_target_layers(self) -> None:
         """The target's attention layers (the drafter's excluded) read the row buffers; once, after KV init."""
-        from vllm.model_executor.layers.attention import Attention
-
-        draft = self.speculator.draft_attn_layer_names
-        forward_context = self.compilation_config.static_forward_context
-        self._target_layers = [m for name, m in forward_context.items()
-                               if isinstance(m, Attention) and name not in draft]
-        stock = sorted({type(m.impl).__name__ for m in self._target_layers
-                        if not getattr(m.impl, "ubtree_commit_in_cache", False)})
-        if not self._target_layers or stock:
-            raise RuntimeError(f"ubtree on MRV2 needs the tree-aware FLASH_ATTN backend for the target, got {stock}")
-        for m in self._target_layers:
-            m.impl.ubtree_row_buffers = self._row_buffers
+        self._target_layers = bind_tree_layers(self.compilation_config.static_forward_context, self._row_buffers,
+                                               exclude=self.speculator.draft_attn_layer_names)
+        elsewhere = sorted({type(m.impl).__name__ for m in self._target_layers
+                            if not getattr(m.impl, "ubtree_commit_in_cache", False)})
+        if elsewhere:
+            raise RuntimeError(f"ubtree on MRV2 commits KV inside FLASH_ATTN's cache; the target's layers use "
+                               f"{elsewhere}")
         names = {m.layer_name for m in self._target_layers}
         groups = [gid for gid, g in enumerate(self.kv_cache_config.kv_cache_groups) if names & set(g.layer_names)]
         if len(groups) != 1:

@@ -57,7 +57,7 @@ from ubtree_vllm.drafter.proposer import UBTreeDrafter
 from ubtree_vllm.tree.search import construct_tree
 from ubtree_vllm.vllm.config import ADDITIONAL_CONFIG_KEY, UBTreeVllmConfig, from_vllm_config
 from ubtree_vllm.vllm.mrv2.rejection_sampler import TreeTopology
-from ubtree_vllm.vllm.mrv2.tree_layout import linearise_rows
+from ubtree_vllm.vllm.mrv2.tree_layout import linearise_rows, root_rows_of
 
 logger = init_logger(__name__)
 
@@ -141,10 +141,8 @@ def linear_logits_positions_(
         # [L] row of each logits row, [L] node index of each logits row within its request
         logits_indices: torch.Tensor, expanded_local_pos: torch.Tensor) -> None:
     """``positions[root + j] = positions[root] + j`` for every logits row (root = its request's row j = 0)."""
-    rows = logits_indices.long()  # [L]
-    local = expanded_local_pos.long()  # [L]
-    root_rows = rows[torch.arange(rows.shape[0], device=rows.device) - local]  # [L]
-    positions[rows] = positions[root_rows] + local  # the right side is read before the write
+    root_rows = root_rows_of(logits_indices, expanded_local_pos)  # [L]
+    positions[logits_indices.long()] = positions[root_rows] + expanded_local_pos.long()  # read before the write
 
 
 def target_embedding_and_head(target_model: nn.Module, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -50,7 +50,7 @@ def lay_out_tree_rows(
     num_logits = logits_indices.shape[0]  # L
     rows = logits_indices.long()  # [L]
     node = expanded_local_pos.long()  # [L]
-    root_rows = rows[torch.arange(num_logits, device=rows.device) - node]  # [L]
+    root_rows = root_rows_of(logits_indices, expanded_local_pos)  # [L]
     root_pos = positions[root_rows]  # [L]
     depth = tree_depth[expanded_idx_mapping, node].long()  # [L]
     path, is_tree = _root_paths(tree_parents, expanded_idx_mapping.long(), node, depth, max_depth)
@@ -61,6 +61,12 @@ def lay_out_tree_rows(
     _write_entries(out_row_req, torch.where(is_tree, batch, 0), 0)
     _write_entries(out_row_context_len, torch.where(is_tree, root_pos, 0), 0)
     _write_entries(out_row_path, path_rows, -1)
+
+
+def root_rows_of(logits_indices: torch.Tensor, expanded_local_pos: torch.Tensor) -> torch.Tensor:
+    """``[L]`` int64 global row of each logits row's root (its request's logits row with local pos 0)."""
+    rows = logits_indices.long()  # [L]
+    return rows[torch.arange(rows.shape[0], device=rows.device) - expanded_local_pos.long()]
 
 
 def commit_pairs(
