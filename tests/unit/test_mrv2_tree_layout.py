@@ -247,6 +247,16 @@ def depths_to_commit(r: Request, path: list[int], num_accepted: int) -> range:
     return range(1, 1 + sum(1 for node in path[1:num_accepted + 1] if node < r.num_logits))
 
 
+def acceptance_cases(whole_tree: bool, stale: bool):
+    """Per seed: (seed, batch, its tensors, accepted_path, num_accepted, [(request, path, depths to commit)])."""
+    for seed in SEEDS:
+        batch = random_batch(seed)
+        accepted_path, num_accepted = random_acceptance(batch, random.Random(seed), whole_tree, stale)
+        commits = [(r, path, depths_to_commit(r, path, k))
+                   for r, path, k in zip(batch.reqs, accepted_path.tolist(), num_accepted.tolist())]
+        yield seed, batch, batch.tensors(), accepted_path, num_accepted, commits
+
+
 ACCEPTANCE = pytest.mark.parametrize("whole_tree,stale", [(False, False), (True, False), (False, True),
                                                          (True, True)])
 
@@ -254,10 +264,7 @@ ACCEPTANCE = pytest.mark.parametrize("whole_tree,stale", [(False, False), (True,
 @ACCEPTANCE
 def test_commit_pairs_move_accepted_kv_to_depth_slots(whole_tree, stale):
     num_moves = 0
-    for seed in SEEDS:
-        batch = random_batch(seed)
-        accepted_path, num_accepted = random_acceptance(batch, random.Random(seed), whole_tree, stale)
-        t = batch.tensors()
+    for seed, batch, t, accepted_path, num_accepted, commits in acceptance_cases(whole_tree, stale):
         block_size, heads, elems = 4, 2, 3
         num_blocks = batch.padded_tokens // block_size + 3
         gen = torch.Generator().manual_seed(seed)
@@ -265,8 +272,7 @@ def test_commit_pairs_move_accepted_kv_to_depth_slots(whole_tree, stale):
         cache = torch.randn(num_blocks, heads, block_size, elems, generator=gen)
 
         want, want_moves = cache.clone(), []
-        for r, path, k in zip(batch.reqs, accepted_path.tolist(), num_accepted.tolist()):
-            depths = depths_to_commit(r, path, k)
+        for r, path, depths in commits:
             want_moves += [d in depths and path[d] != d for d in range(1, batch.max_depth + 1)]
             src = [int(slot_mapping[r.root_row + path[d]]) for d in depths]
             rows = [cache[s // block_size, :, s % block_size].clone() for s in src]
@@ -288,14 +294,11 @@ def test_commit_pairs_move_accepted_kv_to_depth_slots(whole_tree, stale):
 @ACCEPTANCE
 def test_linearise_rows_puts_accepted_path_at_depth_rows(whole_tree, stale):
     num_moved = 0
-    for seed in SEEDS:
-        batch = random_batch(seed)
-        accepted_path, num_accepted = random_acceptance(batch, random.Random(seed), whole_tree, stale)
+    for seed, batch, t, accepted_path, num_accepted, commits in acceptance_cases(whole_tree, stale):
         want = list(range(batch.padded_tokens))
-        for r, path, k in zip(batch.reqs, accepted_path.tolist(), num_accepted.tolist()):
-            for d in depths_to_commit(r, path, k):
+        for r, path, depths in commits:
+            for d in depths:
                 want[r.root_row + d] = r.root_row + path[d]
-        t = batch.tensors()
         perm = linearise_rows(batch.padded_tokens, t["logits_indices"], t["cu_num_logits"], accepted_path,
                               num_accepted, batch.max_depth)
         assert perm.dtype == torch.int64 and perm.tolist() == want, seed

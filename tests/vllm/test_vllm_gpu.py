@@ -102,7 +102,8 @@ def run_pair(target, drafter, **engine_kwargs):
     return MAX_TOKENS / plain_s, MAX_TOKENS / ubtree_s, tau
 
 
-def test_greedy_equality_tiny_qwen3_cuda_graphs(tmp_path):
+def save_tiny_qwen3(tmp_path):
+    """(target, untrained drafter) folders: a random bf16 4-layer Qwen3 (vocab 4096, GQA 8/4, head 64), gamma 8."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -111,13 +112,22 @@ def test_greedy_equality_tiny_qwen3_cuda_graphs(tmp_path):
                       num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
                       tie_word_embeddings=False)
     Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "qwen3")
-    drafter = save_untrained_drafter(tmp_path / "qwen3", tmp_path / "qwen3-drafter", block_size=8, top_k=16)
-    run_pair(tmp_path / "qwen3", drafter)
+    return tmp_path / "qwen3", save_untrained_drafter(tmp_path / "qwen3", tmp_path / "qwen3-drafter", block_size=8,
+                                                      top_k=16)
+
+
+def test_greedy_equality_tiny_qwen3_cuda_graphs(tmp_path):
+    run_pair(*save_tiny_qwen3(tmp_path))
+
+
+def smollm2_drafter(default_target_dir, tmp_path):
+    """GPU_TEST_DRAFTER (a trained drafter folder) or an untrained export for SmolLM2."""
+    return os.environ.get("GPU_TEST_DRAFTER") or save_untrained_drafter(
+        default_target_dir, tmp_path / "smollm2-drafter", block_size=16, top_k=16)
 
 
 def test_greedy_equality_and_speed_smollm2(default_target_dir, tmp_path):
-    drafter = os.environ.get("GPU_TEST_DRAFTER") or save_untrained_drafter(
-        default_target_dir, tmp_path / "smollm2-drafter", block_size=16, top_k=16)
+    drafter = smollm2_drafter(default_target_dir, tmp_path)
     plain_tps, ubtree_tps, tau = run_pair(default_target_dir, drafter)
     print(f"SmolLM2 batch 1: no speculation {plain_tps:.1f} tok/s, ubtree {ubtree_tps:.1f} tok/s, tau {tau:.2f}")
     records = os.environ.get("GPU_TEST_RECORDS")

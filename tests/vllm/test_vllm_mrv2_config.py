@@ -49,4 +49,5 @@ def test_speculator_splits_the_block_from_the_draft_slots(tiny_target, tiny_draf
     assert tuple(speculator.draft_tokens.shape) == (max_reqs, 8)  # the verified slots: B
     assert tuple(speculator.topology.parents.shape) == (max_reqs, 9)
     assert speculator._num_graph_context_tokens(2) == 18  # B + 1 target rows per request
-    assert bool((speculator.topology.parents[:, 0] == -1).all()) and bool((speculator.topology.parents[:, 1:] == -2).all())
+    parents = speculator.topology.parents
+    assert bool((parents[:, 0] == -1).all()) and bool((parents[:, 1:] == -2).all())  # every slot a lone root

@@ -7,12 +7,9 @@ most one bf16 ulp apart).
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from test_vllm_gpu import run_pair
-from vllm_models import save_untrained_drafter
+from test_vllm_gpu import run_pair, save_tiny_qwen3, smollm2_drafter
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
@@ -25,20 +22,9 @@ def mrv2(monkeypatch):
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
 def test_mrv2_greedy_equality_tiny_qwen3(mrv2, tmp_path, enforce_eager):
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
-                      tie_word_embeddings=False)
-    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "qwen3")
-    drafter = save_untrained_drafter(tmp_path / "qwen3", tmp_path / "qwen3-drafter", block_size=8, top_k=16)
-    run_pair(tmp_path / "qwen3", drafter, enforce_eager=enforce_eager)
+    run_pair(*save_tiny_qwen3(tmp_path), enforce_eager=enforce_eager)
 
 
 def test_mrv2_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path):
-    drafter = os.environ.get("GPU_TEST_DRAFTER") or save_untrained_drafter(
-        default_target_dir, tmp_path / "smollm2-drafter", block_size=16, top_k=16)
-    plain_tps, ubtree_tps, tau = run_pair(default_target_dir, drafter)
+    plain_tps, ubtree_tps, tau = run_pair(default_target_dir, smollm2_drafter(default_target_dir, tmp_path))
     print(f"MRV2 SmolLM2 batch 1: no speculation {plain_tps:.1f} tok/s, ubtree {ubtree_tps:.1f} tok/s, tau {tau:.2f}")
