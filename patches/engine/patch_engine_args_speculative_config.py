@@ -109,7 +109,7 @@ def _mrv2_form(args: Any, spec: Any) -> Any:
 
     from ubtree_vllm import envs
     from ubtree_vllm.training.export import export_dflash_proposer
-    from ubtree_vllm.vllm.config import MRV2_VLLM_METHOD
+    from ubtree_vllm.vllm.config import MRV2_PROPOSERS_DIR, MRV2_VLLM_METHOD
 
     gamma, budget = spec.tree.block_size, spec.tree.tree_budget
     if budget < gamma:
@@ -117,7 +117,7 @@ def _mrv2_form(args: Any, spec: Any) -> Any:
                          "on Model Runner V2: vLLM reserves num_speculative_tokens lookahead KV slots and the "
                          "drafter writes gamma of them")
     digest = hashlib.sha256(spec.drafter_dir.encode()).hexdigest()[:16]
-    proposer = export_dflash_proposer(spec.drafter_dir, envs.UBTREE_CACHE_DIR / "dflash-proposers" / digest)
+    proposer = export_dflash_proposer(spec.drafter_dir, envs.UBTREE_CACHE_DIR / MRV2_PROPOSERS_DIR / digest)
     args.speculative_config = {"method": MRV2_VLLM_METHOD, "model": str(proposer), "num_speculative_tokens": budget}
     return dataclasses.replace(spec, runner="mrv2")
 

@@ -12,7 +12,8 @@ import torch
 from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers, kv_path_commit
 from ubtree_vllm.triton_ops.reference import kv_path_commit_reference
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# the interpreter (CPU tensors) only where there is no GPU: with CUDA, Triton launches real kernels
+DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
 def random_pairs(num_reqs: int, num_depths: int, num_slots: int, gen: torch.Generator):

@@ -10,7 +10,8 @@ from ubtree_vllm.tree.topology import DraftTree
 from ubtree_vllm.triton_ops.tree_accept import tree_accept
 from ubtree_vllm.verify.accept import accept_tree
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# the interpreter (CPU tensors) only where there is no GPU: with CUDA, Triton launches real kernels
+DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
 def random_trees(num_reqs: int, num_nodes: int, max_depth: int, vocab: int, gen: torch.Generator):

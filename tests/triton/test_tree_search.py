@@ -10,7 +10,8 @@ from ubtree_vllm.config import UBTreeConfig
 from ubtree_vllm.tree.search import build_tree
 from ubtree_vllm.triton_ops.tree_search import tree_search
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# the interpreter (CPU tensors) only where there is no GPU: with CUDA, Triton launches real kernels
+DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
 def random_lattice(num_reqs: int, gamma: int, top_k: int, gen: torch.Generator, ties: bool):

@@ -13,7 +13,7 @@ V = 64
 B = 6  # nodes per tree after the root
 
 
-def argmax_draw(logits, expanded_idx_mapping, temperature, seeds, pos):
+def argmax_draw(logits, expanded_idx_mapping, temperature, seeds, pos, use_fp64):
     return logits.argmax(dim=-1)
 
 
@@ -29,17 +29,19 @@ class IdentitySampler:
         return logits
 
 
-def make_batch(requests):
+def make_batch(requests, topo):
     """requests: list of (req_state_idx, root position, node tokens [n], target argmax [n], seq_len).
 
-    Token rows: one prefill-like row of another request first, then each request's nodes."""
+    Token rows: one prefill-like row of another request first, then each request's nodes at
+    root position + depth (as the runner's tree layout writes them). ``seq_lens`` is padded by one
+    entry, as under a FULL CUDA graph with padded requests."""
     input_ids, positions, logits_indices, exp_idx, local_pos, cu = [7], [3], [], [], [], [0]
     logits = []
     row = 1
     for state, root_pos, tokens, target, _ in requests:
         for j, (tok, tgt) in enumerate(zip(tokens, target)):
             input_ids.append(tok)
-            positions.append(root_pos + j)  # the test's depth positions, as the runner's tree layout writes them
+            positions.append(root_pos + int(topo.depth[state, j]))
             logits_indices.append(row)
             exp_idx.append(state)
             local_pos.append(j)
@@ -52,7 +54,7 @@ def make_batch(requests):
         logits_indices=torch.tensor(logits_indices), expanded_idx_mapping=torch.tensor(exp_idx),
         expanded_local_pos=torch.tensor(local_pos, dtype=torch.int32), idx_mapping=idx_mapping,
         idx_mapping_np=idx_mapping.numpy(), cu_num_logits=torch.tensor(cu, dtype=torch.int32),
-        seq_lens=torch.tensor([r[4] for r in requests], dtype=torch.int32),
+        num_reqs=len(requests), seq_lens=torch.tensor([r[4] for r in requests] + [0], dtype=torch.int32),
         seq_lens_cpu_upper_bound=torch.tensor([r[4] for r in requests], dtype=torch.int32))
     return batch, torch.stack(logits)
 
@@ -80,7 +82,7 @@ def test_tree_walk_truncation_placeholders_and_chunked_prefill():
         (1, 29, [8], [4], 30),
         (3, 10, [9, 2, 2], [2, 2, 2], 13),
     ]
-    batch, logits = make_batch(requests)
+    batch, logits = make_batch(requests, topo)
     sampler = IdentitySampler(prefill_len=[0, 50, 0, 12])
     rs = UBTreeRejectionSampler(sampler, topo, max_depth=B, draw=argmax_draw)
     out = rs(logits, batch)
@@ -98,7 +100,7 @@ def test_tree_walk_truncation_placeholders_and_chunked_prefill():
 def test_invalid_drafts_are_never_accepted():
     topo = topology({0: [-1, 0, 1]})
     requests = [(0, 20, [1, 2, 3], [2, 3, 4], 23)]
-    batch, logits = make_batch(requests)
+    batch, logits = make_batch(requests, topo)
     rs = UBTreeRejectionSampler(IdentitySampler([0]), topo, max_depth=B, draw=argmax_draw)
     assert rs(logits, batch).num_sampled.tolist() == [3]  # both drafts match
     out = rs(logits, batch, invalid_drafts=torch.tensor([False, False, True]))
@@ -108,7 +110,7 @@ def test_invalid_drafts_are_never_accepted():
 
 def test_refuses_draft_logits():
     topo = topology({0: [-1]})
-    batch, logits = make_batch([(0, 5, [1], [2], 6)])
+    batch, logits = make_batch([(0, 5, [1], [2], 6)], topo)
     rs = UBTreeRejectionSampler(IdentitySampler([0]), topo, max_depth=B, draw=argmax_draw)
     try:
         rs(logits, batch, draft_logits=torch.zeros(1, 1, V))
@@ -117,3 +119,14 @@ def test_refuses_draft_logits():
     else:
         raise AssertionError("draft logits were accepted")
     assert np.array_equal(batch.idx_mapping_np, [0])
+
+
+def test_placeholder_rule_reads_the_root_position_not_the_depth_position():
+    # root at position 50 = prefill_len: the drafts were proposed after the prompt, so none is a
+    # placeholder although node 3 (depth 1) sits at position 51 = 50 + 3 - 2 in linear terms.
+    topo = topology({0: [-1, 0, 0, 0]})
+    requests = [(0, 50, [1, 2, 3, 4], [4, 9, 9, 9], 54)]
+    batch, logits = make_batch(requests, topo)
+    out = UBTreeRejectionSampler(IdentitySampler([50]), topo, max_depth=B, draw=argmax_draw)(logits, batch)
+    assert out.num_sampled.tolist() == [2]  # node 3 (token 4) accepted, then the bonus 9
+    assert out.sampled_token_ids[0, :2].tolist() == [4, 9]

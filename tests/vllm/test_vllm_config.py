@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
-from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, MAX_TREE_BUDGET, PROPOSER_CLASS_PATH, SPEC_KEYS,
-                                     VLLM_METHOD, TargetInfo, UBTreeVllmConfig, from_vllm_config,
-                                     is_ubtree_speculative_config, parse_speculative_config)
+from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, MAX_TREE_BUDGET, MRV2_PROPOSERS_DIR, MRV2_VLLM_METHOD,
+                                     PROPOSER_CLASS_PATH, SPEC_KEYS, VLLM_METHOD, TargetInfo, UBTreeVllmConfig,
+                                     from_vllm_config, is_ubtree_speculative_config, parse_speculative_config)
 from ubtree_vllm.vllm.request_support import unsupported_options
 
 TINY = TargetInfo(architectures=("LlamaForCausalLM",), vocab_size=512, hidden_size=64, num_layers=4)
@@ -118,6 +118,9 @@ def test_from_vllm_config_recognises_only_the_rewritten_form(tiny_drafter):
     Spec.model = "my.Proposer"
     assert not is_ubtree_speculative_config(Spec()) and from_vllm_config(Vllm()) is None
     assert not is_ubtree_speculative_config(None)
+    # the MRV2 form: vLLM's "dflash" on a proposer-only copy under MRV2_PROPOSERS_DIR; plain dflash is not ours
+    assert is_ubtree_speculative_config({"method": MRV2_VLLM_METHOD, "model": f"/c/{MRV2_PROPOSERS_DIR}/0123abcd"})
+    assert not is_ubtree_speculative_config({"method": MRV2_VLLM_METHOD, "model": "/models/some-dflash-drafter"})
 
 
 def test_unsupported_request_options():

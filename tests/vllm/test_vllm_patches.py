@@ -11,7 +11,8 @@ from vllm.engine.arg_utils import EngineArgs
 from ubtree_vllm import patches
 from ubtree_vllm.patches._patching import MARK, is_patched, original_attr_name
 from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, CPU_WORKER_CLASS_PATH, GPU_WORKER_CLASS_PATH,
-                                     PROPOSER_CLASS_PATH, VLLM_METHOD)
+                                     MRV2_PROPOSERS_DIR, PROPOSER_CLASS_PATH, VLLM_METHOD,
+                                     is_ubtree_speculative_config)
 
 
 def on_cpu() -> bool:
@@ -104,7 +105,8 @@ def test_engine_args_mrv2_form_on_cuda_is_dflash_with_a_proposer_only_copy(tiny_
     rewrite._rewrite_to_vllm(args, args.create_model_config())
     assert args.speculative_config["method"] == "dflash" and args.speculative_config["num_speculative_tokens"] == 8
     assert args.additional_config[ADDITIONAL_CONFIG_KEY]["runner"] == "mrv2"
-    weights = (tmp_path / "dflash-proposers").glob("*/model.safetensors")
+    assert is_ubtree_speculative_config(args.speculative_config)  # the admission check knows this form too
+    weights = (tmp_path / MRV2_PROPOSERS_DIR).glob("*/model.safetensors")
     with open(next(weights), "rb") as f:
         header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
     names = [n for n in header if n != "__metadata__"]

@@ -41,6 +41,8 @@ ADDITIONAL_CONFIG_KEY = "ubtree"
 VLLM_METHOD = "custom_class"
 # ... and on Model Runner V2 (docs/design/mrv2.md; in progress, not selected by any engine yet)
 MRV2_VLLM_METHOD = "dflash"
+# ... with a proposer-only copy of the drafter in a folder under one named like this (under the cache dir)
+MRV2_PROPOSERS_DIR = "ubtree-dflash-proposers"
 RUNNERS = ("v1", "mrv2")
 PROPOSER_CLASS_PATH = "ubtree_vllm.vllm.proposer.UBTreeProposer"
 CPU_WORKER_CLASS_PATH = "ubtree_vllm.vllm.cpu_worker.UBTreeCPUWorker"
@@ -195,13 +197,15 @@ def parse_speculative_config(spec: Mapping[str, Any], target: TargetInfo) -> UBT
 
 
 def is_ubtree_speculative_config(speculative_config: Any) -> bool:
-    """Whether a vLLM ``SpeculativeConfig`` (or the dict form) is the rewritten ``ubtree`` one."""
+    """Whether a vLLM ``SpeculativeConfig`` (or the dict form) is a rewritten ``ubtree`` one (V1 or MRV2 form)."""
     if speculative_config is None:
         return False
     if isinstance(speculative_config, Mapping):
         method, model = speculative_config.get("method"), speculative_config.get("model")
     else:
         method, model = getattr(speculative_config, "method", None), getattr(speculative_config, "model", None)
+    if method == MRV2_VLLM_METHOD:
+        return model is not None and Path(str(model)).parent.name == MRV2_PROPOSERS_DIR
     return method == VLLM_METHOD and model == PROPOSER_CLASS_PATH
 
 

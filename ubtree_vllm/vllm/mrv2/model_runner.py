@@ -40,8 +40,8 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         if config is None or config.runner != "mrv2":
             raise ValueError(f"{type(self).__name__} needs an engine configured with method 'ubtree' on MRV2")
         super().__init__(vllm_config, device)
-        if self.pcp_manager is not None or self.use_pp:
-            raise NotImplementedError("ubtree on Model Runner V2 supports neither PCP nor pipeline parallelism")
+        if self.use_pp:  # PCP is refused with the engine arguments (the PCP manager exists only after KV init)
+            raise NotImplementedError("ubtree on Model Runner V2 does not support pipeline parallelism")
         self.ubtree_config = config
         self.gamma = config.tree.block_size
         self.speculator = UBTreeSpeculator(vllm_config, device)  # replaces MRV2's DFlashSpeculator
@@ -58,8 +58,16 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         self.rejection_sampler = UBTreeRejectionSampler(self.sampler, self.speculator.topology, self.gamma)
         return result
 
+    def initialize_kv_cache(self, kv_cache_config: Any, is_profiling: bool = False,
+                            kv_cache_allocation_context: Any = None) -> None:
+        # Bind before any step or graph capture (a FULL graph captured before the bind would
+        # hold no tree attention); again after the profiling run's caches are replaced.
+        super().initialize_kv_cache(kv_cache_config, is_profiling, kv_cache_allocation_context)
+        self._bind_target_layers()
+        self._kv_cache_ptrs = None
+
     def _bind_target_layers(self) -> None:
-        """The target's attention layers (the drafter's excluded) read the row buffers; once, after KV init."""
+        """The target's attention layers (the drafter's excluded) read the row buffers; after every KV init."""
         self._target_layers = bind_tree_layers(self.compilation_config.static_forward_context, self._row_buffers,
                                                exclude=self.speculator.draft_attn_layer_names)
         elsewhere = sorted({type(m.impl).__name__ for m in self._target_layers
@@ -76,8 +84,6 @@ class UBTreeModelRunnerV2(GPUModelRunner):
     # ---- 3. tree positions and attention rows --------------------------------------------------
     def prepare_attn(self, input_batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         block_tables, slot_mappings = super().prepare_attn(input_batch)  # linear slots: node j at root + j
-        if not self._target_layers:
-            self._bind_target_layers()
         buffers = self._row_buffers
         if input_batch.num_draft_tokens > 0:
             lay_out_tree_rows(input_batch.positions, input_batch.logits_indices, input_batch.cu_num_logits,

@@ -35,17 +35,18 @@ from ubtree_vllm.tree.topology import DraftTree
 from ubtree_vllm.triton_ops.tree_accept import tree_accept
 from ubtree_vllm.verify.accept import AcceptResult, accept_tree
 
-# draw(processed_logits [L, V], expanded_idx_mapping [L], temperature [max_reqs], seeds [max_reqs], pos [L]) -> [L]
-DrawFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# draw(processed_logits [L, V], expanded_idx_mapping [L], temperature [max_reqs], seeds [max_reqs], pos [L],
+#      use_fp64) -> [L]
+DrawFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
 
 def vllm_gumbel_draw(processed_logits: torch.Tensor, expanded_idx_mapping: torch.Tensor, temperature: torch.Tensor,
-                     seeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+                     seeds: torch.Tensor, pos: torch.Tensor, use_fp64: bool = False) -> torch.Tensor:
     """vLLM MRV2's draw (CUDA): temperature already applied by ``apply_sampling_params``."""
     from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 
     return gumbel_sample(processed_logits, expanded_idx_mapping, temperature, seeds, pos,
-                         apply_temperature=False, is_drafting=False)
+                         apply_temperature=False, is_drafting=False, use_fp64=use_fp64)
 
 
 @dataclass
@@ -63,12 +64,14 @@ def gather_node_inputs(input_ids: torch.Tensor, positions: torch.Tensor, logits_
                        prefill_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [L] int64, pos [L] int64) of each logits row; draft rows of a still-prefilling request are -1.
 
-    Same rule as vLLM's ``gather_draft_sampled``: local pos j > 0 with ``pos - j < prefill_len``.
+    vLLM's ``gather_draft_sampled`` rule (local pos j > 0 with ``pos - j < prefill_len``) in tree form:
+    positions are root + depth here, so the test is on the root's position (row i - j).
     """
     token = input_ids[logits_indices].long()  # [L]
     pos = positions[logits_indices].long()  # [L]
     local = expanded_local_pos.long()
-    placeholder = (local > 0) & (pos - local < prefill_len[expanded_idx_mapping].long())
+    root_row = logits_indices[torch.arange(local.shape[0], device=local.device) - local]  # [L]
+    placeholder = (local > 0) & (positions[root_row].long() < prefill_len[expanded_idx_mapping].long())
     return torch.where(placeholder, -1, token), pos
 
 
@@ -99,6 +102,8 @@ def sampled_and_rejected(num_accepted: torch.Tensor, cu_num_logits: torch.Tensor
 class UBTreeRejectionSampler:
     """MRV2 rejection sampler over draft trees (see the module docstring)."""
 
+    enable_adaptive_verification = False  # read (and toggled) by vLLM's warmup_kernels
+
     def __init__(self, sampler: Any, topology: TreeTopology, max_depth: int, draw: DrawFn = vllm_gumbel_draw):
         self.sampler = sampler  # vLLM's MRV2 Sampler: apply_sampling_params, sampling_states, req_states
         self.topology = topology
@@ -122,7 +127,8 @@ class UBTreeRejectionSampler:
             logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping, input_batch.idx_mapping_np, pos,
             tokens, input_batch.expanded_local_pos, input_batch.seq_lens_cpu_upper_bound.numpy())
         states = self.sampler.sampling_states
-        draws = self.draw(processed, input_batch.expanded_idx_mapping, states.temperature.gpu, states.seeds.gpu, pos)
+        draws = self.draw(processed, input_batch.expanded_idx_mapping, states.temperature.gpu, states.seeds.gpu, pos,
+                          bool(getattr(self.sampler, "use_fp64_gumbel", False)))
         num_nodes = self.topology.parents.shape[1]
         node_tokens, present = per_request_nodes(tokens, input_batch.cu_num_logits, num_nodes, -1)  # [R, n]
         node_draws, _ = per_request_nodes(draws.long(), input_batch.cu_num_logits, num_nodes, -1)
@@ -139,7 +145,9 @@ class UBTreeRejectionSampler:
                              scores=torch.zeros_like(node_tokens, dtype=torch.float32))
             result = accept_tree(tree, node_draws, self.max_depth)
         self.last_accept = result
+        num_reqs = input_batch.num_reqs  # seq_lens is padded to the graph's request count
         num_sampled, num_rejected = sampled_and_rejected(result.num_accepted, input_batch.cu_num_logits,
-                                                         input_batch.seq_lens, input_batch.idx_mapping, prefill_len)
+                                                         input_batch.seq_lens[:num_reqs], input_batch.idx_mapping,
+                                                         prefill_len)
         return SamplerOutput(sampled_token_ids=result.output_tokens, logprobs_tensors=None, num_nans=None,
                              num_sampled=num_sampled, num_rejected=num_rejected)
