@@ -26,7 +26,7 @@
 #   bench    `ubtree bench e2e` at batch 1 (ar, dflash-chain, ubtree B=16/32/64); METHODS, BUDGETS,
 #            BENCH_DATASETS, BENCH_TEMPS and BENCH_PROMPTS (per set, default 10) select a slice so
 #            each call stays < 10 minutes
-#   sweep    `ubtree bench e2e` concurrency 1,4,16,32 on MT-Bench, T=0, ar vs ubtree B=64
+#   sweep    `ubtree bench e2e` concurrency 1,4,16,32 on MT-Bench (SWEEP_PROMPTS, default 64), T=0, ar vs ubtree B=64
 #   stages   `ubtree bench e2e --stage-timing`: mean time per engine step of each UBTree runner stage
 #            (ar for the step wall time; same selectors as bench, default mt_bench, T=0, 4 prompts, B=16,64)
 #   microbench  `ubtree bench microbench --which ${MB_WHICH:-all}` (draft post-processing per round, tree attention
@@ -120,7 +120,7 @@ for phase in "$@"; do
     sweep)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization 0.25 \
-        --datasets mt_bench --temperatures 0 --num-prompts 64 --max-new-tokens 256 --methods ar,ubtree \
+        --datasets mt_bench --temperatures 0 --num-prompts "${SWEEP_PROMPTS:-64}" --max-new-tokens 256 --methods ar,ubtree \
         --tree-budgets 64 --beam-width 12 --top-k 64 --concurrency 1,4,16,32 ;;
     stages)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
