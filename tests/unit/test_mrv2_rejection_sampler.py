@@ -24,7 +24,9 @@ class IdentitySampler:
                                                seeds=SimpleNamespace(gpu=torch.zeros(len(prefill_len))))
         self.calls = 0
 
-    def apply_sampling_params(self, logits, *args):
+    def apply_sampling_params(self, logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, pos, input_ids, *args):
+        # vLLM's sampling kernels (bad words, penalties) are compiled for the batch's own dtypes
+        assert input_ids.dtype == torch.int32 and pos.dtype == torch.int64, (input_ids.dtype, pos.dtype)
         self.calls += 1
         return logits
 

@@ -62,13 +62,15 @@ class TreeTopology:
 def gather_node_inputs(input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
                        expanded_idx_mapping: torch.Tensor, expanded_local_pos: torch.Tensor,
                        prefill_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token [L] int64, pos [L] int64) of each logits row; draft rows of a still-prefilling request are -1.
+    """(token [L], pos [L]) of each logits row, in the dtypes of ``input_ids`` / ``positions`` (as vLLM's
+    ``gather_draft_sampled``: its sampling kernels, e.g. bad words, compile for those); draft rows of a
+    still-prefilling request are -1.
 
     vLLM's ``gather_draft_sampled`` rule (local pos j > 0 with ``pos - j < prefill_len``) in tree form:
     positions are root + depth here, so the test is on the root's position (row i - j).
     """
-    token = input_ids[logits_indices].long()  # [L]
-    pos = positions[logits_indices].long()  # [L]
+    token = input_ids[logits_indices]  # [L]
+    pos = positions[logits_indices]  # [L]
     local = expanded_local_pos.long()
     root_row = logits_indices[torch.arange(local.shape[0], device=local.device) - local]  # [L]
     placeholder = (local > 0) & (positions[root_row].long() < prefill_len[expanded_idx_mapping].long())
@@ -130,7 +132,7 @@ class UBTreeRejectionSampler:
         draws = self.draw(processed, input_batch.expanded_idx_mapping, states.temperature.gpu, states.seeds.gpu, pos,
                           bool(getattr(self.sampler, "use_fp64_gumbel", False)))
         num_nodes = self.topology.parents.shape[1]
-        node_tokens, present = per_request_nodes(tokens, input_batch.cu_num_logits, num_nodes, -1)  # [R, n]
+        node_tokens, present = per_request_nodes(tokens.long(), input_batch.cu_num_logits, num_nodes, -1)  # [R, n]
         node_draws, _ = per_request_nodes(draws.long(), input_batch.cu_num_logits, num_nodes, -1)
         req = input_batch.idx_mapping.long()
         parents = self.topology.parents[req].long()  # [R, n]
