@@ -61,10 +61,11 @@ def test_matches_accept_tree(device, num_reqs, num_nodes, max_depth):
         assert int(want.num_accepted.max()) > 0, "no case walks: the comparison would not test the walk"
 
 
-def test_int32_inputs_and_contract_errors():
-    parents = torch.tensor([[-1, 0, 1]], dtype=torch.int32)
-    tokens = torch.tensor([[5, 6, 7]], dtype=torch.int32)
-    draws = torch.tensor([[6, 7, 9]], dtype=torch.int32)
+@pytest.mark.parametrize("device", DEVICES)
+def test_int32_inputs_and_contract_errors(device):
+    parents = torch.tensor([[-1, 0, 1]], dtype=torch.int32, device=device)
+    tokens = torch.tensor([[5, 6, 7]], dtype=torch.int32, device=device)
+    draws = torch.tensor([[6, 7, 9]], dtype=torch.int32, device=device)
     path, num_accepted, out, last = tree_accept(parents, tokens, draws, max_depth=4)
     assert path.tolist() == [[0, 1, 2, -1, -1]] and num_accepted.tolist() == [2]
     assert out.tolist() == [[6, 7, 9, -1, -1]] and last.tolist() == [2]
