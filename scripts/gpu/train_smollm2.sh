@@ -29,6 +29,11 @@
 #   sweep    `ubtree bench e2e` concurrency 1,4,16,32 on MT-Bench (SWEEP_PROMPTS, default 64), T=0, ar vs ubtree B=64
 #   stages   `ubtree bench e2e --stage-timing`: mean time per engine step of each UBTree runner stage
 #            (ar for the step wall time; same selectors as bench, default mt_bench, T=0, 4 prompts, B=16,64)
+#   pair     two phase lists side by side on a two-GPU machine: GPU0_PHASES on GPU 0 and the first quarter
+#            of the cores (put the timing runs here), GPU1_PHASES on GPU 1 and the other cores (tests);
+#            each list runs in order, a failed phase does not stop the list; logs runs/gpu0.log, runs/gpu1.log.
+#            Unpinned, the other GPU's engine start-ups (torch.compile workers) slowed batch-1 decoding
+#            of the small target by up to ~1.5x.
 #   microbench  `ubtree bench microbench --which ${MB_WHICH:-all}` (draft post-processing per round, tree attention
 #            vs FlashAttention, tree-65 vs chain-17 verification forward on a dummy Qwen3-8B)
 # Records go to $RECORDS (default docs/benchmarks/records.jsonl; on the device use runs/records.jsonl,
@@ -128,6 +133,17 @@ for phase in "$@"; do
         --datasets "${BENCH_DATASETS:-mt_bench}" --temperatures "${BENCH_TEMPS:-0}" --num-prompts "${BENCH_PROMPTS:-4}" \
         --max-new-tokens 256 --methods "${METHODS:-ar,ubtree}" --tree-budgets "${BUDGETS:-16,64}" \
         --beam-width 12 --top-k 64 --concurrency 1 ;;
+    pair)
+      mkdir -p runs; n=$(nproc); q=$(( n / 4 ))
+      run_list() {  # GPU CORES PHASES...
+        local gpu=$1 cores=$2; shift 2
+        for p in "$@"; do
+          CUDA_VISIBLE_DEVICES=$gpu taskset -c "$cores" bash "$0" "$p" || echo "phase $p on GPU $gpu: rc $?"
+        done
+      }
+      run_list 0 "0-$(( q - 1 ))" ${GPU0_PHASES:-} > runs/gpu0.log 2>&1 &
+      run_list 1 "$q-$(( n - 1 ))" ${GPU1_PHASES:-} > runs/gpu1.log 2>&1 &
+      wait ;;
     microbench)
       ubtree bench microbench --which "${MB_WHICH:-all}" --drafter "$DRAFTER" --records "$RECORDS" --no-report ;;
     humaneval-t1)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,6 +12,7 @@ from transformers import LlamaConfig
 
 from ubtree_vllm import cli
 from ubtree_vllm.bench import cli as bench_cli
+from ubtree_vllm.bench import e2e
 from ubtree_vllm.bench import records as rec
 from ubtree_vllm.bench.measurement import (NUM_ACCEPTED, NUM_DRAFTS, RunResult, SpeedupTable, e2e_record,
                                            mean_tpot_ms, request_tpot_s, spec_counters, summarize_run,
@@ -136,10 +138,30 @@ def test_e2e_flags_are_parsed_and_ordered(drafter_dir):
     defaults = settings_from_args(e2e_args(drafter=str(drafter_dir), tree_budgets="16,32,48", top_k=16))
     assert planned_methods(defaults) == ["ar", "dflash-chain", "ubtree:16", "ubtree:32", "ubtree:48"]
     assert settings_from_args(e2e_args(methods="ar")).drafter is None  # ar needs no drafter
+    both = settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree-mrv2,ubtree", tree_budgets="4,8",
+                                       top_k=16))
+    assert planned_methods(both) == ["ubtree:4", "ubtree:8", "ubtree-mrv2:4", "ubtree-mrv2:8"]
+
+
+def test_mrv2_runs_build_their_engine_under_the_runner_switch(monkeypatch):
+    run = ubtree_run(E2ESettings(drafter="d", block_size=16), 32, "ubtree-mrv2")
+    assert run.method == "ubtree-mrv2" and run.env == {"UBTREE_VLLM_RUNNER": "mrv2"}
+    assert run.speculative_config["method"] == "ubtree" and "UBTREE_VLLM_RUNNER=mrv2" in run.note
+    assert ubtree_run(E2ESettings(drafter="d", block_size=16), 32).env == {}
+    monkeypatch.setenv("UBTREE_VLLM_RUNNER", "v1")
+    with e2e.environment(run.env):
+        assert os.environ["UBTREE_VLLM_RUNNER"] == "mrv2"
+    assert os.environ["UBTREE_VLLM_RUNNER"] == "v1"
+    monkeypatch.delenv("UBTREE_VLLM_RUNNER")
+    with pytest.raises(RuntimeError), e2e.environment(run.env):
+        raise RuntimeError("engine failed")
+    assert "UBTREE_VLLM_RUNNER" not in os.environ
 
 
 @pytest.mark.parametrize("overrides,pattern", [
-    ({"methods": "ar,medusa"}, r"--methods: unknown method 'medusa'; allowed: ar, dflash-chain, ubtree"),
+    ({"methods": "ar,medusa"}, r"--methods: unknown method 'medusa'; allowed: ar, dflash-chain, ubtree, ubtree-mrv2"),
+    ({"methods": "ubtree-mrv2", "tree_budgets": "3"}, r"--tree-budgets: B=3 is below the drafter's block size 4; "
+                                                      r"method ubtree-mrv2 needs B >= gamma"),
     ({"methods": "ar,ar"}, r"--methods lists a method twice"),
     ({"datasets": "mt_bench,gsm8k"}, r"--datasets: unknown dataset 'gsm8k'; allowed: spec_bench, mt_bench, humaneval"),
     ({"tree_budgets": "16,2000"}, r"--tree-budgets: B=2000 is out of range \[1, 48\] for --beam-width 12, "

@@ -22,19 +22,21 @@ instead of e2e records (bench/stage_timing.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
+import os
 import json
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from ubtree_vllm.bench.measurement import RunResult, SpeedupTable, e2e_record, spec_counters, summarize_run
 from ubtree_vllm.bench.prompts import PromptSet, dataset_prompt_sets
-from ubtree_vllm.bench.settings import (BenchArgumentError, E2ESettings, MethodRun, dflash_chain_run,
+from ubtree_vllm.bench.settings import (TREE_METHODS, BenchArgumentError, E2ESettings, MethodRun, dflash_chain_run,
                                         planned_methods, settings_from_args, ubtree_chain_run, ubtree_run)
 from ubtree_vllm.bench.stage_timing import read_stage_times, stage_records, stage_timing_env, uses_runner_clock
 
@@ -57,7 +59,23 @@ def build_engine(target_path: str | Path, run: MethodRun, engine_kwargs: dict[st
     kwargs = {"skip_tokenizer_init": not has_tokenizer(target_path), **engine_kwargs, "disable_log_stats": False}
     if run.speculative_config is not None:
         kwargs["speculative_config"] = dict(run.speculative_config)
-    return LLM(model=str(target_path), **kwargs)
+    with environment(run.env):
+        return LLM(model=str(target_path), **kwargs)
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """Set ``values`` in ``os.environ`` for the block (read by the engine and workers it starts), then restore."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
 
 
 def stop_engine(llm: Any) -> None:
@@ -114,8 +132,9 @@ def measure(llm: Any, prompt_set: PromptSet, temperature: float, concurrency: in
 def _start_engine(label: str, settings: E2ESettings, target_path: Path, engine_kwargs: dict[str, Any],
                   scratch: Path, log: Log) -> tuple[MethodRun, Any]:
     """(the run, its engine) for a planned label; dflash-chain falls back to ubtree-chain."""
-    if label.startswith("ubtree:"):
-        run = ubtree_run(settings, int(label.split(":")[1]))
+    method, _, budget = label.partition(":")
+    if method in TREE_METHODS:
+        run = ubtree_run(settings, int(budget), method)
     elif label == "dflash-chain":
         from ubtree_vllm.training.export import META_FILE, export_dflash_proposer
 

@@ -14,6 +14,8 @@ every later measurement can be paired with its AR baseline as soon as it is take
   ubtree-chain  (fallback only) "method": "ubtree" with B = gamma, W = 1, K = 1: the same
                 single path, drafted by our plugin.
   ubtree        "method": "ubtree", one engine per --tree-budgets value B, W = min(W, B), K.
+  ubtree-mrv2   the same on Model Runner V2 (development switch UBTREE_VLLM_RUNNER=mrv2 set for
+                the engine; CUDA only, B >= gamma).
 """
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ from typing import Any
 
 from ubtree_vllm.config import MAX_TREE_BUDGET, max_tree_nodes
 
-METHODS = ("ar", "dflash-chain", "ubtree")
+METHODS = ("ar", "dflash-chain", "ubtree", "ubtree-mrv2")
+# Tree methods: one engine per tree budget, and the environment each engine is built under.
+TREE_METHODS = {"ubtree": {}, "ubtree-mrv2": {"UBTREE_VLLM_RUNNER": "mrv2"}}
 # Dataset names of training/evaluate.py:EVAL_DATASETS (that module imports torch).
 DATASETS = ("spec_bench", "mt_bench", "humaneval")
 
@@ -49,6 +53,8 @@ class MethodRun:
     block_size: int | None = None
     # free text carried into the records' notes (e.g. why a fallback was used)
     note: str = ""
+    # environment variables set while the engine is built (the runner switch of ubtree-mrv2)
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -61,7 +67,7 @@ class E2ESettings:
     temperatures: tuple[float, ...] = (0.0, 1.0)
     num_prompts: int = 80
     max_new_tokens: int = 256
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = ("ar", "dflash-chain", "ubtree")
     tree_budgets: tuple[int, ...] = (16, 32, 64)
     beam_width: int = 12
     top_k: int = 64
@@ -130,7 +136,7 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
     if settings.top_k > cfg.vocab_size:
         raise BenchArgumentError(f"--top-k must be in [1, {cfg.vocab_size}] (the drafter's vocabulary), "
                                  f"got {settings.top_k}")
-    if "ubtree" in settings.methods:
+    if any(m in TREE_METHODS for m in settings.methods):
         for budget in settings.tree_budgets:
             width = min(settings.beam_width, budget) if budget >= 1 else settings.beam_width
             hi = min(MAX_TREE_BUDGET, max_tree_nodes(width, settings.top_k, cfg.block_size))
@@ -138,6 +144,9 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
                 raise BenchArgumentError(
                     f"--tree-budgets: B={budget} is out of range [1, {hi}] for --beam-width {settings.beam_width}, "
                     f"--top-k {settings.top_k} and the drafter's block size {cfg.block_size}")
+            if "ubtree-mrv2" in settings.methods and budget < cfg.block_size:
+                raise BenchArgumentError(f"--tree-budgets: B={budget} is below the drafter's block size "
+                                         f"{cfg.block_size}; method ubtree-mrv2 needs B >= gamma")
         if len(set(settings.tree_budgets)) != len(settings.tree_budgets):
             raise BenchArgumentError(f"--tree-budgets lists a budget twice: {settings.tree_budgets}")
     return dataclasses.replace(settings, block_size=cfg.block_size, vocab_size=cfg.vocab_size,
@@ -163,11 +172,14 @@ def settings_from_args(args: argparse.Namespace, check_datasets: bool = True) ->
     ), check_datasets=check_datasets)
 
 
-def ubtree_run(settings: E2ESettings, budget: int) -> MethodRun:
+def ubtree_run(settings: E2ESettings, budget: int, method: str = "ubtree") -> MethodRun:
+    """A tree method (:data:`TREE_METHODS`) at tree budget B = ``budget``."""
     width = min(settings.beam_width, budget)
-    return MethodRun("ubtree", {"method": "ubtree", "model": str(settings.drafter), "num_speculative_tokens": budget,
-                                "beam_width": width, "top_k": settings.top_k},
-                     tree_budget=budget, beam_width=width, top_k=settings.top_k, block_size=settings.block_size)
+    env = TREE_METHODS[method]
+    return MethodRun(method, {"method": "ubtree", "model": str(settings.drafter), "num_speculative_tokens": budget,
+                              "beam_width": width, "top_k": settings.top_k},
+                     tree_budget=budget, beam_width=width, top_k=settings.top_k, block_size=settings.block_size,
+                     note=" ".join(f"{k}={v}" for k, v in env.items()), env=dict(env))
 
 
 def ubtree_chain_run(settings: E2ESettings, note: str = "") -> MethodRun:
@@ -186,9 +198,9 @@ def dflash_chain_run(settings: E2ESettings, proposer_dir: str | Path, num_specul
 
 
 def planned_methods(settings: E2ESettings) -> list[str]:
-    """Engine labels in run order: 'ar', 'dflash-chain', 'ubtree:B' per budget."""
+    """Engine labels in run order: 'ar', 'dflash-chain', then '<tree method>:B' per budget."""
     order = [m for m in METHODS if m in settings.methods]
     labels: list[str] = []
     for method in order:
-        labels += [f"ubtree:{b}" for b in settings.tree_budgets] if method == "ubtree" else [method]
+        labels += [f"{method}:{b}" for b in settings.tree_budgets] if method in TREE_METHODS else [method]
     return labels

@@ -59,7 +59,8 @@ def stage_timing_env(enabled: bool) -> Iterator[None]:
 
 
 def uses_runner_clock(run: MethodRun) -> bool:
-    return bool(run.speculative_config) and run.speculative_config.get("method") == "ubtree"
+    """Whether the engine runs the V1 UBTree runner, which owns the stage clock (the MRV2 runner has none)."""
+    return run.method == "ubtree"
 
 
 def read_stage_times(llm: Any, reset: bool) -> dict[str, tuple[int, float]]:
