@@ -162,6 +162,11 @@ def sample_continuations(llm: LLM, sampling: SamplingConfig) -> "torch.Tensor":
 
 
 def test_sampling_distribution_cuda_graphs(tmp_path):
+    check_sampling_distribution(tmp_path)
+
+
+def check_sampling_distribution(tmp_path):
+    """UBTree at T > 0 against the same engine without speculation (also run on MRV2 by test_vllm_mrv2_gpu.py)."""
     from exact_distribution import two_sample_pvalues  # scipy, imported only by this test
 
     target = save_tiny_llama(tmp_path / "vocab8", vocab_size=VOCAB, hidden_size=128, num_layers=3, num_heads=2,
