@@ -25,8 +25,8 @@ import argparse
 import contextlib
 import dataclasses
 import gc
-import os
 import json
+import os
 import tempfile
 import time
 from collections import deque

@@ -39,7 +39,7 @@ METHOD = "ubtree"
 ADDITIONAL_CONFIG_KEY = "ubtree"
 # What vLLM is told instead of "ubtree" (see the module docstring).
 VLLM_METHOD = "custom_class"
-# ... and on Model Runner V2 (docs/design/mrv2.md; in progress, not selected by any engine yet)
+# ... and on Model Runner V2 (docs/design/mrv2.md; in progress, selected by UBTREE_VLLM_RUNNER=mrv2 on CUDA)
 MRV2_VLLM_METHOD = "dflash"
 # ... with a proposer-only copy of the drafter in a folder under one named like this (under the cache dir)
 MRV2_PROPOSERS_DIR = "ubtree-dflash-proposers"
