@@ -104,17 +104,18 @@ for phase in "$@"; do
       python3 -m pip install -q --no-deps --no-index --no-build-isolation --upgrade --target /tmp/ub-site . ;;
     gputest)
       R=$PWD
-      ( cd /tmp && GPU_TEST_DRAFTER="$R/$DRAFTER" GPU_TEST_RECORDS="$R/$RECORDS" python3 -m pytest -q -s \
+      ( cd /tmp && GPU_TEST_DRAFTER="$R/$DRAFTER" GPU_TEST_RECORDS="$R/$RECORDS" python3 -m pytest -q -s -rfE \
           -p no:cacheprovider --rootdir "$R" -k "${GPUTEST_K:-}" "$R/tests/vllm/test_vllm_gpu.py" \
           "$R/tests/vllm/test_vllm_patches.py" ) ;;
     mrv2test)
       R=$PWD
-      ( cd /tmp && GPU_TEST_DRAFTER="$R/$DRAFTER" python3 -m pytest -q -s -x -p no:cacheprovider --rootdir "$R" \
+      ( cd /tmp && GPU_TEST_DRAFTER="$R/$DRAFTER" python3 -m pytest -q -s -rfE -p no:cacheprovider --rootdir "$R" \
           -k "${GPUTEST_K:-}" "$R/tests/vllm/test_vllm_mrv2_gpu.py" ) ;;
     tests)
       R=$PWD
-      ( cd /tmp && python3 -m pytest -q -p no:cacheprovider --rootdir "$R" "$R/tests/triton" \
-          "$R/tests/unit/test_draft_graphs.py" ) ;;
+      # -n 4 (pytest-xdist, in the device image): the kernel tests are compile-bound; -rfE names failures
+      ( cd /tmp && python3 -m pytest -q -rfE -n "${TEST_WORKERS:-4}" -p no:cacheprovider --rootdir "$R" \
+          "$R/tests/triton" "$R/tests/unit/test_draft_graphs.py" ) ;;
     bench)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization 0.25 \
