@@ -7,6 +7,7 @@ import pytest
 
 from ubtree_vllm import cli
 from ubtree_vllm.bench import records as rec
+from ubtree_vllm.bench import report
 from ubtree_vllm.bench.report import HEADER, regenerate
 
 E2E = {"kind": "e2e", "method": "ubtree", "target": "smollm2-135m-instruct", "drafter": "checkpoints/d",
@@ -83,6 +84,37 @@ def test_report_regenerates_tables_and_plots(tmp_path):
     assert all(f.stat().st_size > 0 for f in files)
     regenerate(path)
     assert (tmp_path / "benchmarks" / "README.md").read_text() == readme  # deterministic
+
+
+def test_speed_plots_show_the_newest_bench_run_per_chart(tmp_path):
+    """Speedup bars (batch 1) and throughput against concurrency come from GPU `bench e2e` records only,
+    each chart from one commit: the newest one measured for it."""
+    path = tmp_path / "records.jsonl"
+    gpu = dict(E2E, hardware="1x NVIDIA H200", command="cli.py bench e2e --target default", tau=None,
+               output_tokens_per_s=100.0, num_prompts=6, batch_size=1, concurrency=1)
+    rows = [
+        {**gpu, "commit": "old", "method": "dflash-chain", "speedup_vs_ar": 0.9},
+        {**gpu, "commit": "new", "method": "ar", "drafter": None, "tree_budget": None, "speedup_vs_ar": 1.0},
+        {**gpu, "commit": "new", "method": "ubtree", "speedup_vs_ar": 0.5},
+        {**gpu, "commit": "new", "method": "ubtree", "speedup_vs_ar": 0.7, "dataset": "humaneval"},
+        {**gpu, "commit": "new", "method": "ar", "drafter": None, "tree_budget": None, "concurrency": 4,
+         "batch_size": 4, "output_tokens_per_s": 350.0, "speedup_vs_ar": 1.0},
+        {**gpu, "commit": "new", "method": "ubtree", "speedup_vs_ar": 9.9, "hardware": "CPU (2 cores)"},
+        {**gpu, "commit": "new", "method": "ubtree", "speedup_vs_ar": 9.9, "command": "pytest tests/x.py",
+         "dataset": "synthetic"},
+    ]
+    for row in rows:
+        rec.append_record(row, path=path)
+    records = rec.read_records(path)
+    speed = report._bench_speed(records)
+    assert {(r["method"], r["dataset"], r["commit"]) for r in speed} == {
+        ("dflash-chain", "mt_bench", "old"), ("ar", "mt_bench", "new"), ("ubtree", "mt_bench", "new"),
+        ("ubtree", "humaneval", "new")}  # the CPU and the non-bench records are left out
+    chart = report._newest_commit([r for r in speed if r["method"] != "ar"], records)
+    assert {r["commit"] for r in chart} == {"new"}
+    names = {f.name for f in regenerate(path)}
+    assert {"speedup_smollm2-135m-instruct_T0.png", "throughput_smollm2-135m-instruct_mt_bench_T0.png"} <= names
+    assert "throughput_smollm2-135m-instruct_humaneval_T0.png" not in names  # one concurrency only
 
 
 def test_report_cli(tmp_path, capsys):

@@ -306,41 +306,127 @@ def render(records: Sequence[dict[str, Any]], plots: Sequence[str] = (), source:
     return "\n".join(lines)
 
 
-def plot_tau(records: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """One grouped bar chart of tau per temperature: datasets on x, one bar per method/drafter."""
-    shown, _ = latest([r for r in records if r["kind"] == "e2e" and r.get("tau") is not None])
-    if not shown:
-        return []
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _series_key(r: dict[str, Any]) -> tuple[str, str, int]:
+    return r["method"], drafter_label(r["drafter"]) if r["drafter"] else "", r["tree_budget"] or 0
+
+
+def _series_label(method: str, drafter: str, budget: int, series: Sequence[tuple[str, str, int]]) -> str:
+    label = method
+    if len({s[2] for s in series if s[0] == method}) > 1:
+        label += f" B={budget}"
+    if len({s[1] for s in series if s[1]}) > 1 and drafter:
+        label += f" ({drafter})"
+    return label
+
+
+def _grouped_bars(rows: Sequence[dict[str, Any]], value: str, ylabel: str, title: str, path: Path,
+                  reference_line: float | None = None) -> Path:
+    """Bars of ``row[value]``: datasets on x, one bar per (method, drafter, B); the last row of each wins."""
+    plt = _pyplot()
+    datasets = sorted({r["dataset"] for r in rows})
+    series = sorted({_series_key(r) for r in rows}, key=lambda s: (_method_rank(s[0]), s[0], s[1], s[2]))
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(min(14, max(6, 1.6 * len(datasets) * max(1, len(series) / 2))), 4.5))
+    for i, key in enumerate(series):
+        values = {r["dataset"]: r[value] for r in rows if _series_key(r) == key}
+        xs = [d + i * width for d in range(len(datasets))]
+        ax.bar(xs, [values.get(d, 0.0) for d in datasets], width, label=_series_label(*key, series))
+    ax.set_xticks([d + width * (len(series) - 1) / 2 for d in range(len(datasets))], datasets)
+    if reference_line is not None:
+        ax.axhline(reference_line, color="black", linewidth=0.8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _method_rank(method: str) -> int:
+    return METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
+
+
+def plot_tau(records: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """One grouped bar chart of tau per temperature: datasets on x, one bar per method/drafter."""
+    shown, _ = latest([r for r in records if r["kind"] == "e2e" and r.get("tau") is not None])
     written = []
     for temperature in sorted({r["temperature"] for r in shown}):
         rows = [r for r in shown if r["temperature"] == temperature]
-        datasets = sorted({r["dataset"] for r in rows})
-        series = sorted({(r["method"], r["drafter"] or "", r["tree_budget"] or 0) for r in rows})
-        many_drafters = len({s[1] for s in series}) > 1
-        width = 0.8 / len(series)
-        fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(datasets) * max(1, len(series) / 2)), 4))
-        for i, (method, drafter, budget) in enumerate(series):
-            values = {r["dataset"]: r["tau"] for r in rows
-                      if (r["method"], r["drafter"] or "", r["tree_budget"] or 0) == (method, drafter, budget)}
-            xs = [d + i * width for d in range(len(datasets))]
-            label = method
-            if len({s[2] for s in series if s[0] == method}) > 1:
-                label += f" B={budget}"
-            if many_drafters and drafter:
-                label += f" ({drafter_label(drafter)})"
-            ax.bar(xs, [values.get(d, 0.0) for d in datasets], width, label=label)
-        ax.set_xticks([d + width * (len(series) - 1) / 2 for d in range(len(datasets))], datasets)
-        ax.set_ylabel("acceptance length tau")
-        ax.set_title(f"Acceptance length, T = {temperature:g}")
+        written.append(_grouped_bars(rows, "tau", "acceptance length tau", f"Acceptance length, T = {temperature:g}",
+                                     out_dir / f"tau_T{temperature:g}.png"))
+    return written
+
+
+def _bench_speed(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """GPU speed records of `ubtree bench e2e`, the last one per configuration (hardware, target, method,
+    drafter, B, dataset, T, concurrency)."""
+    chosen: dict[tuple, dict[str, Any]] = {}
+    for r in records:
+        if (r["kind"] == "e2e" and _on_gpu(r) and r.get("output_tokens_per_s") is not None
+                and "bench e2e" in str(r.get("command"))):
+            chosen[(r["hardware"], r["target"], *_series_key(r), r["dataset"], r["temperature"],
+                    r["concurrency"] or 1)] = r
+    return list(chosen.values())
+
+
+def _newest_commit(rows: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows measured at the commit of the newest of them (file order), so one chart is one code version."""
+    position = {id(r): i for i, r in enumerate(records)}
+    newest = max(rows, key=lambda r: position[id(r)])
+    return [r for r in rows if (r["commit"], r["date"]) == (newest["commit"], newest["date"])]
+
+
+def plot_speedup(records: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Speedup over no speculation at batch 1 (GPU), one chart per target and temperature."""
+    rows = [r for r in _bench_speed(records)
+            if r["method"] != "ar" and (r["concurrency"] or 1) == 1 and r.get("speedup_vs_ar") is not None]
+    written = []
+    for target, temperature in sorted({(r["target"], r["temperature"]) for r in rows}):
+        cell = _newest_commit([r for r in rows if (r["target"], r["temperature"]) == (target, temperature)], records)
+        written.append(_grouped_bars(cell, "speedup_vs_ar", "speedup over no speculation",
+                                     f"{target}, batch 1, T = {temperature:g}\n{cell[0]['hardware']}, "
+                                     f"commit {str(cell[0]['commit'])[:7]}",
+                                     out_dir / f"speedup_{target}_T{temperature:g}.png", reference_line=1.0))
+    return written
+
+
+def plot_concurrency(records: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Output tokens/s against requests in flight (GPU), one chart per (target, dataset, T) swept over >1 values."""
+    rows = _bench_speed(records)
+    written = []
+    for target, dataset, temperature in sorted({(r["target"], r["dataset"], r["temperature"]) for r in rows}):
+        cell = [r for r in rows if (r["target"], r["dataset"], r["temperature"]) == (target, dataset, temperature)]
+        swept = [r for r in cell if (r["concurrency"] or 1) > 1]
+        if not swept:
+            continue
+        newest = _newest_commit(swept, records)[0]  # the newest sweep, with the batch-1 runs of its commit
+        cell = [r for r in cell if (r["commit"], r["date"]) == (newest["commit"], newest["date"])]
+        plt = _pyplot()
+        fig, ax = plt.subplots(figsize=(6, 4))
+        series = sorted({_series_key(r) for r in cell}, key=lambda s: (_method_rank(s[0]), s[0], s[1], s[2]))
+        for key in series:
+            points = sorted((r["concurrency"] or 1, r["output_tokens_per_s"]) for r in cell if _series_key(r) == key)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=_series_label(*key, series))
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("requests in flight")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"{target}, {dataset}, T = {temperature:g}\n{cell[0]['hardware']}, "
+                     f"commit {str(cell[0]['commit'])[:7]}")
         ax.legend(fontsize=8)
-        ax.grid(axis="y", alpha=0.3)
+        ax.grid(alpha=0.3)
         fig.tight_layout()
-        path = out_dir / f"tau_T{temperature:g}.png"
+        path = out_dir / f"throughput_{target}_{dataset}_T{temperature:g}.png"
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
@@ -353,7 +439,7 @@ def regenerate(records_path: str | Path = DEFAULT_PATH, out_dir: str | Path | No
     out = Path(out_dir) if out_dir else records_path.parent
     out.mkdir(parents=True, exist_ok=True)
     records = read_records(records_path)
-    plots = plot_tau(records, out)
+    plots = plot_tau(records, out) + plot_speedup(records, out) + plot_concurrency(records, out)
     readme = out / README
     tmp = readme.with_suffix(".tmp")
     tmp.write_text(render(records, [str(p) for p in plots], source=str(records_path.name)), encoding="utf-8")
