@@ -113,8 +113,9 @@ for phase in "$@"; do
           -k "${GPUTEST_K:-}" "$R/tests/vllm/test_vllm_mrv2_gpu.py" ) ;;
     tests)
       R=$PWD
-      # -n 4 (pytest-xdist, in the device image): the kernel tests are compile-bound; -rfE names failures
-      ( cd /tmp && python3 -m pytest -q -rfE -n "${TEST_WORKERS:-4}" -p no:cacheprovider --rootdir "$R" \
+      # -n 4 where pytest-xdist is installed (the device image has it): the kernel tests are compile-bound
+      workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-4}")
+      ( cd /tmp && python3 -m pytest -q -rfE "${workers[@]}" -p no:cacheprovider --rootdir "$R" \
           "$R/tests/triton" "$R/tests/unit/test_draft_graphs.py" ) ;;
     bench)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
