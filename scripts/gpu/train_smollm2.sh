@@ -139,8 +139,9 @@ for phase in "$@"; do
       mkdir -p runs; n=$(nproc); q=$(( n / 4 ))
       run_list() {  # GPU CORES PHASES...
         local gpu=$1 cores=$2; shift 2
+        local pin=(); command -v taskset >/dev/null && pin=(taskset -c "$cores")
         for p in "$@"; do
-          CUDA_VISIBLE_DEVICES=$gpu taskset -c "$cores" bash "$0" "$p" || echo "phase $p on GPU $gpu: rc $?"
+          CUDA_VISIBLE_DEVICES=$gpu "${pin[@]}" bash "$0" "$p" || echo "phase $p on GPU $gpu: rc $?"
         done
       }
       run_list 0 "0-$(( q - 1 ))" ${GPU0_PHASES:-} > runs/gpu0.log 2>&1 &
