@@ -69,6 +69,6 @@ def kv_path_commit_reference(
     """Twin of :func:`ubtree_vllm.triton_ops.kv_path_commit.kv_path_commit`: pairs one by one, depths ascending."""
     for cache in kv_caches:
         block_size = cache.shape[2]
-        for i, (src, dst, move) in enumerate(zip(src_slot.tolist(), dst_slot.tolist(), moves.tolist())):
+        for src, dst, move in zip(src_slot.tolist(), dst_slot.tolist(), moves.tolist()):
             if move:
                 cache[dst // block_size, :, dst % block_size] = cache[src // block_size, :, src % block_size].clone()

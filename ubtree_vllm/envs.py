@@ -81,7 +81,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         parse=lambda raw: _choice(raw, ("v1", "mrv2")),
         doc=(
             "vLLM model runner for 'ubtree' on CUDA: v1 (the tested path); mrv2 (Model Runner V2, "
-            "docs/design/mrv2.md) is in progress and has not run on a GPU yet: development only."
+            "docs/design/mrv2.md) is in progress (greedy-exact on the H200 only with enforce_eager so far): "
+            "development only."
         ),
     ),
     "UBTREE_COMMIT": EnvVar(

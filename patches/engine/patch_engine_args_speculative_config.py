@@ -135,7 +135,7 @@ def _select_worker(target_parallel_config: Any) -> None:
 def apply() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
-    from ubtree_vllm.vllm.config import ADDITIONAL_CONFIG_KEY, METHOD, MRV2_VLLM_METHOD, is_ubtree_speculative_config
+    from ubtree_vllm.vllm.config import ADDITIONAL_CONFIG_KEY, METHOD, is_mrv2_form, is_ubtree_speculative_config
 
     original = EngineArgs.create_speculative_config
 
@@ -143,8 +143,7 @@ def apply() -> None:
         if _merged_user_spec(self).get("method") == METHOD:
             _rewrite_to_vllm(self, target_model_config)
         speculative_config = original(self, target_model_config, target_parallel_config)
-        ours = (self.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}
-        if ours.get("runner") == "mrv2" and getattr(speculative_config, "method", None) == MRV2_VLLM_METHOD:
+        if is_mrv2_form(self.additional_config, speculative_config):
             _select_worker(target_parallel_config)  # the MRV2 form (in progress): our worker builds our runner
         elif is_ubtree_speculative_config(speculative_config):
             if ADDITIONAL_CONFIG_KEY not in (self.additional_config or {}):

@@ -319,6 +319,11 @@ def _series_key(r: dict[str, Any]) -> tuple[str, str, int]:
     return r["method"], drafter_label(r["drafter"]) if r["drafter"] else "", r["tree_budget"] or 0
 
 
+def _ordered_series(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str, int]]:
+    """The rows' (method, drafter, B) series, in METHOD_ORDER."""
+    return sorted({_series_key(r) for r in rows}, key=lambda s: (_method_rank(s[0]), s[0], s[1], s[2]))
+
+
 def _series_label(method: str, drafter: str, budget: int, series: Sequence[tuple[str, str, int]]) -> str:
     label = method
     if len({s[2] for s in series if s[0] == method}) > 1:
@@ -333,7 +338,7 @@ def _grouped_bars(rows: Sequence[dict[str, Any]], value: str, ylabel: str, title
     """Bars of ``row[value]``: datasets on x, one bar per (method, drafter, B); the last row of each wins."""
     plt = _pyplot()
     datasets = sorted({r["dataset"] for r in rows})
-    series = sorted({_series_key(r) for r in rows}, key=lambda s: (_method_rank(s[0]), s[0], s[1], s[2]))
+    series = _ordered_series(rows)
     width = 0.8 / len(series)
     fig, ax = plt.subplots(figsize=(min(14, max(6, 1.6 * len(datasets) * max(1, len(series) / 2))), 4.5))
     for i, key in enumerate(series):
@@ -414,7 +419,7 @@ def plot_concurrency(records: Sequence[dict[str, Any]], out_dir: Path) -> list[P
         cell = [r for r in cell if (r["commit"], r["date"]) == (newest["commit"], newest["date"])]
         plt = _pyplot()
         fig, ax = plt.subplots(figsize=(6, 4))
-        series = sorted({_series_key(r) for r in cell}, key=lambda s: (_method_rank(s[0]), s[0], s[1], s[2]))
+        series = _ordered_series(cell)
         for key in series:
             points = sorted((r["concurrency"] or 1, r["output_tokens_per_s"]) for r in cell if _series_key(r) == key)
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=_series_label(*key, series))

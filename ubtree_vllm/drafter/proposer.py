@@ -113,6 +113,11 @@ class UBTreeDrafter(nn.Module):
             raise ValueError(f"block_size must equal the drafter's block size {self.cfg.block_size}, "
                              f"got {tree_cfg.block_size}")
         cands = self.propose(ctx.anchor, ctx.anchor_pos, ctx.features, ctx.positions, ctx.valid, tree_cfg.top_k)
-        root_logp, trans_logp = self.selector.score_tree_edges(ctx.anchor, cands.tokens, cands.logp, cands.hidden,
+        return self.tree_from_candidates(ctx.anchor, cands, tree_cfg)
+
+    def tree_from_candidates(self, anchor: torch.Tensor, cands: Candidates, tree_cfg: UBTreeConfig) -> DraftTree:
+        """Selector edge scores over the proposer's top-K, then the tree search: the drafting stage after
+        the proposer (also run by the Model Runner V2 speculator after vLLM's DFlash forward). anchor [N]."""
+        root_logp, trans_logp = self.selector.score_tree_edges(anchor, cands.tokens, cands.logp, cands.hidden,
                                                                self.embed_weight)
-        return construct_tree(ctx.anchor, cands.tokens, root_logp, trans_logp, tree_cfg)
+        return construct_tree(anchor, cands.tokens, root_logp, trans_logp, tree_cfg)

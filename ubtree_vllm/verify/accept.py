@@ -74,3 +74,16 @@ def accept_tree(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int) ->
     bonus = target_tokens.gather(1, last[:, None])
     out.scatter_(1, num_accepted[:, None], bonus)
     return AcceptResult(accepted_path=path, num_accepted=num_accepted, output_tokens=out, last_node=last)
+
+
+def walk_trees(parents: torch.Tensor, tokens: torch.Tensor, depth: torch.Tensor, target_tokens: torch.Tensor,
+               max_depth: int) -> AcceptResult:
+    """:func:`accept_tree` over raw ``[N, n]`` parents / tokens / depth; on CUDA from one Triton launch
+    (``triton_ops/tree_accept.py``, same result; compiled per ``max_depth``, so pass a static bound there)."""
+    if not target_tokens.is_cuda:
+        tree = DraftTree(tokens=tokens, parents=parents, depth=depth,
+                         scores=torch.zeros_like(tokens, dtype=torch.float32))
+        return accept_tree(tree, target_tokens, max_depth)
+    from ubtree_vllm.triton_ops.tree_accept import tree_accept
+
+    return AcceptResult(*tree_accept(parents.contiguous(), tokens.contiguous(), target_tokens, max_depth))

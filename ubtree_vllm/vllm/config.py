@@ -209,6 +209,14 @@ def is_ubtree_speculative_config(speculative_config: Any) -> bool:
     return method == VLLM_METHOD and model == PROPOSER_CLASS_PATH
 
 
+def is_mrv2_form(additional_config: Any, speculative_config: Any) -> bool:
+    """Whether an engine (its ``additional_config`` and speculative config) is ubtree's Model Runner V2 form:
+    ``"dflash"`` presented with ``additional_config["ubtree"]["runner"] == "mrv2"``."""
+    values = additional_config.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional_config, Mapping) else None
+    return (isinstance(values, Mapping) and values.get("runner") == "mrv2"
+            and getattr(speculative_config, "method", None) == MRV2_VLLM_METHOD)
+
+
 def from_vllm_config(vllm_config: Any) -> UBTreeVllmConfig | None:
     """The engine's UBTree settings, or None when the engine does not use method 'ubtree'.
 
@@ -216,11 +224,10 @@ def from_vllm_config(vllm_config: Any) -> UBTreeVllmConfig | None:
     Model Runner V2 form (``dflash`` with ``additional_config["ubtree"]["runner"] == "mrv2"``).
     """
     additional = vllm_config.additional_config
-    values = additional.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional, Mapping) else None
-    mrv2_form = (isinstance(values, Mapping) and values.get("runner") == "mrv2"
-                 and getattr(vllm_config.speculative_config, "method", None) == MRV2_VLLM_METHOD)
-    if not (mrv2_form or is_ubtree_speculative_config(vllm_config.speculative_config)):
+    if not (is_mrv2_form(additional, vllm_config.speculative_config)
+            or is_ubtree_speculative_config(vllm_config.speculative_config)):
         return None
+    values = additional.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional, Mapping) else None
     if values is None:
         raise ValueError(f"speculative method {VLLM_METHOD!r} with {PROPOSER_CLASS_PATH} is internal to "
                          f"ubtree_vllm; configure it with \"method\": {METHOD!r}")

@@ -25,9 +25,7 @@ import torch
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
 
-from ubtree_vllm.tree.topology import DraftTree
-from ubtree_vllm.triton_ops.tree_accept import tree_accept
-from ubtree_vllm.verify.accept import AcceptResult, accept_tree
+from ubtree_vllm.verify.accept import AcceptResult, walk_trees
 from ubtree_vllm.verify.sampling import SamplingTensors, processed_probs
 from ubtree_vllm.vllm.tree_plan import DeviceTrees, TreeStepPlan
 
@@ -109,13 +107,9 @@ class TreeRejectionSampler:
         index = start[:, None] + torch.minimum(node[None, :], last[:, None])  # [num_reqs, max_nodes]
         params = sampling_tensors(metadata, num_reqs, device)
         draws = draw_node_tokens(logits, index, metadata, params)
-        if logits.is_cuda:
-            result = AcceptResult(*tree_accept(trees.parents.contiguous(), trees.tokens.contiguous(), draws,
-                                               max(self.block_size, plan.max_depth)))
-        else:
-            tree = DraftTree(tokens=trees.tokens, parents=trees.parents, depth=trees.depth,
-                             scores=torch.zeros_like(trees.depth, dtype=torch.float32))
-            result = accept_tree(tree, draws, plan.max_depth)
+        # the kernel is compiled per depth bound: a static one on CUDA, the step's own on the CPU
+        bound = max(self.block_size, plan.max_depth) if logits.is_cuda else plan.max_depth
+        result = walk_trees(trees.parents, trees.tokens, trees.depth, draws, bound)
         sampled = torch.full((num_reqs, max_nodes), -1, dtype=torch.int32, device=device)
         width = min(max_nodes, result.output_tokens.shape[1])
         sampled[:, :width] = result.output_tokens[:, :width].to(torch.int32)

@@ -31,9 +31,8 @@ from typing import Any
 
 import torch
 
-from ubtree_vllm.tree.topology import DraftTree
-from ubtree_vllm.triton_ops.tree_accept import tree_accept
-from ubtree_vllm.verify.accept import AcceptResult, accept_tree
+from ubtree_vllm.verify.accept import AcceptResult, walk_trees
+from ubtree_vllm.vllm.mrv2.tree_layout import root_rows_of
 
 # draw(processed_logits [L, V], expanded_idx_mapping [L], temperature [max_reqs], seeds [max_reqs], pos [L],
 #      use_fp64) -> [L]
@@ -72,8 +71,8 @@ def gather_node_inputs(input_ids: torch.Tensor, positions: torch.Tensor, logits_
     token = input_ids[logits_indices]  # [L]
     pos = positions[logits_indices]  # [L]
     local = expanded_local_pos.long()
-    root_row = logits_indices[torch.arange(local.shape[0], device=local.device) - local]  # [L]
-    placeholder = (local > 0) & (positions[root_row].long() < prefill_len[expanded_idx_mapping].long())
+    root_rows = root_rows_of(logits_indices, expanded_local_pos)  # [L]
+    placeholder = (local > 0) & (positions[root_rows].long() < prefill_len[expanded_idx_mapping].long())
     return torch.where(placeholder, -1, token), pos
 
 
@@ -140,12 +139,7 @@ class UBTreeRejectionSampler:
         valid[:, 0] = present[:, 0]
         parents = torch.where(valid, parents, -2)
         parents[:, 0] = -1
-        if logits.is_cuda:  # the same walk in one launch
-            result = AcceptResult(*tree_accept(parents, node_tokens, node_draws, self.max_depth))
-        else:
-            tree = DraftTree(tokens=node_tokens, parents=parents, depth=self.topology.depth[req].long(),
-                             scores=torch.zeros_like(node_tokens, dtype=torch.float32))
-            result = accept_tree(tree, node_draws, self.max_depth)
+        result = walk_trees(parents, node_tokens, self.topology.depth[req].long(), node_draws, self.max_depth)
         self.last_accept = result
         num_reqs = input_batch.num_reqs  # seq_lens is padded to the graph's request count
         num_sampled, num_rejected = sampled_and_rejected(result.num_accepted, input_batch.cu_num_logits,

@@ -54,7 +54,6 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from ubtree_vllm.config import UBTreeConfig
 from ubtree_vllm.drafter.io import load_drafter
 from ubtree_vllm.drafter.proposer import UBTreeDrafter
-from ubtree_vllm.tree.search import construct_tree
 from ubtree_vllm.vllm.config import ADDITIONAL_CONFIG_KEY, UBTreeVllmConfig, from_vllm_config
 from ubtree_vllm.vllm.mrv2.rejection_sampler import TreeTopology
 from ubtree_vllm.vllm.mrv2.tree_layout import linearise_rows, root_rows_of
@@ -93,16 +92,13 @@ def tree_rows_from_hidden(
     """Draft one tree per request: ``(tokens [R, B] int64, parents [R, B + 1] int32, depth [R, B + 1] int32)``.
 
     The chain of ``UBTreeDrafter.draft_tree`` after its backbone forward: target LM head +
-    top-K (``drafter.top_k_candidates``, the drafter bound to the target), selector edge
-    scores, ``construct_tree``. tokens are nodes 1..B (node 0, the root, is the anchor);
+    top-K (``drafter.top_k_candidates``, the drafter bound to the target), then
+    ``drafter.tree_from_candidates`` (selector edge scores, tree search). tokens are nodes 1..B (node 0, the root, is the anchor);
     parents are node indices (-1 at the root), parents first. Fixed shapes, no host sync:
     safe to capture in a CUDA graph once the selector's tables exist (eval mode, bound).
     """
-    anchor = anchor.long()
     cands = drafter.top_k_candidates(hidden, tree_cfg.top_k)  # [R, gamma, K]
-    root_logp, trans_logp = drafter.selector.score_tree_edges(anchor, cands.tokens, cands.logp, cands.hidden,
-                                                              drafter.embed_weight)
-    tree = construct_tree(anchor, cands.tokens, root_logp, trans_logp, tree_cfg)  # [R, B + 1]
+    tree = drafter.tree_from_candidates(anchor.long(), cands, tree_cfg)  # [R, B + 1]
     return tree.tokens[:, 1:], tree.parents.to(torch.int32), tree.depth.to(torch.int32)
 
 
