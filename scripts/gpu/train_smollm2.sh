@@ -26,11 +26,13 @@
 #   bench    `ubtree bench e2e` at batch 1 (ar, dflash-chain, ubtree B=16/32/64); METHODS, BUDGETS,
 #            BENCH_DATASETS, BENCH_TEMPS and BENCH_PROMPTS (per set, default 10) select a slice so
 #            each call stays < 10 minutes
-#   sweep    `ubtree bench e2e` concurrency 1,4,16,32 on MT-Bench (SWEEP_PROMPTS, default 64), T=0, ar vs ubtree B=64
+#   sweep    `ubtree bench e2e` concurrency 1,4,16,32 on MT-Bench (SWEEP_PROMPTS, default 64), T=0, B=64;
+#            SWEEP_METHODS (default ar,ubtree) selects the methods
 #   stages   `ubtree bench e2e --stage-timing`: mean time per engine step of each UBTree runner stage
 #            (ar for the step wall time; same selectors as bench, default mt_bench, T=0, 4 prompts, B=16,64)
 #   pair     two phase lists side by side on a two-GPU machine: GPU0_PHASES on GPU 0 and the first quarter
-#            of the cores (put the timing runs here), GPU1_PHASES on GPU 1 and the other cores (tests);
+#            of the cores (GPU0_CORES_PCT, default 25; put the timing runs here), GPU1_PHASES on GPU 1 and the
+#            other cores (tests);
 #            each list runs in order, a failed phase does not stop the list; logs runs/gpu0.log, runs/gpu1.log.
 #            Unpinned, the other GPU's engine start-ups (torch.compile workers) slowed batch-1 decoding
 #            of the small target by up to ~1.5x.
@@ -127,7 +129,8 @@ for phase in "$@"; do
     sweep)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization 0.25 \
-        --datasets mt_bench --temperatures 0 --num-prompts "${SWEEP_PROMPTS:-64}" --max-new-tokens 256 --methods ar,ubtree \
+        --datasets mt_bench --temperatures 0 --num-prompts "${SWEEP_PROMPTS:-64}" --max-new-tokens 256 \
+        --methods "${SWEEP_METHODS:-ar,ubtree}" \
         --tree-budgets 64 --beam-width 12 --top-k 64 --concurrency 1,4,16,32 ;;
     stages)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
@@ -136,7 +139,7 @@ for phase in "$@"; do
         --max-new-tokens 256 --methods "${METHODS:-ar,ubtree}" --tree-budgets "${BUDGETS:-16,64}" \
         --beam-width 12 --top-k 64 --concurrency 1 ;;
     pair)
-      mkdir -p runs; n=$(nproc); q=$(( n / 4 ))
+      mkdir -p runs; n=$(nproc); q=$(( n * ${GPU0_CORES_PCT:-25} / 100 ))
       run_list() {  # GPU CORES PHASES...
         local gpu=$1 cores=$2; shift 2
         local pin=(); command -v taskset >/dev/null && pin=(taskset -c "$cores")
