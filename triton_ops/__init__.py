@@ -11,6 +11,11 @@ Public launchers only:
   walk on CUDA; oracle ``verify.accept.accept_tree``).
 * :func:`tree_search` -- tree construction (beam + global pruning), one program per request
   (``tree.search.construct_tree`` on CUDA; oracle ``tree.search.build_tree``).
+* Model Runner V2's per-step bookkeeping, one launch each (oracles: the torch forms in
+  ``vllm.mrv2``): :func:`tree_layout` (tree positions and the attention row buffers),
+  :func:`tree_accept_rows` (the walk over MRV2's flat logits rows, with its counts),
+  :func:`accepted_commit_pairs` / :func:`accepted_row_permutation` (where the accepted path's
+  KV and hidden rows move).
 
 Each kernel comes as a private ``_*_kernel``, a public launcher in ``triton_ops/<op>.py``
 that asserts its shape/stride/dtype contract and never syncs with the host, and a
@@ -26,9 +31,12 @@ package still imports and the launchers raise a clear error when called. On CPU 
 the kernels run under the Triton interpreter, which ``TRITON_INTERPRET=1`` selects when
 set before triton is first imported.
 """
+from ubtree_vllm.triton_ops.accepted_rows import accepted_commit_pairs, accepted_row_permutation
 from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers, kv_path_commit
-from ubtree_vllm.triton_ops.tree_accept import tree_accept
+from ubtree_vllm.triton_ops.tree_accept import tree_accept, tree_accept_rows
 from ubtree_vllm.triton_ops.tree_attention import tree_attention
+from ubtree_vllm.triton_ops.tree_layout import tree_layout
 from ubtree_vllm.triton_ops.tree_search import tree_search
 
-__all__ = ["kv_cache_pointers", "kv_path_commit", "tree_accept", "tree_attention", "tree_search"]
+__all__ = ["accepted_commit_pairs", "accepted_row_permutation", "kv_cache_pointers", "kv_path_commit", "tree_accept",
+           "tree_accept_rows", "tree_attention", "tree_layout", "tree_search"]

@@ -94,6 +94,43 @@ def compile_tree_search(gamma: int, top_k: int, beam_width: int, budget: int, ar
                     lambda name: _TREE_SEARCH_POINTERS.get(name, "i64"), arch)
 
 
+def compile_tree_accept_rows(max_depth: int, num_nodes: int, arch: int) -> int:
+    """`_tree_accept_rows_kernel` with MRV2's dtypes (int32 rows and topology, int64 draws); returns the cubin size."""
+    from ubtree_vllm.triton_ops.tree_accept import launch_meta
+
+    pointers = {"tokens_ptr": "*i32", "cu_ptr": "*i32", "idx_mapping_ptr": "*i32", "parents_ptr": "*i32",
+                "seq_lens_ptr": "*i32", "prefill_len_ptr": "*i32", "num_sampled_ptr": "*i32",
+                "num_rejected_ptr": "*i32"}
+    return _compile("tree_accept", "_tree_accept_rows_kernel", launch_meta(max_depth, num_nodes),
+                    lambda name: pointers.get(name, "*i64") if name.endswith("_ptr") else "i64", arch)
+
+
+# MRV2's InputBatch dtypes: positions and slot mappings int64, the other index tensors int32.
+_TREE_LAYOUT_POINTERS = {"positions_ptr": "*i64", "logits_indices_ptr": "*i32", "cu_ptr": "*i32",
+                         "state_ptr": "*i32", "local_pos_ptr": "*i32", "parents_ptr": "*i32", "depth_ptr": "*i32"}
+
+
+def compile_tree_layout(max_depth: int, arch: int) -> int:
+    """`_tree_layout_kernel` as its launcher compiles it (int64 row buffers); returns the cubin size."""
+    from ubtree_vllm.triton_ops.tree_layout import launch_meta
+
+    def kind(name: str) -> str:
+        return _TREE_LAYOUT_POINTERS.get(name, "*i64") if name.endswith("_ptr") else \
+            "i64" if name.startswith("stride") else "i32"
+
+    return _compile("tree_layout", "_tree_layout_kernel", launch_meta(max_depth), kind, arch)
+
+
+def compile_accepted_rows(max_depth: int, write_pairs: bool, arch: int) -> int:
+    """`_accepted_rows_kernel` in one of its launchers' forms; returns the cubin size."""
+    from ubtree_vllm.triton_ops.accepted_rows import _meta
+
+    pointers = {"logits_indices_ptr": "*i32", "cu_ptr": "*i32", "moves_ptr": "*i1" if write_pairs else "*i64"}
+    meta = {**_meta(max_depth), "WRITE_PAIRS": write_pairs, "WRITE_PERM": not write_pairs}
+    return _compile("accepted_rows", "_accepted_rows_kernel", meta,
+                    lambda name: pointers.get(name, "*i64") if name.endswith("_ptr") else "i64", arch)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for Hopper")
@@ -115,6 +152,17 @@ def main() -> int:
     for gamma, top_k, beam_width, budget in ((16, 64, 12, 64), (8, 16, 4, 16)):
         size = compile_tree_search(gamma, top_k, beam_width, budget, args.arch)
         print(f"tree_search sm_{args.arch} gamma {gamma} K {top_k} W {beam_width} B {budget}: cubin {size} bytes")
+    for max_depth, num_nodes in ((16, 65), (8, 17)):
+        size = compile_tree_accept_rows(max_depth, num_nodes, args.arch)
+        print(f"tree_accept_rows sm_{args.arch} depth {max_depth} nodes {num_nodes}: cubin {size} bytes")
+    for max_depth in (16, 4):
+        size = compile_tree_layout(max_depth, args.arch)
+        print(f"tree_layout sm_{args.arch} depth {max_depth}: cubin {size} bytes")
+    for max_depth in (16, 5):
+        for write_pairs in (True, False):
+            size = compile_accepted_rows(max_depth, write_pairs, args.arch)
+            print(f"accepted_rows sm_{args.arch} depth {max_depth} {'pairs' if write_pairs else 'permutation'}: "
+                  f"cubin {size} bytes")
     return 0
 
 

@@ -80,9 +80,9 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         default="v1",
         parse=lambda raw: _choice(raw, ("v1", "mrv2")),
         doc=(
-            "vLLM model runner for 'ubtree' on CUDA: v1 (the tested path); mrv2 (Model Runner V2, "
-            "docs/design/mrv2.md) is in progress (greedy-exact on the H200 only with enforce_eager so far): "
-            "development only."
+            "vLLM model runner for 'ubtree' on CUDA: v1 (the default); mrv2 (Model Runner V2, "
+            "docs/design/mrv2.md; greedy-exact and distribution-exact on the H200 with CUDA graphs, opt-in "
+            "while it is measured)."
         ),
     ),
     "UBTREE_COMMIT": EnvVar(

@@ -73,3 +73,43 @@ def test_int32_inputs_and_contract_errors(device):
         tree_accept(parents, tokens[:, :2], draws, max_depth=4)
     with pytest.raises(AssertionError, match="max_depth"):
         tree_accept(parents, tokens, draws, max_depth=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_nodes,max_depth", [(9, 3), (65, 16)])
+def test_rows_form_matches_the_torch_steps(device, num_nodes, max_depth):
+    """tree_accept_rows (MRV2's flat logits rows) against the sampler's torch form: requests in a shuffled
+    order of state slots, drafts truncated by the scheduler, placeholder (-1) drafts, chunked prefills."""
+    from ubtree_vllm.triton_ops.tree_accept import tree_accept_rows
+    from ubtree_vllm.vllm.mrv2.rejection_sampler import accept_rows_torch
+
+    max_reqs = 12
+    walked = 0
+    for seed in range(6):
+        gen = torch.Generator().manual_seed(seed * 7 + num_nodes)
+        parents, tokens, depth, draws = random_trees(max_reqs, num_nodes, max_depth, vocab=97, gen=gen)
+        num_reqs = int(torch.randint(1, max_reqs + 1, (1,), generator=gen))
+        slots = torch.randperm(max_reqs, generator=gen)[:num_reqs]
+        flat_tokens, flat_draws, cu = [], [], [0]
+        for slot in slots.tolist():
+            count = int(torch.randint(1, num_nodes + 1, (1,), generator=gen))  # a scheduled prefix of the tree
+            row_tokens = tokens[slot, :count].clone()
+            if float(torch.rand(1, generator=gen)) < 0.2:
+                row_tokens[1:] = -1  # a request still inside its prompt: draft rows are placeholders
+            flat_tokens += row_tokens.tolist()
+            flat_draws += draws[slot, :count].tolist()
+            cu.append(cu[-1] + count)
+        prefill_len = torch.randint(0, 50, (max_reqs,), generator=gen)
+        seq_lens = torch.randint(30, 80, (num_reqs,), generator=gen).int()  # some < prefill_len: chunks
+        args = [torch.tensor(flat_tokens, dtype=torch.int32), torch.tensor(flat_draws), torch.tensor(cu).int(),
+                slots.int(), parents.int()]
+        want_walk, want_sampled, want_rejected = accept_rows_torch(*args, depth.int(), seq_lens, prefill_len,
+                                                                   max_depth)
+        got_walk, got_sampled, got_rejected = tree_accept_rows(*(a.to(device) for a in args), seq_lens.to(device),
+                                                               prefill_len.to(device), max_depth)
+        for name, got, want in zip(("path", "num_accepted", "output_tokens", "last"), got_walk, want_walk):
+            assert got.dtype == torch.int64 and torch.equal(got.cpu(), want), (seed, name)
+        assert got_sampled.dtype == got_rejected.dtype == torch.int32
+        assert torch.equal(got_sampled.cpu(), want_sampled) and torch.equal(got_rejected.cpu(), want_rejected), seed
+        walked += int(want_walk[1].sum())
+    assert walked > 5, "no case walks: the comparison would not test the walk"

@@ -222,3 +222,25 @@ def test_goals_section_judges_each_goal_from_gpu_records(tmp_path):
     assert "| draft post-processing <= 1.0 ms per round | t, CUDA graph, batch 1 | 0.75 ms | yes |" in goals
     assert "| 64-node verification <= 1.15x the 16-token chain | t | 1.250x | no |" in goals
     assert "humaneval" not in goals and len(rows) == 7
+
+
+def test_goals_pair_each_tree_run_with_the_ar_of_its_own_invocation(tmp_path):
+    """Two `bench e2e` invocations on one day and commit, each with its own ar: the throughput goal of the
+    second invocation's tree run divides by the second ar (the command tells the invocations apart)."""
+    path = tmp_path / "records.jsonl"
+    cell = {**E2E, "hardware": "1x NVIDIA H200", "commit": "abc1234", "date": "2026-11-30", "temperature": 0.0,
+            "concurrency": 1, "batch_size": 1, "num_prompts": 6}
+    off = {"tree_budget": None, "beam_width": None, "top_k": None, "block_size": None, "drafter": None, "tau": None}
+    first, second = "ubtree bench e2e --methods ar,ubtree", "ubtree bench e2e --methods ar,ubtree-mrv2"
+    rec.append_record({**cell, **off, "command": first, "method": "ar", "output_tokens_per_s": 100.0,
+                       "speedup_vs_ar": 1.0}, path=path)
+    rec.append_record({**cell, "command": first, "output_tokens_per_s": 50.0, "speedup_vs_ar": 0.5}, path=path)
+    rec.append_record({**cell, **off, "command": second, "method": "ar", "output_tokens_per_s": 200.0,
+                       "speedup_vs_ar": 1.0}, path=path)
+    rec.append_record({**cell, "command": second, "method": "ubtree-mrv2", "output_tokens_per_s": 240.0,
+                       "speedup_vs_ar": 1.2}, path=path)
+    regenerate(path)
+    goals = (tmp_path / "README.md").read_text().split("## Goals")[1].split("\n## ")[0]
+    assert "| UBTree throughput >= no speculation | smollm2-135m-instruct, mt_bench, T=0.0, conc 1, B=64 | 0.50x |" \
+        in goals
+    assert "B=64 (MRV2) | 1.20x | yes |" in goals

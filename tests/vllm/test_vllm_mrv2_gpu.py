@@ -1,4 +1,4 @@
-"""Model Runner V2 (UBTREE_VLLM_RUNNER=mrv2, in progress): greedy equality and T > 0 on the H200.
+"""Model Runner V2 (UBTREE_VLLM_RUNNER=mrv2): greedy equality, T > 0 and the host-sync guard on the H200.
 
 Skipped without CUDA (``gpu`` marker). Greedy: the first engine runs eagerly, the second with CUDA
 graphs (vLLM's default), each against the same target without speculation in the same process, with

@@ -30,7 +30,7 @@ class UBTreeGPUWorker(StageTimesRPC, Worker):
             raise RuntimeError(f"speculative method 'ubtree' was configured for the {config.runner if config else 'v1'} "
                                f"runner but vLLM selected {'Model Runner V2' if self.use_v2_model_runner else 'V1'}; "
                                "unset VLLM_USE_V2_MODEL_RUNNER")
-        if mrv2:  # in progress (UBTREE_VLLM_RUNNER=mrv2), docs/design/mrv2.md
+        if mrv2:  # opt-in (UBTREE_VLLM_RUNNER=mrv2), docs/design/mrv2.md
             from ubtree_vllm.vllm.mrv2.model_runner import UBTreeModelRunnerV2
 
             return UBTreeModelRunnerV2(self.vllm_config, self.device)

@@ -1,6 +1,8 @@
 """Device-side pieces of the UBTree port to vLLM's Model Runner V2 (``docs/design/mrv2.md``).
 
-Fixed-shape torch code over MRV2's ``InputBatch`` tensors, free of host syncs (e.g.
-:mod:`.tree_layout`: tree positions, attention rows, KV commit pairs, hidden-state
-permutation). Not wired into any runner yet; the V1 runner does not use it.
+:mod:`.model_runner` (the runner, selected by ``UBTREE_VLLM_RUNNER=mrv2`` on CUDA),
+:mod:`.speculator` (tree drafting), :mod:`.rejection_sampler` (the tree walk) and
+:mod:`.tree_layout` (tree positions, attention rows, KV commit pairs, hidden-state
+permutation): fixed-shape device work over MRV2's ``InputBatch`` tensors, free of host syncs;
+on CUDA the per-step bookkeeping is one Triton launch per stage (``triton_ops``).
 """

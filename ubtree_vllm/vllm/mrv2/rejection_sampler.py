@@ -1,4 +1,4 @@
-"""Tree rejection sampler for Model Runner V2 (docs/design/mrv2.md §5); not wired into a runner yet.
+"""Tree rejection sampler for Model Runner V2 (docs/design/mrv2.md §5), installed by ``UBTreeModelRunnerV2``.
 
 Replaces ``GPUModelRunner.rejection_sampler`` (MRV2 calls it as
 ``rejection_sampler(logits, input_batch, draft_logits, invalid_drafts)``). The logits rows
@@ -13,8 +13,10 @@ node j >= 1 = draft j; the scheduler may truncate, and a parents-first prefix is
    ``gumbel_sample``: noise keyed on (request seed, position), a plain argmax at T = 0. A
    node at depth d of the accepted path is at position root + d, so its draw is the one
    non-speculative MRV2 makes at that position given the same prefix.
-3. :func:`ubtree_vllm.verify.accept.accept_tree` walks each tree (lossless rule, see there); on
-   CUDA its one-launch form :func:`ubtree_vllm.triton_ops.tree_accept.tree_accept`.
+3. :func:`ubtree_vllm.verify.accept.accept_tree` walks each tree (lossless rule, see there). On
+   CUDA the scatter of the flat logits rows to per-request nodes, the walk and MRV2's counts are
+   one launch, :func:`ubtree_vllm.triton_ops.tree_accept.tree_accept_rows`; the torch steps are
+   its test oracle and the CPU path.
 
 Output (MRV2's ``SamplerOutput``): ``sampled_token_ids [R, max_depth + 1]`` = accepted draft
 tokens then the bonus, ``num_sampled = accepted + 1``, ``num_rejected = n_r - num_sampled``
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ubtree_vllm.triton_ops.tree_accept import tree_accept_rows
 from ubtree_vllm.verify.accept import AcceptResult, walk_trees
 from ubtree_vllm.vllm.mrv2.tree_layout import root_rows_of
 
@@ -100,6 +103,29 @@ def sampled_and_rejected(num_accepted: torch.Tensor, cu_num_logits: torch.Tensor
     return num_sampled.int(), num_rejected.int()
 
 
+def accept_rows_torch(tokens: torch.Tensor, draws: torch.Tensor, cu_num_logits: torch.Tensor,
+                      idx_mapping: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, seq_lens: torch.Tensor,
+                      prefill_len: torch.Tensor, max_depth: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor,
+                                                                          torch.Tensor]:
+    """Torch form of :func:`ubtree_vllm.triton_ops.tree_accept.tree_accept_rows` (same result; also takes the
+    topology's ``depth [max_reqs, n]``, which ``accept_tree`` reads): flat logits rows to per-request nodes
+    (placeholder tokens and unscheduled nodes are padding), the walk, MRV2's counts."""
+    num_nodes = parents.shape[1]
+    node_tokens, present = per_request_nodes(tokens.long(), cu_num_logits, num_nodes, -1)  # [R, n]
+    node_draws, _ = per_request_nodes(draws.long(), cu_num_logits, num_nodes, -1)
+    req = idx_mapping[:node_tokens.shape[0]].long()
+    node_parents = parents[req].long()  # [R, n]
+    valid = present & (node_tokens >= 0)
+    valid[:, 0] = present[:, 0]
+    node_parents = torch.where(valid, node_parents, -2)
+    node_parents[:, 0] = -1
+    result = walk_trees(node_parents, node_tokens, depth[req].long(), node_draws, max_depth)
+    num_sampled, num_rejected = sampled_and_rejected(result.num_accepted, cu_num_logits, seq_lens[:req.shape[0]],
+                                                     req, prefill_len)
+    return (result.accepted_path, result.num_accepted, result.output_tokens, result.last_node), num_sampled, \
+        num_rejected
+
+
 class UBTreeRejectionSampler:
     """MRV2 rejection sampler over draft trees (see the module docstring)."""
 
@@ -130,20 +156,14 @@ class UBTreeRejectionSampler:
         states = self.sampler.sampling_states
         draws = self.draw(processed, input_batch.expanded_idx_mapping, states.temperature.gpu, states.seeds.gpu, pos,
                           bool(getattr(self.sampler, "use_fp64_gumbel", False)))
-        num_nodes = self.topology.parents.shape[1]
-        node_tokens, present = per_request_nodes(tokens.long(), input_batch.cu_num_logits, num_nodes, -1)  # [R, n]
-        node_draws, _ = per_request_nodes(draws.long(), input_batch.cu_num_logits, num_nodes, -1)
-        req = input_batch.idx_mapping.long()
-        parents = self.topology.parents[req].long()  # [R, n]
-        valid = present & (node_tokens >= 0)
-        valid[:, 0] = present[:, 0]
-        parents = torch.where(valid, parents, -2)
-        parents[:, 0] = -1
-        result = walk_trees(parents, node_tokens, self.topology.depth[req].long(), node_draws, self.max_depth)
-        self.last_accept = result
         num_reqs = input_batch.num_reqs  # seq_lens is padded to the graph's request count
-        num_sampled, num_rejected = sampled_and_rejected(result.num_accepted, input_batch.cu_num_logits,
-                                                         input_batch.seq_lens[:num_reqs], input_batch.idx_mapping,
-                                                         prefill_len)
+        rows = (tokens, draws, input_batch.cu_num_logits, input_batch.idx_mapping)
+        seq_lens, parents = input_batch.seq_lens[:num_reqs], self.topology.parents
+        if draws.is_cuda:  # one launch (triton_ops/tree_accept.py)
+            walk, num_sampled, num_rejected = tree_accept_rows(*rows, parents, seq_lens, prefill_len, self.max_depth)
+        else:  # the torch steps (the kernel's test oracle)
+            walk, num_sampled, num_rejected = accept_rows_torch(*rows, parents, self.topology.depth, seq_lens,
+                                                                prefill_len, self.max_depth)
+        result = self.last_accept = AcceptResult(*walk)
         return SamplerOutput(sampled_token_ids=result.output_tokens, logprobs_tensors=None, num_nans=None,
                              num_sampled=num_sampled, num_rejected=num_rejected)

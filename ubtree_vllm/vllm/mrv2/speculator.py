@@ -79,7 +79,7 @@ def ubtree_settings(vllm_config: Any) -> UBTreeVllmConfig:
 def root_only_(parents: torch.Tensor, depth: torch.Tensor) -> None:
     """Set topology rows ``[..., B + 1]`` in place to a lone root (parents -1, -2, ...; depth 0)."""
     parents.fill_(NO_NODE)
-    parents[..., 0] = ROOT_PARENT
+    parents[..., 0].fill_(ROOT_PARENT)  # fill_, not `= ROOT_PARENT`: on a 0-dim view that is a host-to-device copy
     depth.zero_()
 
 

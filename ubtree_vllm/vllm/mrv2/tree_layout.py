@@ -15,10 +15,17 @@ stock causal attention at their linear positions, which is exact for a chain.
 
 Every function uses fixed-shape torch ops only (no ``.item()``/``.cpu()``/``nonzero``/mask
 indexing, no loop over requests): shapes depend on host-known sizes, never on device values.
+On CUDA tensors :func:`lay_out_tree_rows`, :func:`commit_pairs` and :func:`linearise_rows` run
+as one Triton launch each (``triton_ops/tree_layout.py``, ``triton_ops/accepted_rows.py``; the
+torch bodies here are their test oracles): the torch forms are ~200 / ~30 / ~30 small kernels,
+whose launch cost dominated a batch-1 verification step of a small target.
 """
 from __future__ import annotations
 
 import torch
+
+from ubtree_vllm.triton_ops.accepted_rows import accepted_commit_pairs, accepted_row_permutation
+from ubtree_vllm.triton_ops.tree_layout import tree_layout
 
 
 def lay_out_tree_rows(
@@ -47,6 +54,10 @@ def lay_out_tree_rows(
     Every other entry (roots, non-tree nodes, m >= L) gets row_index -1, row_path -1,
     row_req and row_context_len 0.
     """
+    if positions.is_cuda:
+        tree_layout(positions, logits_indices, cu_num_logits, expanded_idx_mapping, expanded_local_pos, tree_parents,
+                    tree_depth, max_depth, out_row_index, out_row_req, out_row_context_len, out_row_path)
+        return
     num_logits = logits_indices.shape[0]  # L
     rows = logits_indices.long()  # [L]
     node = expanded_local_pos.long()  # [L]
@@ -84,6 +95,9 @@ def commit_pairs(
     length, where the node is already there, and for rows outside the request (both slots are
     then the root's). Ready for ``kv_path_commit(..., num_depths=max_depth)``.
     """
+    if slot_mapping.is_cuda:
+        return accepted_commit_pairs(slot_mapping, logits_indices, cu_num_logits, accepted_path, num_accepted,
+                                     max_depth)
     root, depth, node, accepted = _accepted_nodes(logits_indices, cu_num_logits, accepted_path, num_accepted,
                                                   max_depth)
     src = slot_mapping[root + torch.where(accepted, node, 0)].long()  # [R, D]
@@ -102,6 +116,9 @@ def linearise_rows(
 
     ``hidden[perm]`` holds the accepted path's rows at ``root + 1 .. root + k``, as a chain would.
     """
+    if logits_indices.is_cuda:
+        return accepted_row_permutation(num_tokens, logits_indices, cu_num_logits, accepted_path, num_accepted,
+                                        max_depth)
     root, depth, node, accepted = _accepted_nodes(logits_indices, cu_num_logits, accepted_path, num_accepted,
                                                   max_depth)
     # [T + 1]: entry T absorbs the pairs that write nothing, so no two writes share an index
