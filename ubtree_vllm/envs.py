@@ -77,12 +77,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         ),
     ),
     "UBTREE_VLLM_RUNNER": EnvVar(
-        default="v1",
-        parse=lambda raw: _choice(raw, ("v1", "mrv2")),
+        default="auto",
+        parse=lambda raw: _choice(raw, ("auto", "v1", "mrv2")),
         doc=(
-            "vLLM model runner for 'ubtree' on CUDA: v1 (the default); mrv2 (Model Runner V2, "
-            "docs/design/mrv2.md; greedy-exact and distribution-exact on the H200 with CUDA graphs, opt-in "
-            "while it is measured)."
+            "vLLM model runner for 'ubtree' on CUDA (the CPU always runs V1): auto (default) = Model Runner V2 "
+            "(docs/design/mrv2.md) unless num_speculative_tokens < the drafter's block size or "
+            "VLLM_USE_V2_MODEL_RUNNER=0, then V1; v1 / mrv2 force one (mrv2 refuses B < gamma)."
         ),
     ),
     "UBTREE_COMMIT": EnvVar(

@@ -12,9 +12,9 @@ vLLM sees it (works for ``LLM(speculative_config=...)``, ``--speculative-config`
    "num_speculative_tokens": B}`` -- which selects the V1 model runner, disables async
    scheduling and loads no draft model -- and put the UBTree settings into
    ``EngineArgs.additional_config["ubtree"]``;
-On CUDA with ``UBTREE_VLLM_RUNNER=mrv2`` (development only: Model Runner V2 is in progress,
-docs/design/mrv2.md) step 2 presents ``"dflash"`` with a proposer-only copy of the drafter
-instead, which keeps vLLM on Model Runner V2 with async scheduling allowed.
+On CUDA, when :func:`_runs_on_mrv2` picks Model Runner V2 (the default, docs/design/mrv2.md),
+step 2 presents ``"dflash"`` with a proposer-only copy of the drafter instead, which keeps
+vLLM on Model Runner V2 with async scheduling allowed.
 
 3. after vLLM built the ``SpeculativeConfig``, point ``ParallelConfig.worker_cls`` at the
    UBTree worker of this platform (the parallel config is built before the speculative
@@ -87,7 +87,7 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
                                          TargetInfo, parse_speculative_config)
 
     spec = parse_speculative_config(_merged_user_spec(args), TargetInfo.from_model_config(target_model_config))
-    mrv2 = current_platform.is_cuda() and envs.UBTREE_VLLM_RUNNER == "mrv2"
+    mrv2 = current_platform.is_cuda() and _runs_on_mrv2(envs.UBTREE_VLLM_RUNNER, spec)
     _check_engine_args(args, mrv2)
     if mrv2:
         spec = _mrv2_form(args, spec)
@@ -101,9 +101,28 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
         args.attention_backend = "FLASH_ATTN"
 
 
+def _runs_on_mrv2(runner: str, spec: Any) -> bool:
+    """The CUDA runner for ``spec`` (a parsed ``UBTreeVllmConfig``) under ``UBTREE_VLLM_RUNNER=runner``.
+
+    ``auto`` takes Model Runner V2 unless it cannot serve the engine -- a tree budget below the
+    drafter's block size (vLLM reserves B lookahead KV slots, the drafter writes gamma) or
+    ``VLLM_USE_V2_MODEL_RUNNER=0`` -- and then the V1 runner, saying why."""
+    if runner != "auto":
+        return runner == "mrv2"
+    from vllm import envs as vllm_envs
+    from vllm.logger import init_logger
+
+    budget, gamma = spec.tree.tree_budget, spec.tree.block_size
+    reason = ("VLLM_USE_V2_MODEL_RUNNER=0" if vllm_envs.VLLM_USE_V2_MODEL_RUNNER is False else
+              f"num_speculative_tokens ({budget}) < the drafter's block size ({gamma})" if budget < gamma else None)
+    if reason:
+        init_logger(__name__).info("ubtree runs on the V1 model runner: %s (Model Runner V2 needs neither)", reason)
+    return reason is None
+
+
 def _mrv2_form(args: Any, spec: Any) -> Any:
-    """Model Runner V2 (in progress, UBTREE_VLLM_RUNNER=mrv2): present ``"dflash"`` with a proposer-only
-    copy of the drafter (vLLM's DFlash model computes our backbone; the selector stays ours)."""
+    """Model Runner V2: present ``"dflash"`` with a proposer-only copy of the drafter (vLLM's DFlash
+    model computes our backbone; the selector stays ours)."""
     import dataclasses
     import hashlib
 

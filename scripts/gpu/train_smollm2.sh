@@ -20,14 +20,14 @@
 #            (default "t0 hard-ce beta0") selects pipelines; a file runs/ablations/NAME/eval-SET.done
 #            skips that evaluation.
 #   humaneval-t1  tau of UBTree at T=1 on HumanEval with the shipped drafter
-#   mrv2test tests/vllm/test_vllm_mrv2_gpu.py: UBTree on Model Runner V2 (in progress), greedy equality
+#   mrv2test tests/vllm/test_vllm_mrv2_gpu.py: UBTree on Model Runner V2: greedy equality, T > 0, sync guard
 #   tests    the GPU tests of triton_ops (bf16/fp16 kernel vs its PyTorch reference) and of the
 #            draft-stage CUDA graphs
-#   bench    `ubtree bench e2e` at batch 1 (ar, dflash-chain, ubtree B=16/32/64); METHODS, BUDGETS,
+#   bench    `ubtree bench e2e` at batch 1 (ar, dflash-chain, ubtree-mrv2 and ubtree (V1) B=16/32/64); METHODS, BUDGETS,
 #            BENCH_DATASETS, BENCH_TEMPS and BENCH_PROMPTS (per set, default 10) select a slice so
 #            each call stays < 10 minutes
 #   sweep    `ubtree bench e2e` concurrency 1,4,16,32 on MT-Bench (SWEEP_PROMPTS, default 64), T=0, B=64;
-#            SWEEP_METHODS (default ar,ubtree) selects the methods
+#            SWEEP_METHODS (default ar,ubtree-mrv2) selects the methods
 #   stages   `ubtree bench e2e --stage-timing`: mean time per engine step of each UBTree runner stage
 #            (ar for the step wall time; same selectors as bench, default mt_bench, T=0, 4 prompts, B=16,64)
 #   pair     two phase lists side by side on a two-GPU machine: GPU0_PHASES on GPU 0 and the first quarter
@@ -124,13 +124,14 @@ for phase in "$@"; do
         --gpu-memory-utilization 0.25 \
         --datasets "${BENCH_DATASETS:-spec_bench,mt_bench,humaneval}" --temperatures "${BENCH_TEMPS:-0,1}" \
         --num-prompts "${BENCH_PROMPTS:-10}" \
-        --max-new-tokens 256 --methods "${METHODS:-ar,dflash-chain,ubtree}" --tree-budgets "${BUDGETS:-16,32,64}" \
+        --max-new-tokens 256 --methods "${METHODS:-ar,dflash-chain,ubtree-mrv2,ubtree}" \
+        --tree-budgets "${BUDGETS:-16,32,64}" \
         --beam-width 12 --top-k 64 --concurrency 1 ;;
     sweep)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization 0.25 \
         --datasets mt_bench --temperatures 0 --num-prompts "${SWEEP_PROMPTS:-64}" --max-new-tokens 256 \
-        --methods "${SWEEP_METHODS:-ar,ubtree}" \
+        --methods "${SWEEP_METHODS:-ar,ubtree-mrv2}" \
         --tree-budgets 64 --beam-width 12 --top-k 64 --concurrency 1,4,16,32 ;;
     stages)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \

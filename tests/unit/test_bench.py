@@ -147,7 +147,7 @@ def test_mrv2_runs_build_their_engine_under_the_runner_switch(monkeypatch):
     run = ubtree_run(E2ESettings(drafter="d", block_size=16), 32, "ubtree-mrv2")
     assert run.method == "ubtree-mrv2" and run.env == {"UBTREE_VLLM_RUNNER": "mrv2"}
     assert run.speculative_config["method"] == "ubtree" and "UBTREE_VLLM_RUNNER=mrv2" in run.note
-    assert ubtree_run(E2ESettings(drafter="d", block_size=16), 32).env == {}
+    assert ubtree_run(E2ESettings(drafter="d", block_size=16), 32).env == {"UBTREE_VLLM_RUNNER": "v1"}
     monkeypatch.setenv("UBTREE_VLLM_RUNNER", "v1")
     with e2e.environment(run.env):
         assert os.environ["UBTREE_VLLM_RUNNER"] == "mrv2"

@@ -1,7 +1,8 @@
 """GPU check (H200, vLLM 0.32.0, CUDA graphs on): greedy equality, the T > 0 distribution and a
 first tokens/s comparison.
 
-Skipped without CUDA (``gpu`` marker, see tests/conftest.py). Runs the V1 runner with the
+Skipped without CUDA (``gpu`` marker, see tests/conftest.py). Runs the V1 runner (pinned with
+``UBTREE_VLLM_RUNNER=v1``: Model Runner V2, the default on CUDA, has test_vllm_mrv2_gpu.py) with the
 tree-aware FLASH_ATTN subclass (tree rows through the Triton tree-mask kernel, launched from
 fixed-size row buffers): vLLM captures FULL CUDA graphs for uniform decode batches and
 PIECEWISE graphs around attention for the others.
@@ -35,6 +36,12 @@ from ubtree_vllm.config import SamplingConfig
 from ubtree_vllm import compat
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
+
+
+@pytest.fixture(autouse=True)
+def v1_runner(monkeypatch):
+    monkeypatch.setenv("UBTREE_VLLM_RUNNER", "v1")
+
 
 NEAR_TIE_ULPS = 1
 MAX_TOKENS = 128

@@ -84,8 +84,8 @@ def test_other_speculative_methods_are_untouched(tiny_target):
 
 def test_engine_args_mrv2_form_on_cuda_is_dflash_with_a_proposer_only_copy(tiny_target, tiny_drafter, monkeypatch,
                                                                           tmp_path):
-    """UBTREE_VLLM_RUNNER=mrv2 (development only) on CUDA: "dflash" + proposer-only folder, runner recorded;
-    B < gamma refused. The CUDA platform is faked: only the rewrite runs, no engine config is built."""
+    """UBTREE_VLLM_RUNNER=mrv2 on CUDA: "dflash" + proposer-only folder, runner recorded; B < gamma refused.
+    The CUDA platform is faked: only the rewrite runs, no engine config is built."""
     import json
     import struct
 
@@ -114,6 +114,40 @@ def test_engine_args_mrv2_form_on_cuda_is_dflash_with_a_proposer_only_copy(tiny_
     args = args_for(ubtree_spec(tiny_drafter, num_speculative_tokens=3, beam_width=3))  # gamma is 4
     with pytest.raises(ValueError, match=r"num_speculative_tokens \(3\) must be >= the drafter's block size"):
         rewrite._rewrite_to_vllm(args, args.create_model_config())
+
+
+def test_engine_args_default_runner_on_cuda_is_mrv2_where_it_applies(tiny_target, tiny_drafter, monkeypatch,
+                                                                     tmp_path):
+    """UBTREE_VLLM_RUNNER unset (auto) on CUDA: Model Runner V2's "dflash" form; the V1 ``custom_class`` form
+    when B < gamma (no error) or VLLM_USE_V2_MODEL_RUNNER=0, and when v1 is forced. Faked CUDA, rewrite only."""
+    import vllm.envs as vllm_envs
+    from vllm.platforms import current_platform
+
+    rewrite = importlib.import_module("ubtree_vllm.patches.engine.patch_engine_args_speculative_config")
+    monkeypatch.delenv("UBTREE_VLLM_RUNNER", raising=False)
+    monkeypatch.setenv("UBTREE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(vllm_envs, "VLLM_USE_V2_MODEL_RUNNER", None, raising=False)
+
+    def method_for(**overrides):
+        args = EngineArgs(model=str(tiny_target), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
+                          speculative_config=ubtree_spec(tiny_drafter, **overrides))
+        rewrite._rewrite_to_vllm(args, args.create_model_config())
+        runner = args.additional_config[ADDITIONAL_CONFIG_KEY].get("runner", "v1")
+        return args.speculative_config["method"], runner
+
+    assert method_for() == ("dflash", "mrv2")  # B = 8 >= gamma = 4
+    assert method_for(num_speculative_tokens=3, beam_width=3) == ("custom_class", "v1")  # B < gamma: V1, no error
+    monkeypatch.setattr(vllm_envs, "VLLM_USE_V2_MODEL_RUNNER", False, raising=False)
+    assert method_for() == ("custom_class", "v1")
+    monkeypatch.setattr(vllm_envs, "VLLM_USE_V2_MODEL_RUNNER", None, raising=False)
+    monkeypatch.setenv("UBTREE_VLLM_RUNNER", "v1")
+    assert method_for() == ("custom_class", "v1")
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: False)  # the CPU: always V1
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: True)
+    monkeypatch.delenv("UBTREE_VLLM_RUNNER")
+    assert method_for() == ("custom_class", "v1")
 
 
 @pytest.fixture(scope="module")

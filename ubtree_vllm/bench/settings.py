@@ -13,9 +13,11 @@ every later measurement can be paired with its AR baseline as soon as it is take
                 its meta file). If vLLM cannot load it the run falls back to `ubtree-chain`.
   ubtree-chain  (fallback only) "method": "ubtree" with B = gamma, W = 1, K = 1: the same
                 single path, drafted by our plugin.
-  ubtree        "method": "ubtree", one engine per --tree-budgets value B, W = min(W, B), K.
-  ubtree-mrv2   the same on Model Runner V2 (development switch UBTREE_VLLM_RUNNER=mrv2 set for
-                the engine; CUDA only, B >= gamma).
+  ubtree        "method": "ubtree" on the V1 model runner (UBTREE_VLLM_RUNNER=v1 set for the engine), one
+                engine per --tree-budgets value B, W = min(W, B), K.
+  ubtree-mrv2   the same on Model Runner V2 (UBTREE_VLLM_RUNNER=mrv2: what a CUDA engine runs by default
+                when B >= gamma; CUDA only).
+Both runners are pinned, so a method name means the same runner in every record.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from ubtree_vllm.config import MAX_TREE_BUDGET, max_tree_nodes
 
 METHODS = ("ar", "dflash-chain", "ubtree", "ubtree-mrv2")
 # Tree methods: one engine per tree budget, and the environment each engine is built under.
-TREE_METHODS = {"ubtree": {}, "ubtree-mrv2": {"UBTREE_VLLM_RUNNER": "mrv2"}}
+TREE_METHODS = {"ubtree": {"UBTREE_VLLM_RUNNER": "v1"}, "ubtree-mrv2": {"UBTREE_VLLM_RUNNER": "mrv2"}}
 # Dataset names of training/evaluate.py:EVAL_DATASETS (that module imports torch).
 DATASETS = ("spec_bench", "mt_bench", "humaneval")
 
@@ -183,11 +185,12 @@ def ubtree_run(settings: E2ESettings, budget: int, method: str = "ubtree") -> Me
 
 
 def ubtree_chain_run(settings: E2ESettings, note: str = "") -> MethodRun:
-    """The single proposer path through the plugin: B = gamma, W = 1, K = 1."""
+    """The single proposer path through the plugin: B = gamma, W = 1, K = 1 (V1 runner, as ``ubtree``)."""
     gamma = settings.block_size
     return MethodRun("ubtree-chain", {"method": "ubtree", "model": str(settings.drafter),
                                       "num_speculative_tokens": gamma, "beam_width": 1, "top_k": 1},
-                     tree_budget=gamma, beam_width=1, top_k=1, block_size=settings.block_size, note=note)
+                     tree_budget=gamma, beam_width=1, top_k=1, block_size=settings.block_size, note=note,
+                     env=dict(TREE_METHODS["ubtree"]))
 
 
 def dflash_chain_run(settings: E2ESettings, proposer_dir: str | Path, num_speculative_tokens: int) -> MethodRun:

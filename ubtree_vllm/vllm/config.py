@@ -39,7 +39,7 @@ METHOD = "ubtree"
 ADDITIONAL_CONFIG_KEY = "ubtree"
 # What vLLM is told instead of "ubtree" (see the module docstring).
 VLLM_METHOD = "custom_class"
-# ... and on Model Runner V2 (docs/design/mrv2.md; opt-in, selected by UBTREE_VLLM_RUNNER=mrv2 on CUDA)
+# ... and on Model Runner V2 (docs/design/mrv2.md; the default on CUDA, see UBTREE_VLLM_RUNNER)
 MRV2_VLLM_METHOD = "dflash"
 # ... with a proposer-only copy of the drafter in a folder under one named like this (under the cache dir)
 MRV2_PROPOSERS_DIR = "ubtree-dflash-proposers"
@@ -93,7 +93,7 @@ class UBTreeVllmConfig:
     drafter_dir: str
     tree: UBTreeConfig
     drafter: DrafterConfig
-    # vLLM model runner: "v1" (custom_class form) or "mrv2" (the "dflash" form, Model Runner V2; opt-in)
+    # vLLM model runner: "v1" (custom_class form) or "mrv2" (the "dflash" form, Model Runner V2)
     runner: str = "v1"
 
     @property

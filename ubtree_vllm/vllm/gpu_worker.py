@@ -1,9 +1,10 @@
 """vLLM's GPU worker for 'ubtree' engines (selected through ``ParallelConfig.worker_cls``).
 
 Applies the worker stage of the patch manifest (``FLASH_ATTN`` resolves to the tree-aware
-backend) before vLLM's ``Worker`` builds anything, and builds the V1 UBTree runner through
-``Worker._make_model_runner`` -- the hook vLLM provides for this. vLLM already keeps
-``custom_class`` speculation (what 'ubtree' is translated to) off Model Runner V2.
+backend) before vLLM's ``Worker`` builds anything, and builds the UBTree runner through
+``Worker._make_model_runner`` -- the hook vLLM provides for this: ``UBTreeModelRunnerV2`` for
+the engine's Model Runner V2 form (``"dflash"``), the V1 runner for the ``custom_class`` form,
+which vLLM itself keeps off Model Runner V2.
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ class UBTreeGPUWorker(StageTimesRPC, Worker):
         if self.use_v2_model_runner != mrv2:
             raise RuntimeError(f"speculative method 'ubtree' was configured for the {config.runner if config else 'v1'} "
                                f"runner but vLLM selected {'Model Runner V2' if self.use_v2_model_runner else 'V1'}; "
-                               "unset VLLM_USE_V2_MODEL_RUNNER")
-        if mrv2:  # opt-in (UBTREE_VLLM_RUNNER=mrv2), docs/design/mrv2.md
+                               "set UBTREE_VLLM_RUNNER=v1, or unset VLLM_USE_V2_MODEL_RUNNER")
+        if mrv2:  # the default on CUDA (UBTREE_VLLM_RUNNER=auto), docs/design/mrv2.md
             from ubtree_vllm.vllm.mrv2.model_runner import UBTreeModelRunnerV2
 
             return UBTreeModelRunnerV2(self.vllm_config, self.device)

@@ -1,4 +1,4 @@
-"""UBTree on vLLM's Model Runner V2 (docs/design/mrv2.md §3-§6), selected by UBTREE_VLLM_RUNNER=mrv2 on CUDA.
+"""UBTree on vLLM's Model Runner V2 (docs/design/mrv2.md §3-§6), the default runner on CUDA.
 
 ``UBTreeModelRunnerV2`` subclasses MRV2's ``GPUModelRunner`` and changes four things, each
 through a method MRV2 already calls:
