@@ -16,7 +16,8 @@ running any. Entries:
                            vLLM proposer runs it (backbone over DRAFT_STAGE_CONTEXT committed
                            positions, top-K, selector, tree), eager and, on CUDA, replayed from
                            its CUDA graph (vllm/draft_graphs.py); plus the acceptance walk
-                           (verify/accept.py) over the resulting tree
+                           over the resulting tree as the V1 sampler runs it (verify/accept.py:
+                           walk_trees, the Triton tree_accept on CUDA)
 
 draft-postprocess: everything of a drafting round after the drafter backbone, i.e. the
 serving path `UBTreeDrafter.draft_tree` minus `block_hidden`, calling the real functions:
@@ -198,7 +199,7 @@ def _drafter_record(settings: MicrobenchSettings, cfg: Any, tree_cfg: Any, devic
 def draft_stage(settings: MicrobenchSettings) -> list[dict[str, Any]]:
     """Records of the whole drafting stage (eager; graphed on CUDA) and of the acceptance walk."""
     from ubtree_vllm.types import DraftContext
-    from ubtree_vllm.verify.accept import accept_tree
+    from ubtree_vllm.verify.accept import walk_trees
     from ubtree_vllm.vllm.draft_graphs import DraftGraphs
 
     _check_counts(settings)
@@ -222,11 +223,13 @@ def draft_stage(settings: MicrobenchSettings) -> list[dict[str, Any]]:
         tree = drafter.draft_tree(ctx, tree_cfg)
         draws = torch.randint(0, cfg.vocab_size, tree.tokens.shape, generator=gen, device=device)
         draws[:, 0] = tree.tokens[:, 1]  # the root's draw matches its first child: a walk of depth >= 1
-        stages.append(("acceptance", lambda _: accept_tree(tree, draws, tree_cfg.block_size)))
+        # the serving dispatch: the one-launch Triton walk on CUDA, accept_tree elsewhere
+        stages.append(("acceptance", lambda _: walk_trees(tree.parents, tree.tokens, tree.depth, draws,
+                                                         tree_cfg.block_size)))
         medians = summarize(time_stages(stages, ctx, device, settings.iters, settings.warmup))
     notes = (f"{_timing_notes(settings, device, dtype)}, context {width}; random features and random [V, H] "
              f"embedding/LM head; UBTreeDrafter.draft_tree eager, DraftGraphs replay (CUDA), "
-             f"verify.accept.accept_tree")
+             f"verify.accept.walk_trees (Triton tree_accept on CUDA, accept_tree elsewhere)")
     return [_drafter_record(settings, cfg, tree_cfg, device, f"{stage}_ms", medians[stage], notes,
                             cuda_graphs=stage == "draft_stage_graphed") for stage, _ in stages]
 
