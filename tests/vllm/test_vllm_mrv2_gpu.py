@@ -71,3 +71,20 @@ def test_mrv2_decode_steps_make_no_host_sync_in_ubtree_code(mrv2, tmp_path, monk
     ours = sorted({f"{w.filename}:{w.lineno}" for w in syncs
                    if "/ubtree_vllm/" in w.filename and "/tests/" not in w.filename})
     assert not ours, f"host syncs in ubtree_vllm's decode path: {ours}"
+
+
+def test_default_runner_on_cuda_is_mrv2_and_greedy_exact(monkeypatch, tmp_path):
+    """UBTREE_VLLM_RUNNER unset: the engine config is Model Runner V2's (``dflash`` form, vLLM selects MRV2),
+    and the default engine (CUDA graphs on) is greedy-exact."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from test_vllm_gpu import TREE
+
+    monkeypatch.delenv("UBTREE_VLLM_RUNNER", raising=False)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    target, drafter = save_tiny_qwen3(tmp_path)
+    config = EngineArgs(model=str(target), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048,
+                        speculative_config={"method": "ubtree", "model": str(drafter), **TREE}).create_engine_config()
+    assert config.speculative_config.method == "dflash" and config.additional_config["ubtree"]["runner"] == "mrv2"
+    assert config.use_v2_model_runner
+    run_pair(target, drafter)
