@@ -27,8 +27,8 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--methods", default="ar,dflash-chain,ubtree",
                         help="comma-separated: ar (no speculation), dflash-chain (vLLM 'dflash' with the "
-                             "drafter's proposer), ubtree (one engine per --tree-budgets value), ubtree-mrv2 "
-                             "(the same on Model Runner V2, in development; CUDA, B >= gamma)")
+                             "drafter's proposer), ubtree (one engine per --tree-budgets value, V1 model runner), "
+                             "ubtree-mrv2 (the same on Model Runner V2, the default CUDA runner; CUDA, B >= gamma)")
     parser.add_argument("--tree-budgets", default="16,32,64", help="comma-separated tree budgets B for ubtree")
     parser.add_argument("--beam-width", type=int, default=12, help="W (capped at B)")
     parser.add_argument("--top-k", type=int, default=64, help="K")

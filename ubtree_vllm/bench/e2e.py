@@ -22,22 +22,21 @@ instead of e2e records (bench/stage_timing.py).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gc
 import json
-import os
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ubtree_vllm.bench.measurement import RunResult, SpeedupTable, e2e_record, spec_counters, summarize_run
 from ubtree_vllm.bench.prompts import PromptSet, dataset_prompt_sets
 from ubtree_vllm.bench.settings import (TREE_METHODS, BenchArgumentError, E2ESettings, MethodRun, dflash_chain_run,
-                                        planned_methods, settings_from_args, ubtree_chain_run, ubtree_run)
+                                        environment, planned_methods, settings_from_args, ubtree_chain_run,
+                                        ubtree_run)
 from ubtree_vllm.bench.stage_timing import read_stage_times, stage_records, stage_timing_env, uses_runner_clock
 
 WARMUP_TOKENS = 32
@@ -62,20 +61,6 @@ def build_engine(target_path: str | Path, run: MethodRun, engine_kwargs: dict[st
     with environment(run.env):
         return LLM(model=str(target_path), **kwargs)
 
-
-@contextlib.contextmanager
-def environment(values: dict[str, str]) -> Iterator[None]:
-    """Set ``values`` in ``os.environ`` for the block (read by the engine and workers it starts), then restore."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
 
 
 def stop_engine(llm: Any) -> None:

@@ -22,8 +22,10 @@ Both runners are pinned, so a method name means the same runner in every record.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,21 @@ class MethodRun:
     note: str = ""
     # environment variables set while the engine is built (the runner switch of ubtree-mrv2)
     env: dict[str, str] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """Set ``values`` in ``os.environ`` for the block (read by the engine and workers it starts), then restore."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,11 @@ a run with the flag appends no e2e (speed) record.
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from ubtree_vllm.bench.measurement import RunResult
-from ubtree_vllm.bench.settings import MethodRun
+from ubtree_vllm.bench.settings import MethodRun, environment
 
 ENV = "UBTREE_STAGE_TIMING"
 RPC = "ubtree_stage_times"
@@ -41,26 +40,15 @@ def metric_of(stage: str) -> str:
 METRICS = (WALL, *(metric_of(s) for s in STAGES))
 
 
-@contextlib.contextmanager
-def stage_timing_env(enabled: bool) -> Iterator[None]:
+def stage_timing_env(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """``UBTREE_STAGE_TIMING=1`` while engines are built (engine-core processes inherit it)."""
-    if not enabled:
-        yield
-        return
-    previous = os.environ.get(ENV)
-    os.environ[ENV] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = previous
+    return environment({ENV: "1"} if enabled else {})
 
 
 def uses_runner_clock(run: MethodRun) -> bool:
-    """Whether the engine runs the V1 UBTree runner, which owns the stage clock (the MRV2 runner has none)."""
-    return run.method == "ubtree"
+    """Whether the engine runs the V1 UBTree runner (its pinned runner switch), which owns the stage clock
+    (the MRV2 runner has none)."""
+    return run.env.get("UBTREE_VLLM_RUNNER") == "v1"
 
 
 def read_stage_times(llm: Any, reset: bool) -> dict[str, tuple[int, float]]:
