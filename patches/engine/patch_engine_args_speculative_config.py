@@ -23,6 +23,7 @@ vLLM on Model Runner V2 with async scheduling allowed.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ubtree_vllm.patches._patching import replace_attr
@@ -89,6 +90,8 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
     spec = parse_speculative_config(_merged_user_spec(args), TargetInfo.from_model_config(target_model_config))
     mrv2 = current_platform.is_cuda() and _runs_on_mrv2(envs.UBTREE_VLLM_RUNNER, spec)
     _check_engine_args(args, mrv2)
+    if _user_chose_graph_sizes(args):
+        spec = dataclasses.replace(spec, wide_decode_graphs=False)
     if mrv2:
         spec = _mrv2_form(args, spec)
     else:
@@ -99,6 +102,15 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
     if current_platform.is_cuda() and args.attention_backend is None and \
             getattr(args.attention_config, "backend", None) is None:
         args.attention_backend = "FLASH_ATTN"
+
+
+def _user_chose_graph_sizes(args: Any) -> bool:
+    """True when the engine args set CUDA-graph capture sizes (then the UBTree worker keeps them as
+    they are instead of adding the tree-step sizes of ``ubtree_vllm.vllm.decode_graphs``)."""
+    compilation = args.compilation_config
+    return any(value is not None for value in (
+        args.cudagraph_capture_sizes, args.max_cudagraph_capture_size,
+        getattr(compilation, "cudagraph_capture_sizes", None), getattr(compilation, "max_cudagraph_capture_size", None)))
 
 
 def _runs_on_mrv2(runner: str, spec: Any) -> bool:
@@ -123,7 +135,6 @@ def _runs_on_mrv2(runner: str, spec: Any) -> bool:
 def _mrv2_form(args: Any, spec: Any) -> Any:
     """Model Runner V2: present ``"dflash"`` with a proposer-only copy of the drafter (vLLM's DFlash
     model computes our backbone; the selector stays ours)."""
-    import dataclasses
     import hashlib
 
     from ubtree_vllm import envs

@@ -21,13 +21,15 @@
 #            skips that evaluation.
 #   humaneval-t1  tau of UBTree at T=1 on HumanEval with the shipped drafter
 #   mrv2test tests/vllm/test_vllm_mrv2_gpu.py: UBTree on Model Runner V2: greedy equality, T > 0, sync guard
+#   servertest tests/vllm/test_vllm_server_gpu.py: examples/serve.sh (default runner, B=64, graphs) vs `vllm serve`
+#            over HTTP, multiprocess engine (GPU_SERVER_START_TIMEOUT_S per server, default 300)
 #   tests    the GPU tests of triton_ops (bf16/fp16 kernel vs its PyTorch reference) and of the
 #            draft-stage CUDA graphs
 #   bench    `ubtree bench e2e` at batch 1 (ar, dflash-chain, ubtree-mrv2 and ubtree (V1) B=16/32/64); METHODS, BUDGETS,
 #            BENCH_DATASETS, BENCH_TEMPS and BENCH_PROMPTS (per set, default 10) select a slice so
 #            each call stays < 10 minutes
-#   sweep    `ubtree bench e2e` concurrency 1,4,16,32 on MT-Bench (SWEEP_PROMPTS, default 64), T=0, B=64;
-#            SWEEP_METHODS (default ar,ubtree-mrv2) selects the methods
+#   sweep    `ubtree bench e2e` concurrency 1,4,16,32 on MT-Bench (SWEEP_PROMPTS, default 64), T=0;
+#            SWEEP_METHODS (default ar,ubtree-mrv2) and SWEEP_BUDGETS (default 64) select the runs
 #   stages   `ubtree bench e2e --stage-timing`: mean time per engine step of each UBTree runner stage
 #            (ar for the step wall time; same selectors as bench, default mt_bench, T=0, 4 prompts, B=16,64)
 #   pair     two phase lists side by side on a two-GPU machine: GPU0_PHASES on GPU 0 and the first quarter
@@ -113,6 +115,10 @@ for phase in "$@"; do
       R=$PWD
       ( cd /tmp && GPU_TEST_DRAFTER="$R/$DRAFTER" python3 -m pytest -q -s -rfE -p no:cacheprovider --rootdir "$R" \
           -k "${GPUTEST_K:-}" "$R/tests/vllm/test_vllm_mrv2_gpu.py" ) ;;
+    servertest)
+      R=$PWD
+      ( cd /tmp && GPU_TEST_DRAFTER="$R/$DRAFTER" python3 -m pytest -q -s -rfE -p no:cacheprovider --rootdir "$R" \
+          "$R/tests/vllm/test_vllm_server_gpu.py" ) ;;
     tests)
       R=$PWD
       # -n 4 where pytest-xdist is installed (the device image has it): the kernel tests are compile-bound
@@ -132,7 +138,7 @@ for phase in "$@"; do
         --gpu-memory-utilization 0.25 \
         --datasets mt_bench --temperatures 0 --num-prompts "${SWEEP_PROMPTS:-64}" --max-new-tokens 256 \
         --methods "${SWEEP_METHODS:-ar,ubtree-mrv2}" \
-        --tree-budgets 64 --beam-width 12 --top-k 64 --concurrency 1,4,16,32 ;;
+        --tree-budgets "${SWEEP_BUDGETS:-64}" --beam-width 12 --top-k 64 --concurrency 1,4,16,32 ;;
     stages)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization 0.25 --stage-timing \

@@ -1,6 +1,7 @@
 """``"method": "ubtree"`` settings: parsing, defaults, and every start-up error (no engine)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -40,6 +41,10 @@ def test_additional_config_round_trip(tiny_drafter):
     cfg = parse_speculative_config(spec(tiny_drafter), TINY)
     values = json.loads(json.dumps(cfg.to_additional_config()))  # plain JSON, hashed by vLLM
     assert UBTreeVllmConfig.from_additional_config(values) == cfg
+    narrow = dataclasses.replace(cfg, wide_decode_graphs=False)
+    assert UBTreeVllmConfig.from_additional_config(narrow.to_additional_config()) == narrow
+    with pytest.raises(ValueError, match=r"\['wide_decode_graphs'\] must be true or false, got 'yes'"):
+        UBTreeVllmConfig.from_additional_config({**values, "wide_decode_graphs": "yes"})
 
 
 @pytest.mark.parametrize(("overrides", "pattern"), [

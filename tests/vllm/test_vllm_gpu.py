@@ -80,11 +80,14 @@ def assert_greedy_equal_up_to_near_ties(spec: list[list[int]], plain_outputs) ->
             f"divergence at {pos}: reference logits {first} vs {second} differ by {ulps:g} bf16 ulps (not a near-tie)")
 
 
-def run_pair(target, drafter, **engine_kwargs):
+def run_pair(target, drafter, num_prompts=8, inspect_ubtree_engine=None, **engine_kwargs):
+    """Greedy equality of ``num_prompts`` prompts, UBTree vs no speculation. ``inspect_ubtree_engine(llm)``
+    runs before the UBTree engine shuts down and only collects facts (the caller asserts on them
+    afterwards, so no traceback keeps the engine alive). Returns (plain tok/s, ubtree tok/s, tau) at batch 1."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
     plain = engine(target, logprobs_mode="raw_logits", **engine_kwargs)
     vocab = plain.llm_engine.model_config.get_vocab_size()
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts_for(vocab)]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts_for(vocab, num_prompts)]
     with_logits = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False,
                                  logprobs=2)
     reference = plain.generate(prompts, with_logits, use_tqdm=False)
@@ -101,6 +104,8 @@ def run_pair(target, drafter, **engine_kwargs):
     ubtree_s = time.perf_counter() - start
     drafts, accepted = spec_counts(ubtree)
     tau = 1 + accepted / max(1, drafts)
+    if inspect_ubtree_engine is not None:
+        inspect_ubtree_engine(ubtree)
     # Shut the engine down before asserting: a failed test's traceback would keep it alive, and its late
     # shutdown tears down vLLM's parallel state under the next test's engine.
     del ubtree

@@ -88,3 +88,25 @@ def test_default_runner_on_cuda_is_mrv2_and_greedy_exact(monkeypatch, tmp_path):
     assert config.speculative_config.method == "dflash" and config.additional_config["ubtree"]["runner"] == "mrv2"
     assert config.use_v2_model_runner
     run_pair(target, drafter)
+
+
+def test_default_engine_captures_tree_steps_beyond_vllms_512_token_ceiling(monkeypatch, tmp_path):
+    """vllm/decode_graphs.py: with 40 requests of 1 + B = 17 tokens (680 > vLLM's default 512-token
+    graph ceiling) the default engine has a FULL graph for the 40-request tree step, and 40 concurrent
+    prompts are greedy-exact."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_oracle import engine_runner
+
+    monkeypatch.delenv("UBTREE_VLLM_RUNNER", raising=False)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    facts = {}
+
+    def inspect(llm):
+        manager = engine_runner(llm).cudagraph_manager
+        facts["full"] = sorted(d.num_tokens for d in manager.graphs if d.cg_mode == CUDAGraphMode.FULL)
+        facts["query_len"] = llm.llm_engine.vllm_config.uniform_decode_query_len
+
+    run_pair(*save_tiny_qwen3(tmp_path), num_prompts=40, inspect_ubtree_engine=inspect, max_num_seqs=40)
+    assert facts["query_len"] == 17
+    assert 40 * 17 in facts["full"] and 32 * 17 in facts["full"], facts

@@ -150,6 +150,23 @@ def test_engine_args_default_runner_on_cuda_is_mrv2_where_it_applies(tiny_target
     assert method_for() == ("custom_class", "v1")
 
 
+def test_engine_args_record_whether_the_user_chose_graph_sizes(tiny_target, tiny_drafter):
+    """Tree-step CUDA-graph sizes are added (vllm/decode_graphs.py) only where no capture size was chosen."""
+    rewrite = importlib.import_module("ubtree_vllm.patches.engine.patch_engine_args_speculative_config")
+
+    def wide_for(**kwargs):
+        args = EngineArgs(model=str(tiny_target), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
+                          speculative_config=ubtree_spec(tiny_drafter), **kwargs)
+        rewrite._rewrite_to_vllm(args, args.create_model_config())
+        return args.additional_config[ADDITIONAL_CONFIG_KEY]["wide_decode_graphs"]
+
+    assert wide_for() is True
+    assert wide_for(cudagraph_capture_sizes=[1, 2, 4]) is False
+    assert wide_for(max_cudagraph_capture_size=64) is False
+    assert wide_for(compilation_config={"cudagraph_capture_sizes": [8]}) is False
+    assert wide_for(compilation_config={"max_cudagraph_capture_size": 16}) is False
+
+
 @pytest.fixture(scope="module")
 def gpt2_target(tmp_path_factory):
     from transformers import GPT2Config, GPT2LMHeadModel

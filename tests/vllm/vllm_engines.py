@@ -18,9 +18,15 @@ TINY_TREE = {"num_speculative_tokens": 8, "beam_width": 3, "top_k": 4}
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
-    """Environment for vLLM subprocesses: default (multiprocess) engine, repo importable."""
+    """Environment for vLLM subprocesses: default (multiprocess) engine, and the ``ubtree_vllm`` this
+    process imported: the checkout (put first on PYTHONPATH) when it comes from there, else the
+    installed copy the inherited path already finds (a source checkout first on the path would
+    shadow it without its remapped subpackages, see pyproject's package-dir)."""
+    import ubtree_vllm
+
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    if Path(ubtree_vllm.__file__).resolve().is_relative_to(REPO_ROOT):
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.update(extra)
     return env
 

@@ -95,6 +95,9 @@ class UBTreeVllmConfig:
     drafter: DrafterConfig
     # vLLM model runner: "v1" (custom_class form) or "mrv2" (the "dflash" form, Model Runner V2)
     runner: str = "v1"
+    # CUDA graphs for tree steps of every batch size (vllm/decode_graphs.py); False when the
+    # user chose cudagraph_capture_sizes / max_cudagraph_capture_size
+    wide_decode_graphs: bool = True
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -103,7 +106,8 @@ class UBTreeVllmConfig:
 
     def to_additional_config(self) -> dict[str, Any]:
         """Plain JSON for ``VllmConfig.additional_config["ubtree"]`` (hashed by vLLM)."""
-        return {"drafter": self.drafter_dir, "runner": self.runner, **self.tree.to_dict()}
+        return {"drafter": self.drafter_dir, "runner": self.runner, "wide_decode_graphs": self.wide_decode_graphs,
+                **self.tree.to_dict()}
 
     @classmethod
     def from_additional_config(cls, values: Mapping[str, Any]) -> "UBTreeVllmConfig":
@@ -111,6 +115,10 @@ class UBTreeVllmConfig:
         values = dict(values)
         drafter_dir = values.pop("drafter", None)
         runner = values.pop("runner", "v1")
+        wide_decode_graphs = values.pop("wide_decode_graphs", True)
+        if not isinstance(wide_decode_graphs, bool):
+            raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]['wide_decode_graphs'] must be true or "
+                             f"false, got {wide_decode_graphs!r}")
         if runner not in RUNNERS:
             raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]['runner'] must be one of {RUNNERS}, "
                              f"got {runner!r}")
@@ -121,7 +129,8 @@ class UBTreeVllmConfig:
         if tree.block_size != drafter.block_size:
             raise ValueError(f"block_size {tree.block_size} does not match the drafter's gamma "
                              f"{drafter.block_size} ({drafter_dir} changed since the engine was configured)")
-        return cls(drafter_dir=drafter_dir, tree=tree, drafter=drafter, runner=runner)
+        return cls(drafter_dir=drafter_dir, tree=tree, drafter=drafter, runner=runner,
+                   wide_decode_graphs=wide_decode_graphs)
 
 
 def load_drafter_config(model: Any) -> DrafterConfig:

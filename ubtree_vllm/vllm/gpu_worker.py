@@ -4,16 +4,21 @@ Applies the worker stage of the patch manifest (``FLASH_ATTN`` resolves to the t
 backend) before vLLM's ``Worker`` builds anything, and builds the UBTree runner through
 ``Worker._make_model_runner`` -- the hook vLLM provides for this: ``UBTreeModelRunnerV2`` for
 the engine's Model Runner V2 form (``"dflash"``), the V1 runner for the ``custom_class`` form,
-which vLLM itself keeps off Model Runner V2.
+which vLLM itself keeps off Model Runner V2. Before that it adds the CUDA-graph sizes of tree
+steps (``decode_graphs.py``) unless the user chose capture sizes.
 """
 from __future__ import annotations
 
 from typing import Any
 
+from vllm.logger import init_logger
 from vllm.v1.worker.gpu_worker import Worker
 
 from ubtree_vllm import compat, patches
+from ubtree_vllm.vllm.decode_graphs import widen_decode_graph_sizes
 from ubtree_vllm.vllm.stage_clock import StageTimesRPC
+
+logger = init_logger(__name__)
 
 
 class UBTreeGPUWorker(StageTimesRPC, Worker):
@@ -31,6 +36,11 @@ class UBTreeGPUWorker(StageTimesRPC, Worker):
             raise RuntimeError(f"speculative method 'ubtree' was configured for the {config.runner if config else 'v1'} "
                                f"runner but vLLM selected {'Model Runner V2' if self.use_v2_model_runner else 'V1'}; "
                                "set UBTREE_VLLM_RUNNER=v1, or unset VLLM_USE_V2_MODEL_RUNNER")
+        if config is not None and config.wide_decode_graphs and widen_decode_graph_sizes(self.vllm_config):
+            logger.info("ubtree: CUDA graphs for tree steps of up to %d requests (capture sizes %s)",
+                        self.vllm_config.compilation_config.max_cudagraph_capture_size
+                        // self.vllm_config.uniform_decode_query_len,
+                        self.vllm_config.compilation_config.cudagraph_capture_sizes)
         if mrv2:  # the default on CUDA (UBTREE_VLLM_RUNNER=auto), docs/design/mrv2.md
             from ubtree_vllm.vllm.mrv2.model_runner import UBTreeModelRunnerV2
 

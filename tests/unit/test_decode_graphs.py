@@ -1,0 +1,50 @@
+"""Tree-step CUDA-graph sizes (ubtree_vllm/vllm/decode_graphs.py) on a real vLLM CompilationConfig."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from vllm.config import CompilationConfig
+from vllm.config.compilation import CUDAGraphMode
+
+from ubtree_vllm.vllm.decode_graphs import decode_graph_sizes, request_counts, widen_decode_graph_sizes
+
+VLLM_TOKEN_GRID = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]  # vLLM 0.32's default sizes up to 512
+
+
+def test_request_counts_follow_vllms_grid():
+    assert request_counts(1) == [1]
+    assert request_counts(3) == [1, 2, 3]
+    assert request_counts(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert request_counts(300)[-6:] == [240, 248, 256, 272, 288, 300]
+    assert request_counts(0) == []
+
+
+def test_decode_sizes_cover_every_request_count_up_to_the_token_budget():
+    sizes = decode_graph_sizes(VLLM_TOKEN_GRID, query_len=65, max_num_seqs=32, max_num_batched_tokens=16384)
+    assert set(VLLM_TOKEN_GRID) <= set(sizes) and sizes == sorted(set(sizes))
+    assert [s for s in sizes if s > 512] == [520, 1040, 1560, 2080]  # 8, 16, 24, 32 requests of 65 tokens
+    capped = decode_graph_sizes(VLLM_TOKEN_GRID, query_len=65, max_num_seqs=1024, max_num_batched_tokens=1000)
+    assert capped[-1] == 15 * 65  # 1000 // 65 requests fit one step
+
+
+def engine_config(sizes, mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_num_seqs=32, query_len=65):
+    compilation = CompilationConfig(cudagraph_mode=mode, cudagraph_capture_sizes=list(sizes),
+                                    max_cudagraph_capture_size=max(sizes, default=0))
+    return SimpleNamespace(compilation_config=compilation, uniform_decode_query_len=query_len,
+                           scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384))
+
+
+def test_widen_updates_sizes_and_max_in_place_once():
+    config = engine_config(VLLM_TOKEN_GRID)
+    assert widen_decode_graph_sizes(config) is True
+    compilation = config.compilation_config
+    assert compilation.max_cudagraph_capture_size == 2080 == compilation.cudagraph_capture_sizes[-1]
+    assert 1040 in compilation.cudagraph_capture_sizes and 512 in compilation.cudagraph_capture_sizes
+    assert widen_decode_graph_sizes(config) is False  # already wide: nothing to add
+
+
+def test_widen_is_a_no_op_without_graphs():
+    for config in (engine_config([]), engine_config(VLLM_TOKEN_GRID, mode=CUDAGraphMode.NONE)):
+        before = list(config.compilation_config.cudagraph_capture_sizes)
+        assert widen_decode_graph_sizes(config) is False
+        assert config.compilation_config.cudagraph_capture_sizes == before
