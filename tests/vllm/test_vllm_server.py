@@ -121,9 +121,10 @@ def chat_text(server: Server, body: dict) -> str:
     return response.json()["choices"][0]["message"]["content"]
 
 
-def streamed_text(server: Server, path: str, body: dict) -> str:
+def streamed_text(server: Server, path: str, body: dict, model: str = "tiny") -> str:
+    """The text of a streamed completion or chat answer, joined from its server-sent events."""
     parts = []
-    with httpx.stream("POST", f"{server.url}{path}", json={"model": "tiny", "stream": True, **body},
+    with httpx.stream("POST", f"{server.url}{path}", json={"model": model, "stream": True, **body},
                       timeout=120) as response:
         assert response.status_code == 200
         for line in response.iter_lines():

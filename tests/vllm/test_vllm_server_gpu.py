@@ -9,7 +9,6 @@ reference's logprobs give the gap; logprob differences are logit differences).
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -17,7 +16,7 @@ import httpx
 import pytest
 
 from test_vllm_gpu import smollm2_drafter
-from test_vllm_server import REPO_ROOT, Server, free_port, serve_command
+from test_vllm_server import REPO_ROOT, Server, free_port, serve_command, streamed_text
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
@@ -80,18 +79,6 @@ def chat_steps(choice: dict) -> list[tuple[str, list[float]]]:
             for entry in choice["logprobs"]["content"]]
 
 
-def streamed(server: Server, path: str, body: dict) -> str:
-    parts = []
-    with httpx.stream("POST", f"{server.url}{path}", json={"model": "smol", "stream": True, **body},
-                      timeout=120) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                choice = json.loads(line[len("data: "):])["choices"][0]
-                parts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
-    return "".join(parts)
-
-
 def test_completions_match_the_server_without_speculation(servers):
     plain, ubtree = servers
     for prompt in PROMPTS:
@@ -99,7 +86,7 @@ def test_completions_match_the_server_without_speculation(servers):
         reference = post(plain, "/v1/completions", {**body, "logprobs": 2})["choices"][0]
         got = post(ubtree, "/v1/completions", body)["choices"][0]["text"]
         assert_same_up_to_near_tie(got, completion_steps(reference))
-        assert streamed(ubtree, "/v1/completions", body) == got
+        assert streamed_text(ubtree, "/v1/completions", body, "smol") == got
 
 
 def test_chat_matches_the_server_without_speculation(servers):
@@ -108,7 +95,7 @@ def test_chat_matches_the_server_without_speculation(servers):
     reference = post(plain, "/v1/chat/completions", {**body, "logprobs": True, "top_logprobs": 2})["choices"][0]
     got = post(ubtree, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
     assert_same_up_to_near_tie(got, chat_steps(reference))
-    assert streamed(ubtree, "/v1/chat/completions", body) == got
+    assert streamed_text(ubtree, "/v1/chat/completions", body, "smol") == got
 
 
 def test_metrics_show_accepted_drafts(servers):
