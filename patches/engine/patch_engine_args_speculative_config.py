@@ -174,7 +174,7 @@ def apply() -> None:
             _rewrite_to_vllm(self, target_model_config)
         speculative_config = original(self, target_model_config, target_parallel_config)
         if is_mrv2_form(self.additional_config, speculative_config):
-            _select_worker(target_parallel_config)  # the MRV2 form (in progress): our worker builds our runner
+            _select_worker(target_parallel_config)  # the MRV2 form: our worker builds UBTreeModelRunnerV2
         elif is_ubtree_speculative_config(speculative_config):
             if ADDITIONAL_CONFIG_KEY not in (self.additional_config or {}):
                 raise ValueError(f"speculative_config {speculative_config.model!r} is internal to "

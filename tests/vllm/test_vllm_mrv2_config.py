@@ -1,4 +1,4 @@
-"""Model Runner V2 form (in progress) against vLLM 0.32's real config objects, on the CPU: the "dflash"
+"""Model Runner V2 form (the default on CUDA) against vLLM 0.32's real config objects, on the CPU: the "dflash"
 presentation with the proposer-only copy builds a vLLM engine config that MRV2 accepts, and
 UBTreeSpeculator constructs from it with the gamma / B split (nothing runs: no GPU)."""
 from __future__ import annotations

@@ -62,7 +62,6 @@ def build_engine(target_path: str | Path, run: MethodRun, engine_kwargs: dict[st
         return LLM(model=str(target_path), **kwargs)
 
 
-
 def stop_engine(llm: Any) -> None:
     """Stop the engine core (its process in multiprocess mode); the caller then drops `llm`."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
