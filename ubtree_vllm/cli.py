@@ -14,7 +14,7 @@ subcommand actually runs::
     )
 
 ``run`` receives the parsed :class:`argparse.Namespace` and returns the exit
-status (``None`` means 0).  It may raise :class:`CommandError` to print a
+status (``None`` means 0).  It may raise :class:`ubtree_vllm.errors.CommandError` to print a
 one-line ``ubtree <command>: error: ...`` message and exit with status 1
 instead of a traceback.
 """
@@ -30,14 +30,11 @@ from ubtree_vllm import __version__
 # argparse-only modules: their add_args functions build the training/report/bench subparsers.
 from ubtree_vllm.bench import cli as _bench_cli
 from ubtree_vllm.bench import report as _report
+from ubtree_vllm.errors import CommandError
 from ubtree_vllm.training import cli as _training_cli
 
 RunFn = Callable[[argparse.Namespace], "int | None"]
 AddArgsFn = Callable[[argparse.ArgumentParser], None]
-
-
-class CommandError(Exception):
-    """An expected failure of a subcommand, reported as one line without a traceback."""
 
 
 class Command(NamedTuple):

@@ -138,7 +138,7 @@ def _mrv2_form(args: Any, spec: Any) -> Any:
     import hashlib
 
     from ubtree_vllm import envs
-    from ubtree_vllm.training.export import export_dflash_proposer
+    from ubtree_vllm.drafter.io import export_dflash_proposer
     from ubtree_vllm.vllm.config import MRV2_PROPOSERS_DIR, MRV2_VLLM_METHOD
 
     gamma, budget = spec.tree.block_size, spec.tree.tree_budget

@@ -7,8 +7,13 @@
 #   prepare  convert the GGUF target to a bf16 HF folder
 #   data     answer ShareGPT + GSM8K-train prompts with the target itself through vLLM (T=1)
 #   train    train + export to checkpoints/smollm2-135m-instruct-ubtree
+#   slice    one training slice: gen-data (vLLM, new seed SLICE_SEED, default the day number) in the
+#            background writes fresh T=1 rollouts while `ubtree train` (stream_data) trains on the shards
+#            as they land for SLICE_MINUTES (default 7), continuing the committed drafter, then exports it
+#            to checkpoints/ and appends the train record; gen-data is stopped at the end (logs in runs/)
 #   eval     tau with the lossless reference decoder (single path vs UBTree, T=0 and T=1)
-#   pack     copy the drafter and the records to $OUT (files <= 16 MB each)
+#   pack     copy the drafter (split, files <= 16 MB each), the records, logs and loss curves to $OUT
+#   keep / restore  keep the exported drafter in /tmp across calls of one warm machine / put it back
 #   install  install this checkout (non-editable, like a user) into /tmp/ub-site; every later
 #            phase imports the installed package (PYTHONSAFEPATH keeps the source tree off sys.path)
 #   gputest  tests/vllm/test_vllm_gpu.py with the shipped drafter (greedy equality + tok/s record);
@@ -96,14 +101,32 @@ for phase in "$@"; do
       ubtree convert-target --gguf /tmp/gpu-extra/smol/SmolLM2-135M-Instruct.Q4_1.gguf ;;
     data)  ubtree gen-data --config "$CONFIG" --data-root .gpudata --max-minutes "${DATA_MINUTES:-3}" ;;
     train) ubtree train --config "$CONFIG" --max-minutes "${TRAIN_MINUTES:-4}" ;;
+    slice)
+      mkdir -p runs
+      seed=${SLICE_SEED:-$(( $(date +%s) / 86400 ))}
+      ubtree gen-data --config "$CONFIG" --data-root .gpudata --set seed="$seed" \
+        --set out_dir=runs/smollm2/slice-data-$seed > runs/gen-data.log 2>&1 &
+      gen=$!
+      rc=0
+      ubtree train --config "$CONFIG" --data-dir runs/smollm2/slice-data-$seed --set records_path="$RECORDS" \
+        --set progress=false --max-minutes "${SLICE_MINUTES:-7}" || rc=$?
+      kill "$gen" 2>/dev/null; wait "$gen" 2>/dev/null || true
+      grep -E "wrote shard|Error|error" runs/gen-data.log | tail -n 5 || true
+      python3 -c "import json,sys; m=json.load(open(sys.argv[1])); print('generated', m['num_samples'], 'samples,', m['num_response_tokens'], 'response tokens')" \
+        runs/smollm2/slice-data-$seed/manifest.json || true
+      [ "$rc" = 0 ] || exit "$rc" ;;
     eval)
       ubtree eval-tau --drafter "$DRAFTER" --data-dir .gpudata --num-prompts "${EVAL_PROMPTS:-160}" \
         --batch-size 64 --methods single,ubtree --temperatures 0,1 ;;
     pack)
       mkdir -p "$OUT"
       [ -f "$DRAFTER/model.safetensors" ] && split -b 15M -d "$DRAFTER/model.safetensors" "$OUT/model.safetensors.part"
-      tar -cf "$OUT/small.tar" --exclude=model.safetensors "$DRAFTER" docs/benchmarks runs/smollm2/train-kl/*.png \
-        runs/smollm2/train-kl/*.json* runs/smollm2/data-t1/manifest.json 2>/dev/null || true ;;
+      tar -cf "$OUT/small.tar" --exclude=model.safetensors "$DRAFTER" runs/records.jsonl runs/*.log \
+        runs/smollm2/*/*.png runs/smollm2/*/metrics.jsonl runs/smollm2/*/manifest.json 2>/dev/null || true ;;
+    keep)     # the exported drafter outlives the next call's fresh working tree while the machine is warm
+      rm -rf /tmp/kept-drafter && cp -r "$DRAFTER" /tmp/kept-drafter ;;
+    restore)  # put the kept drafter back into the working tree (after a call that trained one)
+      [ -d /tmp/kept-drafter ] && cp /tmp/kept-drafter/* "$DRAFTER"/ && echo "restored the kept drafter" ;;
     install)
       python3 -m pip install -q --no-deps --no-index --no-build-isolation --upgrade --target /tmp/ub-site . ;;
     gputest)
@@ -130,14 +153,14 @@ for phase in "$@"; do
         --gpu-memory-utilization 0.25 \
         --datasets "${BENCH_DATASETS:-spec_bench,mt_bench,humaneval}" --temperatures "${BENCH_TEMPS:-0,1}" \
         --num-prompts "${BENCH_PROMPTS:-10}" \
-        --max-new-tokens 256 --methods "${METHODS:-ar,dflash-chain,ubtree-mrv2,ubtree}" \
+        --max-new-tokens 256 --methods "${METHODS:-ar,ngram,dflash-chain,ubtree-mrv2,ubtree}" \
         --tree-budgets "${BUDGETS:-16,32,64}" \
         --beam-width 12 --top-k 64 --concurrency 1 ;;
     sweep)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization 0.25 \
         --datasets mt_bench --temperatures 0 --num-prompts "${SWEEP_PROMPTS:-64}" --max-new-tokens 256 \
-        --methods "${SWEEP_METHODS:-ar,ubtree-mrv2}" \
+        --methods "${SWEEP_METHODS:-ar,ngram,ubtree-mrv2}" \
         --tree-budgets "${SWEEP_BUDGETS:-64}" --beam-width 12 --top-k 64 --concurrency 1,4,16,32 ;;
     stages)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \

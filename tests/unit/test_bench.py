@@ -18,7 +18,7 @@ from ubtree_vllm.bench.measurement import (NUM_ACCEPTED, NUM_DRAFTS, RunResult, 
                                            mean_tpot_ms, request_tpot_s, spec_counters, summarize_run,
                                            tau_from_deltas)
 from ubtree_vllm.bench.microbench import MICROBENCHES, MicrobenchSettings, run_microbenches
-from ubtree_vllm.bench.settings import (BenchArgumentError, E2ESettings, MethodRun, planned_methods,
+from ubtree_vllm.bench.settings import (BenchArgumentError, E2ESettings, MethodRun, ngram_run, planned_methods,
                                         settings_from_args, ubtree_chain_run, ubtree_run, validate)
 from ubtree_vllm.drafter.config import DrafterConfig
 from ubtree_vllm.drafter.io import save_drafter
@@ -110,6 +110,26 @@ def test_e2e_record_is_valid_and_carries_the_tree_fields(tmp_path):
     assert "no speculation" in ar["notes"]
 
 
+def test_ngram_run_is_vllm_prompt_lookup_without_a_drafter(tmp_path):
+    settings = E2ESettings(drafter="checkpoints/d", block_size=16, ngram_k=6, ngram_lookup_max=5, ngram_lookup_min=3)
+    run = ngram_run(settings)
+    assert run.speculative_config == {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 5,
+                                      "prompt_lookup_min": 3}
+    assert (run.tree_budget, run.beam_width, run.top_k, run.block_size) == (6, 1, 1, None)
+    assert run.env == {} and not run.uses_drafter  # the platform's default runner
+    assert ngram_run(E2ESettings()).speculative_config == {"method": "ngram", "num_speculative_tokens": 8,
+                                                           "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    result = RunResult(num_requests=2, output_tokens=64, wall_s=2.0, tpot_ms=3.0, tau=2.5, num_drafts=20,
+                       num_accepted=30)
+    record = e2e_record(run, result, target="t", drafter="checkpoints/d", dataset="mt_bench", temperature=0.0,
+                        concurrency=1, max_new_tokens=32, cuda_graphs=False, speedup=1.25)
+    written = rec.append_record(record, tmp_path / "records.jsonl")
+    assert written["method"] == "ngram" and written["drafter"] is None and written["tau"] == 2.5
+    assert (written["tree_budget"], written["beam_width"], written["top_k"]) == (6, 1, 1)
+    assert "30 accepted / 20 drafts" in written["notes"]  # tau from the spec-decode counters
+    assert "k=6" in written["notes"] and "lookup window 3-5 tokens" in written["notes"]
+
+
 def test_fallback_chain_run_is_a_single_path_through_the_plugin():
     run = ubtree_chain_run(E2ESettings(drafter="d", block_size=16), note="why")
     assert run.method == "ubtree-chain" and run.note == "why"
@@ -138,6 +158,13 @@ def test_e2e_flags_are_parsed_and_ordered(drafter_dir):
     defaults = settings_from_args(e2e_args(drafter=str(drafter_dir), tree_budgets="16,32,48", top_k=16))
     assert planned_methods(defaults) == ["ar", "dflash-chain", "ubtree:16", "ubtree:32", "ubtree:48"]
     assert settings_from_args(e2e_args(methods="ar")).drafter is None  # ar needs no drafter
+    ngram = settings_from_args(e2e_args(methods="ngram,ar", ngram_k=5, ngram_lookup_max=3, ngram_lookup_min=3))
+    assert ngram.drafter is None and planned_methods(ngram) == ["ar", "ngram"]  # nor does ngram
+    assert (ngram.ngram_k, ngram.ngram_lookup_max, ngram.ngram_lookup_min) == (5, 3, 3)
+    assert (defaults.ngram_k, defaults.ngram_lookup_max, defaults.ngram_lookup_min) == (8, 4, 2)
+    every = settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree,dflash-chain,ngram,ar",
+                                        tree_budgets="16", top_k=16))
+    assert planned_methods(every) == ["ar", "ngram", "dflash-chain", "ubtree:16"]
     both = settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree-mrv2,ubtree", tree_budgets="4,8",
                                        top_k=16))
     assert planned_methods(both) == ["ubtree:4", "ubtree:8", "ubtree-mrv2:4", "ubtree-mrv2:8"]
@@ -165,7 +192,8 @@ def test_mrv2_runs_build_their_engine_under_the_runner_switch(monkeypatch):
 
 
 @pytest.mark.parametrize("overrides,pattern", [
-    ({"methods": "ar,medusa"}, r"--methods: unknown method 'medusa'; allowed: ar, dflash-chain, ubtree, ubtree-mrv2"),
+    ({"methods": "ar,medusa"}, r"--methods: unknown method 'medusa'; allowed: ar, ngram, dflash-chain, ubtree, "
+                               r"ubtree-mrv2"),
     ({"methods": "ubtree-mrv2", "tree_budgets": "3"}, r"--tree-budgets: B=3 is below the drafter's block size 4; "
                                                       r"method ubtree-mrv2 needs B >= gamma"),
     ({"methods": "ar,ar"}, r"--methods lists a method twice"),
@@ -179,7 +207,12 @@ def test_mrv2_runs_build_their_engine_under_the_runner_switch(monkeypatch):
     ({"temperatures": "0,-1"}, r"--temperatures: each value must be a finite number >= 0, got -1"),
     ({"num_prompts": 0}, r"--num-prompts must be >= 1, got 0"),
     ({"top_k": 600}, r"--top-k must be in \[1, 512\] \(the drafter's vocabulary\), got 600"),
-    ({"drafter": None}, r"--drafter is required for --methods ar,dflash-chain,ubtree"),
+    ({"drafter": None}, r"--drafter is required for --methods ar,dflash-chain,ubtree \(only 'ar' and 'ngram' run "
+                        r"without a drafter\)"),
+    ({"drafter": None, "methods": "ngram,ubtree"}, r"--drafter is required for --methods ngram,ubtree"),
+    ({"ngram_k": 0}, r"--ngram-k must be >= 1, got 0"),
+    ({"ngram_lookup_min": 0, "methods": "ngram"}, r"--ngram-lookup-min must be >= 1, got 0"),
+    ({"ngram_lookup_max": 1}, r"--ngram-lookup-max must be >= --ngram-lookup-min \(2\), got 1"),
     ({"drafter": "/no/such/drafter"}, r"--drafter: drafter folder not found: /no/such/drafter"),
 ])
 def test_bad_e2e_flags_name_the_flag_and_the_allowed_values(drafter_dir, overrides, pattern):
@@ -194,6 +227,20 @@ def test_bad_flag_is_a_one_line_cli_error(capsys):
     assert cli.main(["bench", "e2e", "--methods", "ar", "--concurrency", "0"]) == 1
     err = capsys.readouterr().err
     assert err.strip() == "ubtree bench: error: --concurrency: each value must be >= 1, got 0"
+    assert cli.main(["bench", "e2e", "--methods", "ar,ngram", "--ngram-lookup-min", "5"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "ubtree bench: error: --ngram-lookup-max must be >= --ngram-lookup-min (5), got 4"
+
+
+def test_ngram_flags_parse_from_the_command_line():
+    parser = argparse.ArgumentParser()
+    bench_cli._add_e2e_args(parser)
+    args = parser.parse_args(["--methods", "ar,ngram", "--ngram-k", "12", "--ngram-lookup-max", "6",
+                              "--ngram-lookup-min", "1"])
+    settings = settings_from_args(args)
+    assert (settings.ngram_k, settings.ngram_lookup_max, settings.ngram_lookup_min) == (12, 6, 1)
+    assert ngram_run(settings).speculative_config == {"method": "ngram", "num_speculative_tokens": 12,
+                                                      "prompt_lookup_max": 6, "prompt_lookup_min": 1}
 
 
 def test_injected_prompt_sets_skip_the_dataset_check(drafter_dir):

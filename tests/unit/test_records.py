@@ -244,3 +244,43 @@ def test_goals_pair_each_tree_run_with_the_ar_of_its_own_invocation(tmp_path):
     assert "| UBTree throughput >= no speculation | smollm2-135m-instruct, mt_bench, T=0.0, conc 1, B=64 | 0.50x |" \
         in goals
     assert "B=64 (MRV2) | 1.20x | yes |" in goals
+
+
+def test_ngram_is_a_baseline_beside_every_speedup_over_ar(tmp_path, monkeypatch):
+    """ngram (vLLM's drafter-free prompt lookup): a Goals row per tree run against it, its own series in the
+    speedup chart, a method row after ar in the tables, never the single path."""
+    path = tmp_path / "records.jsonl"
+    cell = {**E2E, "hardware": "1x NVIDIA H200", "commit": "abc1234", "date": "2026-11-30", "temperature": 0.0,
+            "concurrency": 1, "batch_size": 1, "num_prompts": 8, "command": "ubtree bench e2e --methods all"}
+    off = {"tree_budget": None, "beam_width": None, "top_k": None, "block_size": None, "drafter": None, "tau": None}
+    rec.append_record({**cell, **off, "method": "ar", "output_tokens_per_s": 100.0, "speedup_vs_ar": 1.0}, path=path)
+    rec.append_record({**cell, **off, "method": "ngram", "tree_budget": 8, "beam_width": 1, "top_k": 1, "tau": 1.75,
+                       "output_tokens_per_s": 125.0, "speedup_vs_ar": 1.25}, path=path)
+    rec.append_record({**cell, "method": "dflash-chain", "tree_budget": 16, "beam_width": 1, "top_k": 1, "tau": 1.5,
+                       "output_tokens_per_s": 120.0, "speedup_vs_ar": 1.2}, path=path)
+    for budget, speedup in ((64, 1.8), (16, 1.0)):
+        rec.append_record({**cell, "tree_budget": budget, "tau": 2.5, "output_tokens_per_s": 100.0 * speedup,
+                           "speedup_vs_ar": speedup}, path=path)
+    charts = {}
+    grouped_bars = report._grouped_bars
+
+    def capture(rows, value, ylabel, title, out, reference_line=None):
+        series = report._ordered_series(rows)
+        charts[out.name] = [report._series_label(*s, series) for s in series]
+        return grouped_bars(rows, value, ylabel, title, out, reference_line)
+
+    monkeypatch.setattr(report, "_grouped_bars", capture)
+    regenerate(path)
+    assert charts["speedup_smollm2-135m-instruct_T0.png"] == ["ngram", "dflash-chain", "ubtree B=16", "ubtree B=64"]
+    assert charts["tau_T0.png"][0] == "ngram"  # ar has no tau
+    readme = (tmp_path / "README.md").read_text()
+    goals = readme.split("## Goals")[1].split("\n## ")[0]
+    assert "| UBTree throughput >= the n-gram baseline's (k=8) | smollm2-135m-instruct, mt_bench, T=0.0, conc 1, " \
+           "B=64 | 1.44x (1.80 vs 1.25) | yes |" in goals
+    assert "B=16 | 0.80x (1.00 vs 1.25) | no |" in goals
+    assert "B=64 | 1.50x (1.80 vs 1.20) | yes |" in goals  # the single path is still dflash-chain
+    speed = readme.split("## Speed (vLLM end-to-end)")[1].split("\n## ")[0]
+    methods = [line.split(" | ")[0][2:] for line in speed.splitlines() if line.startswith("| ") and "---" not in line]
+    assert methods[1:] == ["ar", "ngram", "dflash-chain", "ubtree", "ubtree"]  # after the header
+    e2e = readme.split("## End-to-end")[1].split("\n## ")[0]
+    assert "| ngram | smollm2-135m-instruct | – | 8 | 1 | 1 | – | 8 | 1 | 1.75 | – | 125.00 |" in e2e  # no vs single

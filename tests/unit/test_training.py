@@ -17,7 +17,8 @@ from ubtree_vllm.drafter.proposer import UBTreeDrafter
 from ubtree_vllm.training import data as data_mod
 from ubtree_vllm.training.data import DataGenConfig, TokenDataset, generate_dataset
 from ubtree_vllm.training.evaluate import evaluate, load_eval_prompts, spec_bench_subset
-from ubtree_vllm.training.export import check_round_trip, export_dflash_proposer, export_drafter
+from ubtree_vllm.drafter.io import export_dflash_proposer
+from ubtree_vllm.training.export import check_round_trip, export_drafter
 from ubtree_vllm.training.losses import (
     LossConfig,
     collate,
@@ -232,6 +233,113 @@ def test_resume_refuses_changed_settings(tmp_path, workspace):
     train(train_config(workspace, tmp_path / "run"), stop_at_step=1, log=lambda _: None)
     with pytest.raises(ValueError, match=r"\['lr'\]"):
         train(train_config(workspace, tmp_path / "run", lr=1e-3), log=lambda _: None)
+
+
+def test_joint_ablation_sends_the_selector_loss_into_the_proposer(workspace):
+    """detach_selector=True (the recipe): the selector's loss leaves the proposer alone; False: it reaches it."""
+    model = LlamaForCausalLM.from_pretrained(workspace["target"])
+    cfg = DrafterConfig.for_target(model.config, "tiny", **DRAFTER)
+    target = FrozenTarget(model, cfg.target_layer_ids)
+    batch = collate([TokenDataset.load(workspace["data"]).sample(i) for i in range(3)], 64)
+    grads = {}
+    for detach in (True, False):
+        torch.manual_seed(0)
+        drafter = UBTreeDrafter(cfg)
+        drafter.bind_hf_target(model)
+        loss_cfg = LossConfig("kl", beta=0.0, loss_decay=7.0, blocks_per_seq=4, proposer_kl=0.0,
+                              detach_selector=detach)
+        drafter_loss(drafter, target, batch, loss_cfg, make_generator(0, 0)).loss.backward()
+        grads[detach] = drafter.backbone.fc.weight.grad
+        assert drafter.selector.pair_weight.grad.abs().sum() > 0
+    assert grads[True] is None or grads[True].abs().sum() == 0
+    assert grads[False].abs().sum() > 0
+
+
+def test_fresh_drafter_starts_from_standardised_features_and_the_target_norm(tmp_path, workspace):
+    result = train(train_config(workspace, tmp_path / "run", max_steps=1), log=lambda _: None)
+    state = torch.load(result.checkpoint, weights_only=False)
+    model = LlamaForCausalLM.from_pretrained(workspace["target"])
+    target = FrozenTarget(model, DrafterConfig.for_target(model.config, "tiny", **DRAFTER).target_layer_ids)
+    ds = TokenDataset.load(workspace["data"])
+    batch = collate([ds.sample(i) for i in range(16)], 64)  # feature_stats_batches * batch_size samples
+    valid = torch.arange(batch.input_ids.shape[1])[None] < batch.lengths[:, None]
+    sums, count = target.feature_square_sums(batch.input_ids, valid)
+    torch.testing.assert_close(state["feature_scale"], 1 / (sums / count).sqrt().float())
+    fresh = train(train_config(workspace, tmp_path / "fresh", max_steps=1, lr=1e-9, warmup_steps=1000),
+                  log=lambda _: None)
+    norm = torch.load(fresh.checkpoint, weights_only=False)["model"]["backbone.norm.weight"]
+    torch.testing.assert_close(norm, model.model.norm.weight.detach(), atol=1e-6, rtol=0)
+
+
+def test_a_slice_continues_an_exported_drafter_and_adds_to_its_totals(tmp_path, workspace):
+    first = train(train_config(workspace, tmp_path / "a", max_steps=3, records_path=str(tmp_path / "r.jsonl")),
+                  log=lambda _: None)
+    meta = json.loads((first.drafter_dir / "ubtree_meta.json").read_text())["training"]
+    assert meta["cumulative_label_rows"] == first.tokens_seen and meta["distinct_tokens"] > 0
+    # Resuming from the exported drafter keeps its function (fc unfolds the fresh feature scale).
+    second = train(train_config(workspace, tmp_path / "b", max_steps=2, lr=1e-9, warmup_steps=1000, seed=5,
+                                init_drafter=str(first.drafter_dir), records_path=str(tmp_path / "r.jsonl")),
+                   log=lambda _: None)
+    a = load_file(str(first.drafter_dir / "model.safetensors"))
+    b = load_file(str(second.drafter_dir / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(b[k].float(), a[k].float(), rtol=2e-2, atol=1e-3)
+    rec = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert rec[1]["cumulative_label_rows"] == first.tokens_seen + second.tokens_seen
+    assert rec[1]["cumulative_distinct_tokens"] == rec[0]["distinct_tokens"] + rec[1]["distinct_tokens"]
+    assert rec[1]["label_rows_per_s"] > 0
+
+
+@pytest.mark.parametrize("setting,value,match", [
+    ("drafter", {"num_layers": 3}, "drafter.num_layers"), ("drafter", {"top_k": 4}, "drafter.top_k"),
+    ("target_name", "other", "target")])
+def test_init_drafter_with_another_config_fails_at_start(tmp_path, workspace, setting, value, match):
+    first = train(train_config(workspace, tmp_path / "a", max_steps=1), log=lambda _: None)
+    changes = {setting: {**DRAFTER, **value} if setting == "drafter" else value}
+    with pytest.raises(ValueError, match=match):
+        train(train_config(workspace, tmp_path / "b", init_drafter=str(first.drafter_dir), **changes),
+              log=lambda _: None)
+
+
+def test_streamed_training_picks_up_shards_as_they_land(tmp_path, workspace):
+    """The trainer trains on an unfinished dataset, unseen samples first, and takes new shards in."""
+    from ubtree_vllm.training.data import ShardStream
+
+    cfg = DataGenConfig(target=str(workspace["target"]), out_dir=str(tmp_path / "d"),
+                        data_root=str(workspace["prompts"]), num_prompts=12, shard_size=4, max_new_tokens=24,
+                        samples_per_prompt=2)
+    calls = []
+
+    def interrupted_after_one_shard(prompts, seed):
+        calls.append(len(prompts))
+        if len(calls) > 1:
+            raise InterruptedError
+        return count_up(prompts, seed)
+
+    with pytest.raises(InterruptedError):
+        generate_dataset(cfg, generator=interrupted_after_one_shard, log=lambda _: None)
+    assert calls == [8, 8]  # 4 prompts x 2 samples per shard; the second shard never landed
+    dataset = TokenDataset.load(tmp_path / "d", shard_files=[])
+    stream = ShardStream(dataset, seed=0)
+    assert stream.refresh() == 8 and stream.refresh() == 0
+    assert sorted(stream.take(8)) == list(range(8))  # every fresh sample once before any replay
+    generate_dataset(cfg, generator=count_up, log=lambda _: None)  # the rest lands
+    assert stream.refresh() == 16 and sorted(stream.take(16)) == list(range(8, 24))
+    assert len(dataset) == 24 and set(stream.take(30)) <= set(range(24))
+
+    result = train(train_config(workspace, tmp_path / "run", data_dir=str(tmp_path / "d"), stream_data=True,
+                                max_steps=4, records_path=str(tmp_path / "r.jsonl")), log=lambda _: None)
+    assert result.status == "finished" and result.step == 4
+    rec = json.loads((tmp_path / "r.jsonl").read_text())
+    assert rec["distinct_tokens"] > 0 and "stream_data=True" in rec["notes"]
+
+
+def test_schedule_by_time_finishes_at_the_budget(tmp_path, workspace):
+    with pytest.raises(ValueError, match="max_minutes"):
+        train_config(workspace, tmp_path / "x", schedule_by_time=True)
+    result = train(train_config(workspace, tmp_path / "run", schedule_by_time=True, max_minutes=1e-4,
+                                max_steps=10_000), log=lambda _: None)
+    assert result.status == "finished" and result.drafter_dir is not None and result.step < 10_000
 
 
 # ---- export ----------------------------------------------------------------------------

@@ -29,7 +29,8 @@ from test_training import make_tokenizer, VOCAB
 from ubtree_vllm.drafter.config import DrafterConfig
 from ubtree_vllm.drafter.io import load_drafter
 from ubtree_vllm.drafter.proposer import UBTreeDrafter
-from ubtree_vllm.training.export import export_dflash_proposer, export_drafter
+from ubtree_vllm.drafter.io import export_dflash_proposer
+from ubtree_vllm.training.export import export_drafter
 
 def main():
     root = Path(sys.argv[1])

@@ -3,8 +3,17 @@
 Tiny random Llama + untrained drafter (gamma 4), two token-id prompts injected as one
 prompt set, 8 new tokens, methods ar and ubtree (B = 4, W = 2, K = 4), concurrency 1 and
 2, T = 0 and 1: two engines, eight measurements, eight records in a temporary file.
+
+ngram runs only in a subprocess with vLLM's default multiprocess engine (what `ubtree bench e2e`
+uses): its proposer imports numba, and once llvmlite is loaded in a process, vLLM 0.32's CPU
+kernel-override scan (`triton_utils.dispatcher._rebind_kernels`) fails in every later worker
+started there, so an in-process ngram engine would break each engine after it in this session.
 """
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import pytest
 
@@ -12,8 +21,8 @@ from ubtree_vllm.bench import records as rec
 from ubtree_vllm.bench.e2e import run_e2e, summary_table
 from ubtree_vllm.bench.prompts import PromptSet
 from ubtree_vllm.bench.report import regenerate
-from ubtree_vllm.bench.settings import E2ESettings, validate
-from vllm_engines import ENGINE_KWARGS
+from ubtree_vllm.bench.settings import E2ESettings, ngram_run, validate
+from vllm_engines import ENGINE_KWARGS, REPO_ROOT, subprocess_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -88,3 +97,54 @@ def test_stage_timing_writes_step_records_that_add_up(tiny_target, tiny_drafter,
     regenerate(path)
     readme = (path.parent / "README.md").read_text()
     assert "## Step time by stage" in readme and "drafts_to_host" in readme
+
+
+def test_ngram_config_is_vllm_prompt_lookup_on_the_default_runner(tiny_target):
+    """What vLLM builds from the ngram run's speculative_config (no engine, see the module docstring)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from ubtree_vllm.vllm.config import ADDITIONAL_CONFIG_KEY, CPU_WORKER_CLASS_PATH, GPU_WORKER_CLASS_PATH
+
+    run = ngram_run(E2ESettings(ngram_k=5, ngram_lookup_max=3, ngram_lookup_min=2))
+    config = EngineArgs(model=str(tiny_target), speculative_config=dict(run.speculative_config),
+                        **ENGINE).create_engine_config()
+    spec = config.speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == \
+        ("ngram", 5, 3, 2)
+    assert ADDITIONAL_CONFIG_KEY not in config.additional_config  # not a UBTree engine: vLLM's own runner
+    assert config.parallel_config.worker_cls not in (CPU_WORKER_CLASS_PATH, GPU_WORKER_CLASS_PATH)
+
+
+NGRAM_BENCH = """
+import json
+import sys
+
+from ubtree_vllm.bench.e2e import run_e2e
+from ubtree_vllm.bench.prompts import PromptSet
+from ubtree_vllm.bench.settings import E2ESettings, validate
+
+if __name__ == "__main__":  # spawned engine-core processes re-import this file
+    target, drafter, records, engine, prompts = sys.argv[1], sys.argv[2], sys.argv[3], *map(json.loads, sys.argv[4:])
+    settings = validate(E2ESettings(target=target, drafter=drafter, datasets=("toy",), temperatures=(0.0,),
+                                    num_prompts=2, max_new_tokens=16, methods=("ngram", "ubtree"),
+                                    tree_budgets=(4,), beam_width=2, top_k=4, ngram_k=3, ngram_lookup_max=2,
+                                    ngram_lookup_min=1), check_datasets=False)
+    run_e2e(settings, [PromptSet("toy", tuple(map(tuple, prompts)))], target, engine, records_path=records)
+"""
+
+
+def test_ngram_then_ubtree_in_engine_core_processes(tiny_target, tiny_drafter, tmp_path):
+    """ngram, then ubtree, as `ubtree bench e2e` runs them: ngram's tau from the spec-decode counters, no drafter,
+    and the engine after it starts (no ar: the speedup pairing is a unit test)."""
+    script, path = tmp_path / "ngram_bench.py", tmp_path / "records.jsonl"
+    script.write_text(NGRAM_BENCH)
+    command = [sys.executable, str(script), str(tiny_target), str(tiny_drafter), str(path), json.dumps(ENGINE),
+               json.dumps(PROMPTS.prompts)]
+    proc = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), timeout=600, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ngram, ubtree = rec.read_records(path)
+    assert (ngram["method"], ubtree["method"]) == ("ngram", "ubtree")
+    assert ngram["drafter"] is None and (ngram["tree_budget"], ngram["beam_width"], ngram["top_k"]) == (3, 1, 1)
+    assert 1.0 <= ngram["tau"] <= 1.0 + 3 and ngram["output_tokens_per_s"] > 0
+    assert "accepted /" in ngram["notes"] and "k=3" in ngram["notes"] and "window 1-2 tokens" in ngram["notes"]
+    assert 1.0 <= ubtree["tau"] <= 1.0 + 4 and ubtree["drafter"] == str(tiny_drafter)

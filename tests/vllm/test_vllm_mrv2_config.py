@@ -8,7 +8,7 @@ import dataclasses
 import torch
 from vllm.engine.arg_utils import EngineArgs
 
-from ubtree_vllm.training.export import export_dflash_proposer
+from ubtree_vllm.drafter.io import export_dflash_proposer
 from ubtree_vllm.vllm.config import ADDITIONAL_CONFIG_KEY, TargetInfo, from_vllm_config, parse_speculative_config
 
 

@@ -1,13 +1,15 @@
 """Argument definitions and entry point of `ubtree bench e2e` and `ubtree bench microbench`.
 
-The top level imports only argparse (`ubtree_vllm.cli` builds every subparser on each
-invocation); `run_bench` imports vLLM / torch and the bench modules when called.
+The top level imports only argparse and `ubtree_vllm.errors` (`ubtree_vllm.cli` builds every
+subparser on each invocation); `run_bench` imports vLLM / torch and the bench modules when called.
 Flag values are checked by `bench/settings.py` (e2e) and `bench/microbench.py`; a bad
 value becomes a one-line `ubtree bench: error: --flag ...` message.
 """
 from __future__ import annotations
 
 import argparse
+
+from ubtree_vllm.errors import CommandError
 
 DEFAULT_RECORDS = "docs/benchmarks/records.jsonl"
 # Names of bench/microbench.py:MICROBENCHES (kept here so building the parser imports no torch;
@@ -19,19 +21,26 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default",
                         help="target HF folder ('default': the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", default=None,
-                        help="UBTree drafter folder (required unless --methods is only 'ar')")
+                        help="UBTree drafter folder (required unless --methods is only ar and ngram)")
     parser.add_argument("--datasets", default="spec_bench,mt_bench,humaneval",
                         help="comma-separated: spec_bench, mt_bench, humaneval")
     parser.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
     parser.add_argument("--num-prompts", type=int, default=80, help="prompts per dataset")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--methods", default="ar,dflash-chain,ubtree",
-                        help="comma-separated: ar (no speculation), dflash-chain (vLLM 'dflash' with the "
-                             "drafter's proposer), ubtree (one engine per --tree-budgets value, V1 model runner), "
+                        help="comma-separated: ar (no speculation), ngram (vLLM's n-gram prompt lookup, no "
+                             "drafter; see --ngram-*), dflash-chain (vLLM 'dflash' with the drafter's proposer), "
+                             "ubtree (one engine per --tree-budgets value, V1 model runner), "
                              "ubtree-mrv2 (the same on Model Runner V2, the default CUDA runner; CUDA, B >= gamma)")
     parser.add_argument("--tree-budgets", default="16,32,64", help="comma-separated tree budgets B for ubtree")
     parser.add_argument("--beam-width", type=int, default=12, help="W (capped at B)")
     parser.add_argument("--top-k", type=int, default=64, help="K")
+    parser.add_argument("--ngram-k", type=int, default=8,
+                        help="ngram: tokens proposed per round (vLLM num_speculative_tokens)")
+    parser.add_argument("--ngram-lookup-max", type=int, default=4,
+                        help="ngram: longest n-gram matched (vLLM prompt_lookup_max)")
+    parser.add_argument("--ngram-lookup-min", type=int, default=2,
+                        help="ngram: shortest n-gram matched (vLLM prompt_lookup_min, <= --ngram-lookup-max)")
     parser.add_argument("--concurrency", default="1",
                         help="comma-separated numbers of requests in flight (1 = batch size 1)")
     parser.add_argument("--records", default=DEFAULT_RECORDS, help=f"records file (default: {DEFAULT_RECORDS})")
@@ -83,7 +92,6 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     from ubtree_vllm.bench.settings import BenchArgumentError
-    from ubtree_vllm.cli import CommandError
 
     try:
         if args.bench_command == "e2e":

@@ -1,4 +1,4 @@
-"""`ubtree bench e2e`: vLLM end-to-end speed of ar / dflash-chain / ubtree in one process.
+"""`ubtree bench e2e`: vLLM end-to-end speed of ar / ngram / dflash-chain / ubtree in one process.
 
 For each engine of `settings.planned_methods` (ar first; ubtree once per tree budget B):
 build one `vllm.LLM`, send one warm-up request, then for every concurrency, dataset and
@@ -16,8 +16,9 @@ Sampling: `SamplingParams(temperature=T, max_tokens=--max-new-tokens, ignore_eos
 plus the target's EOS ids as stop ids; the engine seed is fixed (`--seed`), requests
 carry no per-request seed (that would put vLLM's sampler on its per-request generator
 path, which is not what serving measures). How tau, tok/s, TPOT and the speedup are
-computed: bench/measurement.py. With `--stage-timing` the runs append stage-time records
-instead of e2e records (bench/stage_timing.py).
+computed: bench/measurement.py. Each speculative run also appends its round cost in plain
+decode steps against the ar run of the same cell (bench/round_cost.py). With `--stage-timing`
+the runs append stage-time records instead of e2e records (bench/stage_timing.py).
 """
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ from typing import Any
 
 from ubtree_vllm.bench.measurement import RunResult, SpeedupTable, e2e_record, spec_counters, summarize_run
 from ubtree_vllm.bench.prompts import PromptSet, dataset_prompt_sets
+from ubtree_vllm.bench.round_cost import round_cost_records
 from ubtree_vllm.bench.settings import (TREE_METHODS, BenchArgumentError, E2ESettings, MethodRun, dflash_chain_run,
-                                        environment, planned_methods, settings_from_args, ubtree_chain_run,
-                                        ubtree_run)
+                                        environment, ngram_run, planned_methods, settings_from_args,
+                                        ubtree_chain_run, ubtree_run)
 from ubtree_vllm.bench.stage_timing import read_stage_times, stage_records, stage_timing_env, uses_runner_clock
 
 WARMUP_TOKENS = 32
@@ -119,8 +121,10 @@ def _start_engine(label: str, settings: E2ESettings, target_path: Path, engine_k
     method, _, budget = label.partition(":")
     if method in TREE_METHODS:
         run = ubtree_run(settings, int(budget), method)
+    elif label == "ngram":
+        run = ngram_run(settings)
     elif label == "dflash-chain":
-        from ubtree_vllm.training.export import META_FILE, export_dflash_proposer
+        from ubtree_vllm.drafter.io import META_FILE, export_dflash_proposer
 
         proposer = export_dflash_proposer(settings.drafter, scratch / "dflash-proposer")
         num_tokens = json.loads((proposer / META_FILE).read_text())["num_speculative_tokens"]
@@ -179,8 +183,8 @@ def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path
                             if settings.stage_timing:  # timed steps are slower: stage records only
                                 times = read_stage_times(llm, reset=True) if clocked else None
                                 new = stage_records(run, result, times, **where)
-                            else:
-                                new = [record]
+                            else:  # + its round cost in plain steps against this invocation's ar cell
+                                new = [record, *round_cost_records([*(r for r in rows if r["method"] == "ar"), record])]
                             if records_path is not None:
                                 new = [append_record(r, records_path) for r in new]
                             rows.extend(new)

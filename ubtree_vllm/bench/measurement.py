@@ -116,7 +116,7 @@ def e2e_record(run: MethodRun, result: RunResult, *, target: str, drafter: str |
         notes += f"; {run.note}"
     return {
         "kind": "e2e", "method": run.method, "target": target,
-        "drafter": drafter if run.speculative_config else None,
+        "drafter": drafter if run.uses_drafter else None,
         "dataset": dataset, "num_prompts": result.num_requests, "max_new_tokens": max_new_tokens,
         "temperature": float(temperature), "batch_size": concurrency, "concurrency": concurrency, "tp": 1,
         "cuda_graphs": cuda_graphs, "tree_budget": run.tree_budget, "beam_width": run.beam_width,

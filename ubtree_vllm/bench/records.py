@@ -11,7 +11,10 @@ The field set is the one of the project's benchmark-records design note:
   results:  tau, output_tokens_per_s, tpot_ms, speedup_vs_ar   (kind "e2e")
             metric, value, unit                                 (kind "microbench")
             loss, tokens_seen, wall_time_s, steps               (kind "train"; the
-            checkpoint produced goes in `drafter`)
+            checkpoint produced goes in `drafter`; tokens_seen counts label rows)
+            label_rows_per_s, distinct_tokens, cumulative_label_rows,
+            cumulative_distinct_tokens                          (kind "train", optional: throughput,
+            distinct response tokens trained on, and the totals over every slice behind the drafter)
   notes:    optional free text (e.g. how tau was measured)
 
 Fields a caller leaves out are written as null; unknown fields, a wrong type, or a
@@ -44,6 +47,8 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "tau": _NUM, "output_tokens_per_s": _NUM, "tpot_ms": _NUM, "speedup_vs_ar": _NUM,
     "metric": _STR, "value": _NUM, "unit": _STR,
     "loss": _NUM, "tokens_seen": _INT, "wall_time_s": _NUM, "steps": _INT,
+    "label_rows_per_s": _NUM, "distinct_tokens": _INT, "cumulative_label_rows": _INT,
+    "cumulative_distinct_tokens": _INT,
     "notes": _STR,
 }
 FIELDS = tuple(FIELD_TYPES)

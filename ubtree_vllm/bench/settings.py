@@ -7,8 +7,12 @@ the allowed values; the CLI prints it as one line.
 Methods (the `--methods` names) and the engines they become, in run order (ar first, so
 every later measurement can be paired with its AR baseline as soon as it is taken):
   ar            no speculation
+  ngram         vLLM's built-in "method": "ngram" (prompt lookup, no drafter): per round up to
+                --ngram-k tokens, those that followed an earlier occurrence of the context's last
+                n tokens, n in [--ngram-lookup-min, --ngram-lookup-max]; the platform's default
+                runner.
   dflash-chain  vLLM's built-in "method": "dflash" with the drafter's proposer exported by
-                `training/export.py:export_dflash_proposer`; num_speculative_tokens = the
+                `drafter/io.py:export_dflash_proposer`; num_speculative_tokens = the
                 drafter's block size gamma (one draft per mask slot, as the export writes in
                 its meta file). If vLLM cannot load it the run falls back to `ubtree-chain`.
   ubtree-chain  (fallback only) "method": "ubtree" with B = gamma, W = 1, K = 1: the same
@@ -17,7 +21,7 @@ every later measurement can be paired with its AR baseline as soon as it is take
                 engine per --tree-budgets value B, W = min(W, B), K.
   ubtree-mrv2   the same on Model Runner V2 (UBTREE_VLLM_RUNNER=mrv2: what a CUDA engine runs by default
                 when B >= gamma; CUDA only).
-Both runners are pinned, so a method name means the same runner in every record.
+The tree methods pin their runner, so a method name means the same runner in every record.
 """
 from __future__ import annotations
 
@@ -32,7 +36,9 @@ from typing import Any
 
 from ubtree_vllm.config import MAX_TREE_BUDGET, max_tree_nodes
 
-METHODS = ("ar", "dflash-chain", "ubtree", "ubtree-mrv2")
+METHODS = ("ar", "ngram", "dflash-chain", "ubtree", "ubtree-mrv2")
+# Methods that run without --drafter; their records carry drafter null.
+DRAFTER_FREE_METHODS = ("ar", "ngram")
 # Tree methods: one engine per tree budget, and the environment each engine is built under.
 TREE_METHODS = {"ubtree": {"UBTREE_VLLM_RUNNER": "v1"}, "ubtree-mrv2": {"UBTREE_VLLM_RUNNER": "mrv2"}}
 # Dataset names of training/evaluate.py:EVAL_DATASETS (that module imports torch).
@@ -47,7 +53,7 @@ class BenchArgumentError(ValueError):
 class MethodRun:
     """One vLLM engine of the benchmark and the tree fields its records carry."""
 
-    # record method: ar | dflash-chain | ubtree-chain | ubtree
+    # record method: ar | ngram | dflash-chain | ubtree-chain | ubtree | ubtree-mrv2
     method: str
     # vLLM's speculative_config, None for ar
     speculative_config: dict[str, Any] | None = None
@@ -59,6 +65,11 @@ class MethodRun:
     note: str = ""
     # environment variables set while the engine is built (the runner switch of ubtree-mrv2)
     env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def uses_drafter(self) -> bool:
+        """Whether the engine drafts with --drafter (only then do its records name it)."""
+        return self.method not in DRAFTER_FREE_METHODS
 
 
 @contextlib.contextmanager
@@ -90,6 +101,9 @@ class E2ESettings:
     tree_budgets: tuple[int, ...] = (16, 32, 64)
     beam_width: int = 12
     top_k: int = 64
+    ngram_k: int = 8
+    ngram_lookup_max: int = 4
+    ngram_lookup_min: int = 2
     concurrency: tuple[int, ...] = (1,)
     seed: int = 0
     stage_timing: bool = False
@@ -132,19 +146,23 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
     if bad:
         raise BenchArgumentError(f"--temperatures: each value must be a finite number >= 0, got {bad[0]}")
     for flag, value in (("--num-prompts", settings.num_prompts), ("--max-new-tokens", settings.max_new_tokens),
-                        ("--beam-width", settings.beam_width), ("--top-k", settings.top_k)):
+                        ("--beam-width", settings.beam_width), ("--top-k", settings.top_k),
+                        ("--ngram-k", settings.ngram_k), ("--ngram-lookup-min", settings.ngram_lookup_min)):
         if value < 1:
             raise BenchArgumentError(f"{flag} must be >= 1, got {value}")
+    if settings.ngram_lookup_max < settings.ngram_lookup_min:
+        raise BenchArgumentError(f"--ngram-lookup-max must be >= --ngram-lookup-min ({settings.ngram_lookup_min}), "
+                                 f"got {settings.ngram_lookup_max}")
     bad = [c for c in settings.concurrency if c < 1]
     if bad:
         raise BenchArgumentError(f"--concurrency: each value must be >= 1, got {bad[0]}")
 
-    needs_drafter = any(m != "ar" for m in settings.methods)
-    if not needs_drafter:
+    if all(m in DRAFTER_FREE_METHODS for m in settings.methods):
         return settings
     if settings.drafter is None:
+        free = " and ".join(repr(m) for m in DRAFTER_FREE_METHODS)
         raise BenchArgumentError(f"--drafter is required for --methods {','.join(settings.methods)} "
-                                 f"(only 'ar' runs without a drafter)")
+                                 f"(only {free} run without a drafter)")
     drafter_dir = Path(settings.drafter).expanduser()
     if not drafter_dir.is_dir():
         raise BenchArgumentError(f"--drafter: drafter folder not found: {settings.drafter}")
@@ -185,6 +203,9 @@ def settings_from_args(args: argparse.Namespace, check_datasets: bool = True) ->
         tree_budgets=parse_list("--tree-budgets", args.tree_budgets, int, "integers"),
         beam_width=args.beam_width,
         top_k=args.top_k,
+        ngram_k=args.ngram_k,
+        ngram_lookup_max=args.ngram_lookup_max,
+        ngram_lookup_min=args.ngram_lookup_min,
         concurrency=parse_list("--concurrency", args.concurrency, int, "integers"),
         seed=args.seed,
         stage_timing=args.stage_timing,
@@ -201,6 +222,15 @@ def ubtree_run(settings: E2ESettings, budget: int, method: str = "ubtree") -> Me
                      note=" ".join(f"{k}={v}" for k, v in env.items()), env=dict(env))
 
 
+def ngram_run(settings: E2ESettings) -> MethodRun:
+    """vLLM's n-gram prompt lookup: k = --ngram-k tokens per round (the record's B; W = K = 1), no drafter."""
+    k, low, high = settings.ngram_k, settings.ngram_lookup_min, settings.ngram_lookup_max
+    return MethodRun("ngram", {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": high,
+                               "prompt_lookup_min": low},
+                     tree_budget=k, beam_width=1, top_k=1,
+                     note=f"vLLM n-gram prompt lookup: k={k} tokens per round, lookup window {low}-{high} tokens")
+
+
 def ubtree_chain_run(settings: E2ESettings, note: str = "") -> MethodRun:
     """The single proposer path through the plugin: B = gamma, W = 1, K = 1 (V1 runner, as ``ubtree``)."""
     gamma = settings.block_size
@@ -211,14 +241,14 @@ def ubtree_chain_run(settings: E2ESettings, note: str = "") -> MethodRun:
 
 
 def dflash_chain_run(settings: E2ESettings, proposer_dir: str | Path, num_speculative_tokens: int) -> MethodRun:
-    """vLLM's DFlash on the exported proposer folder (see training/export.py)."""
+    """vLLM's DFlash on the exported proposer folder (see drafter/io.py:export_dflash_proposer)."""
     return MethodRun("dflash-chain", {"method": "dflash", "model": str(proposer_dir),
                                       "num_speculative_tokens": num_speculative_tokens},
                      tree_budget=num_speculative_tokens, beam_width=1, top_k=1, block_size=settings.block_size)
 
 
 def planned_methods(settings: E2ESettings) -> list[str]:
-    """Engine labels in run order: 'ar', 'dflash-chain', then '<tree method>:B' per budget."""
+    """Engine labels in run order: 'ar', 'ngram', 'dflash-chain', then '<tree method>:B' per budget."""
     order = [m for m in METHODS if m in settings.methods]
     labels: list[str] = []
     for method in order:

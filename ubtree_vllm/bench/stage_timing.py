@@ -76,7 +76,7 @@ def stage_records(run: MethodRun, result: RunResult, times: Mapping[str, tuple[i
              f"({result.num_requests} requests, {result.output_tokens} tokens, at most {concurrency} in flight); "
              f"the runner synchronizes the device at stage boundaries")
     common = {"kind": "microbench", "method": run.method, "target": target,
-              "drafter": drafter if run.speculative_config else None, "dataset": dataset,
+              "drafter": drafter if run.uses_drafter else None, "dataset": dataset,
               "num_prompts": result.num_requests, "max_new_tokens": max_new_tokens, "temperature": float(temperature),
               "batch_size": concurrency, "concurrency": concurrency, "tp": 1, "cuda_graphs": cuda_graphs,
               "tree_budget": run.tree_budget, "beam_width": run.beam_width, "top_k": run.top_k,

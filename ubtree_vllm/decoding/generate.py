@@ -10,6 +10,8 @@ import argparse
 import time
 from pathlib import Path
 
+from ubtree_vllm.errors import CommandError
+
 DEFAULT_PROMPTS = ("What is the capital of France? Answer in one sentence.",
                    "Write a short poem about the sea.")
 SHIPPED_DRAFTER = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-instruct-ubtree"
@@ -36,7 +38,6 @@ def run_cli(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ubtree_vllm.cli import CommandError
     from ubtree_vllm.config import SamplingConfig, UBTreeConfig
     from ubtree_vllm.decoding.reference import ReferenceDecoder
     from ubtree_vllm.drafter.io import load_drafter

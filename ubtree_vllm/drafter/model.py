@@ -69,19 +69,32 @@ class DraftAttention(nn.Module):
         return apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                ctx_v: torch.Tensor, ctx_mask: torch.Tensor) -> torch.Tensor:
+        """Attention split into a context part and an in-block part, merged in one softmax.
+
+        x:        [N, nb, S, H] block hidden states (nb blocks of S tokens per sequence)
+        cos/sin:  [N, nb, S, head_dim] rotary tables at the block positions
+        ctx_k/ctx_v: [N, L, kv_heads, head_dim] context keys/values (shared by the nb blocks)
+        ctx_mask: [N, nb, L] bool, True where the block may see the context position
+        Each block sees its visible context and all S tokens of its own block (non-causal),
+        nothing of other blocks, so the cost is linear in nb (no [nb*S, nb*S] mask).
+        Returns [N, nb, S, H].
         """
-        x:    [N, Q, H] block hidden states (all blocks of a sequence, flattened)
-        ctx_k/ctx_v: [N, L, kv_heads, head_dim] context keys/values
-        mask: [N, Q, L + Q] bool, True where the query may attend
-        """
-        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))
-        q = apply_rope(q, cos, sin)
-        k, v = self.project_kv(x, cos, sin)
-        k = torch.cat([ctx_k, k], dim=1).transpose(1, 2)  # [N, kvh, L+Q, hd]
-        v = torch.cat([ctx_v, v], dim=1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None], enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).flatten(-2))
+        num_seqs, nb, block_len, _ = x.shape
+        kvh, hd = self.num_kv_heads, self.head_dim
+        group = self.num_heads // kvh
+        q = apply_rope(self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, hd))), cos, sin)
+        k, v = self.project_kv(x, cos, sin)  # [N, nb, S, kvh, hd]
+        q = q.unflatten(3, (kvh, group)) * hd ** -0.5  # [N, nb, S, kvh, g, hd]
+        ctx_k, ctx_v = ctx_k.to(q.dtype), ctx_v.to(q.dtype)
+        s_ctx = torch.einsum("nbskgd,nlkd->nkgbsl", q, ctx_k)  # [N, kvh, g, nb, S, L]
+        s_blk = torch.einsum("nbskgd,nbtkd->nkgbst", q, k)  # [N, kvh, g, nb, S, S]
+        s_ctx = s_ctx.masked_fill(~ctx_mask[:, None, None, :, None, :], float("-inf"))
+        probs = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1, dtype=torch.float32).to(v.dtype)
+        ctx_len = ctx_k.shape[1]
+        out = (torch.einsum("nkgbsl,nlkd->nbskgd", probs[..., :ctx_len], ctx_v)
+               + torch.einsum("nkgbst,nbtkd->nbskgd", probs[..., ctx_len:], v))
+        return self.o_proj(out.flatten(-3))
 
 
 class DraftMLP(nn.Module):
@@ -103,25 +116,17 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def block_attention_mask(ctx_pos: torch.Tensor, ctx_valid: torch.Tensor, anchor_pos: torch.Tensor,
-                         block_len: int) -> torch.Tensor:
-    """Mask for `nb` blocks per sequence over [context, all block tokens].
+def context_visibility(ctx_pos: torch.Tensor, ctx_valid: torch.Tensor, anchor_pos: torch.Tensor) -> torch.Tensor:
+    """Which context positions each block sees: the valid ones strictly before its anchor.
 
-    ctx_pos/ctx_valid: [N, L]; anchor_pos: [N, nb]. A block sees the valid context strictly
-    before its anchor and every token of its own block (non-causal), nothing of other blocks.
-    Returns [N, nb * block_len, L + nb * block_len] bool.
+    ctx_pos/ctx_valid: [N, L]; anchor_pos: [N, nb]. Returns [N, nb, L] bool.
     """
-    num_seqs, nb = anchor_pos.shape
-    sees_ctx = ctx_valid[:, None, :] & (ctx_pos[:, None, :] < anchor_pos[:, :, None])  # [N, nb, L]
-    sees_ctx = sees_ctx[:, :, None, :].expand(num_seqs, nb, block_len, -1).flatten(1, 2)
-    block_id = torch.arange(nb, device=anchor_pos.device).repeat_interleave(block_len)
-    sees_block = (block_id[:, None] == block_id[None, :]).expand(num_seqs, -1, -1)
-    return torch.cat([sees_ctx, sees_block], dim=2)
+    return ctx_valid[:, None, :] & (ctx_pos[:, None, :] < anchor_pos[:, :, None])
 
 
 class DFlashBackbone(nn.Module):
@@ -131,6 +136,10 @@ class DFlashBackbone(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.fc = nn.Linear(cfg.num_features, cfg.hidden_size, bias=False)
+        # [F] per-channel scale of the target features before `fc` (training standardises the few
+        # huge channels). Not saved: drafter/io.py folds it into fc.weight, so exported folders
+        # keep the DFlash layout and load with scale 1.
+        self.register_buffer("feature_scale", torch.ones(cfg.num_features), persistent=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -143,14 +152,14 @@ class DFlashBackbone(nn.Module):
         ctx_features: [N, L, F] concatenated target features; ctx_pos/ctx_valid: [N, L]
         Returns the final-normed hidden states [N, nb, S, H].
         """
-        num_seqs, nb, block_len, hidden = block_embeds.shape
         cfg = self.cfg
-        mask = block_attention_mask(ctx_pos, ctx_valid, block_pos[:, :, 0], block_len)
-        ctx = self.hidden_norm(self.fc(ctx_features.to(self.fc.weight.dtype)))  # [N, L, H]
+        ctx_mask = context_visibility(ctx_pos, ctx_valid, block_pos[:, :, 0])
+        features = ctx_features.to(self.fc.weight.dtype) * self.feature_scale.to(self.fc.weight.dtype)
+        ctx = self.hidden_norm(self.fc(features))  # [N, L, H]
         ctx_cos, ctx_sin = rope_cos_sin(ctx_pos, cfg.head_dim, cfg.rope_theta)
-        cos, sin = rope_cos_sin(block_pos.flatten(1), cfg.head_dim, cfg.rope_theta)
-        x = block_embeds.flatten(1, 2)
+        cos, sin = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta)  # [N, nb, S, hd]
+        x = block_embeds
         for layer in self.layers:
             ctx_k, ctx_v = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
-            x = layer(x, cos, sin, ctx_k, ctx_v, mask)
-        return self.norm(x).view(num_seqs, nb, block_len, hidden)
+            x = layer(x, cos, sin, ctx_k, ctx_v, ctx_mask)
+        return self.norm(x)

@@ -64,6 +64,12 @@ class UBTreeDrafter(nn.Module):
             raise RuntimeError("drafter is not bound to a target: call bind_target() first")
         return self._embed_weight
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        if self._lm_head_weight is None:
+            raise RuntimeError("drafter is not bound to a target: call bind_target() first")
+        return self._lm_head_weight
+
     def eval(self) -> "UBTreeDrafter":
         super().eval()
         if self._embed_weight is not None:
@@ -90,7 +96,7 @@ class UBTreeDrafter(nn.Module):
 
     def proposer_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V] float32 with the target's LM head."""
-        return torch.matmul(hidden, self._lm_head_weight.to(hidden.dtype).t()).float()
+        return torch.matmul(hidden, self.lm_head_weight.to(hidden.dtype).t()).float()
 
     def propose(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, ctx_features: torch.Tensor,
                 ctx_pos: torch.Tensor, ctx_valid: torch.Tensor, top_k: int) -> Candidates:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+from ubtree_vllm.errors import CommandError
+
 EXIT_PAUSED = 3
 
 
@@ -70,8 +72,6 @@ def _settings(args: argparse.Namespace, section: str, flags: dict[str, object]) 
 
 
 def _command_error(exc: Exception):
-    from ubtree_vllm.cli import CommandError
-
     return CommandError(str(exc))
 
 

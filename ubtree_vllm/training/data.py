@@ -67,6 +67,8 @@ class DataGenConfig:
     max_new_tokens: int = 512
     # T_train: 1.0 (recipe) or 0.0 (greedy ablation).
     temperature: float = 1.0
+    # Independent answers per prompt (each its own sample).
+    samples_per_prompt: int = 1
     backend: str = "hf"
     shard_size: int = 1024
     # HF backend: prompts per generate() call.  vLLM schedules a whole shard itself.
@@ -86,7 +88,8 @@ class DataGenConfig:
             raise ValueError(f"backend must be 'hf' or 'vllm', got {self.backend!r}")
         if not (self.temperature >= 0.0):
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        for name in ("num_prompts", "max_prompt_tokens", "max_new_tokens", "shard_size", "batch_size"):
+        for name in ("num_prompts", "max_prompt_tokens", "max_new_tokens", "shard_size", "batch_size",
+                     "samples_per_prompt"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -101,7 +104,7 @@ class DataGenConfig:
     def identity(self) -> dict[str, Any]:
         """Settings that define the dataset's content; a resumed run must match them."""
         keys = ("sources", "num_prompts", "max_prompt_tokens", "max_new_tokens", "temperature", "backend",
-                "shard_size", "seed")
+                "shard_size", "seed", "samples_per_prompt")
         return {k: (list(v) if isinstance(v := getattr(self, k), tuple) else v) for k in keys}
 
 
@@ -227,7 +230,8 @@ def select_prompts(texts: Sequence[str], tokenizer: Any, num_prompts: int, max_p
 
 
 # ---- generation backends ---------------------------------------------------------------
-# (prompts, seed) -> responses, each ending at the first EOS when the target stopped.
+# (prompts, seed) -> responses, each ending at the first EOS when the target stopped; one per
+# prompt, in order (generate_dataset repeats each prompt samples_per_prompt times).
 GenerateFn = Callable[[Sequence[Sequence[int]], int], list[list[int]]]
 
 
@@ -382,7 +386,8 @@ def generate_dataset(cfg: DataGenConfig, generator: GenerateFn | None = None, lo
             log(f"gen-data: stopping at the time budget ({cfg.max_minutes} min) after {len(done)} of "
                 f"{num_shards} shards; run again to resume")
             break
-        chunk = prompts[index * cfg.shard_size:(index + 1) * cfg.shard_size]
+        chunk = [p for p in prompts[index * cfg.shard_size:(index + 1) * cfg.shard_size]
+                 for _ in range(cfg.samples_per_prompt)]
         responses = generator(chunk, cfg.seed * 100003 + index)
         counts = write_shard(out / name, list(zip(chunk, responses)))
         manifest["shards"].append({"file": name, **counts})
@@ -416,28 +421,36 @@ class TokenDataset:
     root: Path = field(default=Path("."))
 
     @classmethod
-    def load(cls, directory: str | Path) -> TokenDataset:
+    def load(cls, directory: str | Path, shard_files: Sequence[str] | None = None) -> TokenDataset:
+        """All shards listed in the manifest, or only `shard_files` (in that order)."""
         root = Path(directory)
-        manifest_path = root / MANIFEST_FILE
-        if not manifest_path.is_file():
-            raise FileNotFoundError(f"{root} is not a training dataset (no {MANIFEST_FILE}); run `ubtree gen-data`")
-        manifest = json.loads(manifest_path.read_text())
-        if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{manifest_path}: unsupported format {manifest.get('format')!r} "
-                             f"v{manifest.get('format_version')}")
+        manifest = read_manifest(root)
         if not manifest["shards"]:
             raise ValueError(f"{root} holds no shards yet; run `ubtree gen-data` to completion")
-        ids, offsets, prompt_lens, base = [], [torch.zeros(1, dtype=torch.int64)], [], 0
-        for shard in manifest["shards"]:
-            t = load_file(str(root / shard["file"]))
-            ids.append(t["input_ids"])
-            offsets.append(t["offsets"][1:] + base)
-            prompt_lens.append(t["prompt_lens"])
-            base += int(t["input_ids"].numel())
-        return cls(manifest, torch.cat(ids), torch.cat(offsets), torch.cat(prompt_lens), root)
+        dataset = cls(manifest, torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
+                      torch.zeros(0, dtype=torch.int32), root)
+        listed = [s["file"] for s in manifest["shards"]]
+        for name in listed if shard_files is None else shard_files:
+            if name not in listed:
+                raise ValueError(f"dataset {root}: shard {name} is not in its manifest")
+            dataset.append_shard(name)
+        return dataset
+
+    def append_shard(self, name: str) -> range:
+        """Load one shard file and append its samples; returns their indices."""
+        t = load_file(str(self.root / name))
+        first, base = len(self), int(self.input_ids.numel())
+        self.input_ids = torch.cat([self.input_ids, t["input_ids"]])
+        self.offsets = torch.cat([self.offsets, t["offsets"][1:] + base])
+        self.prompt_lens = torch.cat([self.prompt_lens, t["prompt_lens"]])
+        return range(first, len(self))
 
     def __len__(self) -> int:
         return int(self.prompt_lens.numel())
+
+    def response_tokens(self) -> torch.Tensor:
+        """[num_samples] int64 response length of each sample."""
+        return (self.offsets[1:] - self.offsets[:-1]) - self.prompt_lens.long()
 
     def sample(self, index: int) -> tuple[torch.Tensor, int]:
         """(token ids [T] int64, prompt length) of sample `index`."""
@@ -458,9 +471,87 @@ class TokenDataset:
                              f"vocab_size {vocab_size}")
 
 
+def read_manifest(root: str | Path) -> dict[str, Any]:
+    manifest_path = Path(root) / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"{root} is not a training dataset (no {MANIFEST_FILE}); run `ubtree gen-data`")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{manifest_path}: unsupported format {manifest.get('format')!r} "
+                         f"v{manifest.get('format_version')}")
+    return manifest
+
+
+class ShardStream:
+    """Sample order over a dataset folder that gen-data is still writing.
+
+    Shards join as they land (`refresh`). Samples never trained on go first, each new shard
+    shuffled by (seed, shard index); once every loaded sample has been seen, epochs over all
+    loaded samples (randperm seeded by (seed, epoch)) fill in until new data lands. The state
+    (`state_dict`) is the loaded shard list and the queues, so a resume with the same shards
+    on disk continues the same order.
+    """
+
+    def __init__(self, dataset: TokenDataset, seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+        self.shards: list[str] = []
+        self.fresh: list[int] = []
+        self.replay: list[int] = []
+        self.epoch = 0
+        self._mtime = None
+
+    def refresh(self) -> int:
+        """Load shards listed in the manifest since the last call; returns how many samples joined."""
+        path = self.dataset.root / MANIFEST_FILE
+        mtime = path.stat().st_mtime_ns
+        if mtime == self._mtime:
+            return 0
+        self._mtime = mtime
+        manifest = read_manifest(self.dataset.root)
+        self.dataset.manifest = manifest
+        joined = 0
+        for shard in manifest["shards"]:
+            if shard["file"] in self.shards:
+                continue
+            index = len(self.shards)
+            self._add(shard["file"], index)
+            joined += shard["num_samples"]
+        return joined
+
+    def _add(self, name: str, index: int) -> None:
+        new = self.dataset.append_shard(name)
+        self.shards.append(name)
+        g = torch.Generator().manual_seed(self.seed * 7919 + 1_000_003 * (index + 1))
+        self.fresh += [new[i] for i in torch.randperm(len(new), generator=g).tolist()]
+
+    def take(self, count: int) -> list[int]:
+        out = []
+        while len(out) < count:
+            if self.fresh:
+                out.append(self.fresh.pop())
+                continue
+            if not self.replay:
+                g = torch.Generator().manual_seed(self.seed * 7919 + self.epoch)
+                self.replay = torch.randperm(len(self.dataset), generator=g).tolist()
+                self.epoch += 1
+            out.append(self.replay.pop())
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shards": list(self.shards), "fresh": list(self.fresh), "replay": list(self.replay),
+                "epoch": self.epoch}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for index, name in enumerate(state["shards"]):
+            self._add(name, index)
+        self.fresh, self.replay, self.epoch = list(state["fresh"]), list(state["replay"]), state["epoch"]
+
+
 def manifest_summary(manifest: Mapping[str, Any]) -> dict[str, Any]:
     """The provenance fields the trainer copies into its outputs."""
     return {"target": manifest["target"]["name"], **{k: manifest["generation"][k] for k in
             ("temperature", "backend", "max_new_tokens", "num_prompts", "sources", "seed")},
-            "num_samples": manifest["num_samples"], "num_tokens": manifest["num_tokens"]}
+            "samples_per_prompt": manifest["generation"].get("samples_per_prompt", 1),
+            "num_samples": manifest["num_samples"], "num_tokens": manifest["num_tokens"],
+            "num_response_tokens": manifest["num_response_tokens"]}
 

@@ -1,17 +1,10 @@
-"""Exported drafter folders: the UBTree drafter, its round-trip check, and a vLLM-DFlash copy.
+"""Exported drafter folders: the UBTree drafter with its training provenance, and its round-trip check.
 
 `export_drafter` writes exactly what `drafter/io.py:load_drafter` (and the plugin) reads:
 `config.json` (Qwen3 backbone fields + `dflash_config` + `ubtree` block) and
 `model.safetensors` (bf16 by default), plus `ubtree_meta.json` with training provenance.
-
-vLLM's built-in `"method": "dflash"` (`DFlashQwen3ForCausalLM.load_weights`) prefixes
-every tensor name except `lm_head*` with `model.` and hands them to `AutoWeightsLoader`,
-which raises on names with no matching module, so the `selector.*` tensors of a UBTree
-folder make it fail. `export_dflash_proposer` therefore writes a second folder with the
-proposer tensors only; its config is the same HF dict minus the `ubtree` block
-(architectures ["DFlashDraftModel"], `dflash_config` with target_layer_ids and
-mask_token_id). Neither folder ships an embedding or LM head: vLLM's DFlash then shares
-the target's, exactly like our proposer.
+The proposer-only copy for vLLM's built-in `dflash` method is `drafter/io.py:export_dflash_proposer`
+(serving uses it, and serving never imports training).
 """
 from __future__ import annotations
 
@@ -21,15 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
-
 from ubtree_vllm import __version__
-from ubtree_vllm.drafter.config import CONFIG_FILE, WEIGHTS_FILE, DrafterConfig
-from ubtree_vllm.drafter.io import drafter_state_dict, load_drafter, save_drafter
+from ubtree_vllm.drafter.io import META_FILE, drafter_state_dict, folded_state_dict, load_drafter, save_drafter
 from ubtree_vllm.drafter.proposer import UBTreeDrafter
-
-META_FILE = "ubtree_meta.json"
-SELECTOR_PREFIX = "selector."
 
 
 def export_drafter(drafter: UBTreeDrafter, directory: str | Path, provenance: dict[str, Any],
@@ -48,10 +35,10 @@ def export_drafter(drafter: UBTreeDrafter, directory: str | Path, provenance: di
 
 
 def _rounded_copy(drafter: UBTreeDrafter, dtype: torch.dtype) -> UBTreeDrafter:
-    """A float32 CPU drafter whose weights are `drafter`'s rounded to `dtype`."""
+    """A float32 CPU drafter whose weights are `drafter`'s (feature scale folded) rounded to `dtype`."""
     copy = UBTreeDrafter(drafter.cfg)
-    state = {k: (v.to(dtype) if v.is_floating_point() else v).float()
-             for k, v in drafter.state_dict().items()}
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).float().cpu()
+             for k, v in folded_state_dict(drafter).items()}
     copy.load_state_dict(state)
     return copy
 
@@ -69,7 +56,7 @@ def check_round_trip(drafter: UBTreeDrafter, directory: str | Path, dtype: torch
     """
     cfg = drafter.cfg
     embed = drafter.embed_weight.detach().float().cpu()
-    head = drafter._lm_head_weight.detach().float().cpu()
+    head = drafter.lm_head_weight.detach().float().cpu()
     reference = _rounded_copy(drafter, dtype)
     loaded = load_drafter(directory, device="cpu", dtype=torch.float32)
     if loaded.cfg.to_hf_dict() != cfg.to_hf_dict():
@@ -93,23 +80,6 @@ def check_round_trip(drafter: UBTreeDrafter, directory: str | Path, dtype: torch
             diff = (expected - results[1][name]).abs().max().item()
             raise AssertionError(f"round trip of {directory}: {name} differs after reload (max |diff| {diff})")
     return {name: float(t.abs().max()) for name, t in results[0].items()}
-
-
-def export_dflash_proposer(drafter_dir: str | Path, out_dir: str | Path) -> Path:
-    """Copy the proposer part of a UBTree drafter folder into a vLLM `dflash` folder."""
-    src, dst = Path(drafter_dir), Path(out_dir)
-    cfg = DrafterConfig.load(src)  # validates the source
-    hf = cfg.to_hf_dict()
-    hf.pop("ubtree")
-    tensors = load_file(str(src / WEIGHTS_FILE))
-    proposer = {k: v for k, v in tensors.items() if not k.startswith(SELECTOR_PREFIX)}
-    dst.mkdir(parents=True, exist_ok=True)
-    (dst / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
-    save_file(proposer, str(dst / WEIGHTS_FILE), metadata={"format": "pt"})
-    (dst / META_FILE).write_text(json.dumps({
-        "source": str(src), "contents": "proposer (DFlash backbone) only; for vLLM speculative method 'dflash'",
-        "num_speculative_tokens": cfg.block_size, "target": cfg.target_name}, indent=2) + "\n")
-    return dst
 
 
 def state_dict_nbytes(drafter: UBTreeDrafter, dtype: torch.dtype = torch.bfloat16) -> int:

@@ -1,4 +1,5 @@
-"""Tree-native drafter objective: renormalized KL on the selector + beta * proposer CE.
+"""Tree-native drafter objective: the proposer's own distillation loss at full weight, and the
+selector's renormalized KL over the proposer's top-K.
 
 Per batch of right-padded sequences (prompt + target-generated response):
 
@@ -8,20 +9,24 @@ Per batch of right-padded sequences (prompt + target-generated response):
    `[x_a, mask * gamma]`; it sees the target features of positions < a (the anchor is not
    yet processed by the target at inference, see drafter/proposer.py) and predicts
    `x_{a+1} .. x_{a+gamma}`. Depths past the sequence end are masked. All blocks of a
-   sequence run in one drafter forward with a block-diagonal mask.
-3. Proposer: log-softmax of the target LM head on each depth's hidden state; CE on the label.
-4. Selector: the K proposer candidates at depth d (top-K of the proposer log-probs; the
-   selection is detached, their log-prob values are not) are scored by
-   `selector.edge_logprobs` with the TRUE previous token x_{a+d-1} as the single
-   predecessor (x_a for d = 1): q_d(. | x_{a+d-1}) over the K candidates.
-   The target's next-token distribution at position a+d-1 (teacher forced on the data),
-   renormalized over the same K candidates, is p_d. Loss `kl`: KL(p_d || q_d).
-   Loss `hard_ce`: -log q_d(x_{a+d}), only at depths whose label is among the K.
-5. total = selector loss + beta * CE, each a weighted mean over valid depths with weight
-   exp(-(d - 1) / loss_decay) (DFlash's position decay) or 1 when loss_decay is None.
+   sequence run in one drafter forward whose attention is split into a context part and an
+   in-block part (drafter/model.py), so hundreds of anchors per sequence cost linearly.
+3. Proposer (training/head_loss.py, chunked through the target's LM head):
+   `proposer_kl` * KL(target's teacher-forced distribution at a+d-1 || proposer at depth d)
+   + `beta` * CE on the label x_{a+d}. The KL is the low-variance signal on T_train = 1
+   samples (the target's own distribution, not one draw of it).
+4. Selector: at depth d the K candidates are the top-K of the proposer log-probs, scored by
+   `selector.edge_logprobs` with the TRUE previous token x_{a+d-1} (x_a for d = 1) as the
+   single predecessor: q_d(. | x_{a+d-1}) over the K candidates. The teacher p_d is the
+   target's distribution at a+d-1 renormalized over the same K candidates.
+   Loss `kl`: KL(p_d || q_d); `hard_ce`: -log q_d(x_{a+d}) at depths whose label is among
+   the K. With `detach_selector` (the recipe) the selector sees the proposer's outputs
+   detached, so it learns to reorder a proposer that trains on its own objective; without
+   it (the joint ablation) its loss also flows into the proposer.
+5. total = proposer terms + selector loss, each a weighted mean over labelled depths with
+   weight exp(-(d - 1) / loss_decay) (DFlash's position decay) or 1 when loss_decay is None.
 
-Renormalizing over K needs the target's logits at the K candidates only, so the target's
-full-vocabulary logits are never materialized.
+The original joint recipe is `proposer_kl=0, beta=0.1, detach_selector=False`.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from ubtree_vllm.drafter.proposer import UBTreeDrafter
+from ubtree_vllm.training.head_loss import DEFAULT_CHUNK_ROWS, head_loss
 from ubtree_vllm.training.target import FrozenTarget
 
 SELECTOR_LOSSES = ("kl", "hard_ce")
@@ -39,16 +45,26 @@ SELECTOR_LOSSES = ("kl", "hard_ce")
 @dataclass(frozen=True)
 class LossConfig:
     selector_loss: str = "kl"
+    # Weight of the proposer's hard-label CE.
     beta: float = 0.1
     # DFlash-style position decay constant (e.g. 7); None weighs all depths equally.
-    loss_decay: float | None = None
-    blocks_per_seq: int = 32
+    loss_decay: float | None = 7.0
+    blocks_per_seq: int = 256
+    # Weight of the proposer's KL to the target's teacher-forced distribution.
+    proposer_kl: float = 1.0
+    # The selector trains on detached proposer outputs (False: the joint ablation).
+    detach_selector: bool = True
+    # Rows per LM-head chunk (memory: about 7 * rows * vocab float32 values at a time).
+    head_chunk_rows: int = DEFAULT_CHUNK_ROWS
 
     def __post_init__(self) -> None:
         if self.selector_loss not in SELECTOR_LOSSES:
             raise ValueError(f"selector_loss must be one of {SELECTOR_LOSSES}, got {self.selector_loss!r}")
-        if not self.beta >= 0.0:
-            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        for name in ("beta", "proposer_kl"):
+            if not getattr(self, name) >= 0.0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.head_chunk_rows < 1:
+            raise ValueError(f"head_chunk_rows must be >= 1, got {self.head_chunk_rows}")
         if self.loss_decay is not None and not self.loss_decay > 0:
             raise ValueError(f"loss_decay must be > 0 or null, got {self.loss_decay}")
         if self.blocks_per_seq < 1:
@@ -147,39 +163,47 @@ def drafter_loss(drafter: UBTreeDrafter, target: FrozenTarget, batch: Batch, cfg
     rows = row_valid.flatten().nonzero().squeeze(1)  # [M] flat (block, depth) rows with a label
     row_depth = rows % gamma  # 0-based depth
     row_labels = labels.flatten()[rows]
+    weights = torch.ones(rows.shape, device=dev) if cfg.loss_decay is None else torch.exp(
+        -row_depth.float() / cfg.loss_decay)
+    seq_of_row = rows // (num_blocks * gamma)
+    target_rows = final_hidden[seq_of_row, label_pos.flatten()[rows] - 1]  # [M, H] target at a + d - 1
+    row_hidden = hidden.flatten(0, 1)[rows]  # [M, H]
 
-    # Proposer (full-vocabulary log-probs only at labelled rows).
-    logp = torch.log_softmax(drafter.proposer_logits(hidden.flatten(0, 1)[rows]), dim=-1)  # [M, V] f32
-    ce_rows = -logp.gather(1, row_labels[:, None]).squeeze(1)
-    cand = logp.detach().topk(top_k, dim=-1).indices  # [M, K] the selection is not differentiated
-    cand_logp = logp.gather(1, cand)  # [M, K] with grad
+    # Proposer: KL to the target + beta * CE, chunked through the LM head.
+    head = head_loss(row_hidden, drafter.lm_head_weight, target_rows, row_labels, weights, cfg.proposer_kl,
+                     cfg.beta, top_k, target.softcap, cfg.head_chunk_rows, lse_grad=not cfg.detach_selector)
+    cand = head.cand  # [M, K] the selection is never differentiated
+    if cfg.detach_selector:
+        cand_logp, sel_hidden = head.cand_logp, hidden.detach()
+    else:  # log q at the candidates, differentiable through the proposer (joint ablation)
+        w = drafter.lm_head_weight[cand].to(row_hidden.dtype)  # [M, K, H]
+        cand_logp = torch.bmm(w, row_hidden[:, :, None]).squeeze(-1).float() - head.lse[:, None]
+        sel_hidden = hidden
 
     # Selector over the K candidates, true predecessor (P = 1), every depth of every block.
     cand_full = torch.zeros((num_rows * gamma, top_k), dtype=torch.long, device=dev).index_copy(0, rows, cand)
     logp_full = torch.zeros((num_rows * gamma, top_k), dtype=cand_logp.dtype, device=dev).index_put(
         (rows,), cand_logp)
     log_q = drafter.selector.edge_logprobs(prev.reshape(num_rows, gamma, 1), cand_full.view(num_rows, gamma, top_k),
-                                           logp_full.view(num_rows, gamma, top_k), hidden, drafter.embed_weight)
+                                           logp_full.view(num_rows, gamma, top_k), sel_hidden, drafter.embed_weight)
     log_q = log_q.reshape(num_rows * gamma, top_k)[rows]  # [M, K]
 
     # Target at position a + d - 1, renormalized over the candidates.
-    seq_of_row = rows // (num_blocks * gamma)
-    target_rows = final_hidden[seq_of_row, label_pos.flatten()[rows] - 1]  # [M, H]
     log_p = torch.log_softmax(target.candidate_logits(target_rows, cand), dim=-1)  # [M, K]
     kl_rows = (log_p.exp() * (log_p - log_q)).sum(-1)
     hit = cand == row_labels[:, None]  # [M, K]
     in_topk = hit.any(-1)
     hard_rows = -(log_q * hit).sum(-1)
 
-    weights = torch.ones_like(ce_rows) if cfg.loss_decay is None else torch.exp(-row_depth.float() / cfg.loss_decay)
-    ce = _weighted_mean(ce_rows, weights)
+    weight_sum = weights.sum().clamp(min=1e-12)
+    proposer = head.loss / weight_sum
     kl = _weighted_mean(kl_rows, weights)
     hard = _weighted_mean(hard_rows, weights * in_topk)
     selector = kl if cfg.selector_loss == "kl" else hard
-    loss = selector + cfg.beta * ce
+    loss = proposer + selector
 
     with torch.no_grad():
-        correct = (logp.argmax(-1) == row_labels).float()
+        correct = (head.top1 == row_labels).float()
         count = torch.zeros(gamma, device=dev).index_add_(0, row_depth, torch.ones_like(correct))
         top1_by_depth = torch.zeros(gamma, device=dev).index_add_(0, row_depth, correct) / count
         sel_correct = (cand.gather(1, log_q.argmax(-1, keepdim=True)).squeeze(1) == row_labels).float()
@@ -188,7 +212,8 @@ def drafter_loss(drafter: UBTreeDrafter, target: FrozenTarget, batch: Batch, cfg
         full = row_valid.view(num_rows, gamma).all(-1)
         leading = correct_full.cumprod(dim=1).sum(1)
         metrics = {
-            "loss": loss.detach(), "ce": ce.detach(), "kl": kl.detach(), "hard_ce": hard.detach(),
+            "loss": loss.detach(), "ce": _weighted_mean(head.ce_rows, weights), "kl": kl.detach(),
+            "proposer_kl": _weighted_mean(head.kl_rows, weights), "hard_ce": hard.detach(),
             "top1": correct.mean(), "topk_hit": in_topk.float().mean(), "selector_top1": sel_correct.mean(),
             "chain_tau": 1.0 + (leading * full).sum() / full.sum().clamp(min=1),
         }

@@ -67,6 +67,19 @@ class FrozenTarget:
         features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
         return features, out.last_hidden_state
 
+    def final_norm_weight(self) -> torch.Tensor | None:
+        """[H] weight of the target's final RMSNorm (the drafter's final norm starts from it), or None."""
+        norm = getattr(self.model.base_model, "norm", None)
+        weight = getattr(norm, "weight", None)
+        return weight.detach() if isinstance(weight, torch.Tensor) and weight.ndim == 1 else None
+
+    @torch.no_grad()
+    def feature_square_sums(self, input_ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Per-channel sum of squared features over the valid positions: ([F] float64, positions)."""
+        features, _ = self.forward(input_ids, valid)
+        rows = features[valid].double()
+        return rows.pow(2).sum(0), int(rows.shape[0])
+
     @torch.no_grad()
     def candidate_logits(self, final_hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Target logits of `tokens` only: final_hidden [M, H], tokens [M, K] -> [M, K] float32.

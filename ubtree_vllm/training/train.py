@@ -9,7 +9,23 @@ resumed run therefore computes the same step s + 1 as the uninterrupted one.
 Time slices. `max_minutes` stops the loop at the first step boundary past the budget,
 writes a checkpoint and returns `status == "paused"`; running the same config again
 resumes from the newest checkpoint. When `max_steps` is reached the drafter is exported
-(export.py), checked by a round trip, and a `train` record is appended.
+(export.py), checked by a round trip, and a `train` record is appended. With
+`schedule_by_time` the LR schedule runs over `max_minutes` instead of `max_steps`, and the
+budget's end finishes (exports) the run: the form of one device slice.
+
+Training across sessions. `init_drafter` starts from an exported drafter (the committed one):
+its weights, a fresh optimizer and warm-up. Its `ubtree_meta.json` carries the cumulative
+label rows and distinct tokens of every slice behind it; the new export and `train` record
+add this slice's.
+
+Streaming data (`stream_data`). The trainer trains on a dataset folder that `ubtree gen-data`
+is still writing beside it on the same GPU: it waits for the first shard, then picks up new
+shards as they land (data.py:ShardStream; unseen samples first).
+
+Initialisation (fresh drafters): the target features are standardised per channel (the RMS
+over the first batches; a few channels of the fused layers are ~35x the median), kept as the
+backbone's feature scale and folded into `fc` at export; the drafter's final norm starts from
+the target's final norm (both feed the same LM head).
 """
 from __future__ import annotations
 
@@ -25,10 +41,10 @@ from typing import Any
 import torch
 
 from ubtree_vllm.drafter.config import DrafterConfig
-from ubtree_vllm.drafter.io import load_drafter
+from ubtree_vllm.drafter.io import META_FILE, load_drafter
 from ubtree_vllm.drafter.proposer import UBTreeDrafter
 from ubtree_vllm.training import checkpoint as ckpt
-from ubtree_vllm.training.data import TokenDataset, manifest_summary, resolve_target_path
+from ubtree_vllm.training.data import ShardStream, TokenDataset, manifest_summary, read_manifest, resolve_target_path
 from ubtree_vllm.training.export import check_round_trip, export_drafter
 from ubtree_vllm.training.losses import LossConfig, collate, drafter_loss, make_generator
 from ubtree_vllm.training.target import FrozenTarget
@@ -36,7 +52,11 @@ from ubtree_vllm.training.target import FrozenTarget
 SCHEDULES = ("cosine", "linear", "constant")
 # Settings that may change between time slices of one run; all others must match the checkpoint.
 SLICE_SETTINGS = frozenset({"max_minutes", "log_every", "checkpoint_every", "keep_checkpoints", "progress",
-                            "records_path", "export_dir", "device", "resume"})
+                            "records_path", "export_dir", "device", "resume", "stream_wait_minutes",
+                            "stream_refresh_steps", "head_chunk_rows"})
+# Drafter settings an `init_drafter` fixes; an override that disagrees is an error.
+DRAFTER_IDENTITY = ("num_layers", "block_size", "top_k", "selector_rank", "mask_token_id", "target_layer_ids",
+                    "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
 
 
 @dataclass
@@ -55,11 +75,22 @@ class TrainConfig:
     init_drafter: str | None = None
     # Overrides of DrafterConfig.for_target (num_layers, block_size, top_k, mask_token_id, ...).
     drafter: dict[str, Any] = field(default_factory=dict)
-    # Objective (losses.py).
+    # Objective (losses.py). The joint ablation: proposer_kl=0, detach_selector=false.
     selector_loss: str = "kl"
     beta: float = 0.1
-    loss_decay: float | None = None
-    blocks_per_seq: int = 32
+    loss_decay: float | None = 7.0
+    blocks_per_seq: int = 256
+    proposer_kl: float = 1.0
+    detach_selector: bool = True
+    head_chunk_rows: int = 4096
+    # Initialisation of a fresh drafter (module docstring).
+    standardize_features: bool = True
+    feature_stats_batches: int = 4
+    norm_from_target: bool = True
+    # Train on a dataset gen-data is still writing (module docstring).
+    stream_data: bool = False
+    stream_wait_minutes: float = 10.0
+    stream_refresh_steps: int = 20
     # Data: sequences per step and the truncation length.
     batch_size: int = 8
     max_seq_len: int = 1024
@@ -80,6 +111,9 @@ class TrainConfig:
     checkpoint_every: int = 200
     keep_checkpoints: int = 2
     max_minutes: float | None = None
+    # LR schedule over max_minutes of training-loop time (not max_steps; start-up and waiting for
+    # data do not count); the budget's end finishes (exports) the run.
+    schedule_by_time: bool = False
     resume: bool = True
     progress: bool = True
     records_path: str | None = "docs/benchmarks/records.jsonl"
@@ -88,7 +122,10 @@ class TrainConfig:
         self.adam_betas = tuple(self.adam_betas)  # type: ignore[assignment]
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        for name in ("batch_size", "max_steps", "log_every", "checkpoint_every", "keep_checkpoints"):
+        if self.schedule_by_time and not self.max_minutes:
+            raise ValueError("schedule_by_time needs max_minutes (the schedule runs over it)")
+        for name in ("batch_size", "max_steps", "log_every", "checkpoint_every", "keep_checkpoints",
+                     "feature_stats_batches", "stream_refresh_steps"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_seq_len < 2:
@@ -115,7 +152,8 @@ class TrainConfig:
         return out
 
     def loss_config(self) -> LossConfig:
-        return LossConfig(self.selector_loss, self.beta, self.loss_decay, self.blocks_per_seq)
+        return LossConfig(self.selector_loss, self.beta, self.loss_decay, self.blocks_per_seq, self.proposer_kl,
+                          self.detach_selector, self.head_chunk_rows)
 
     @property
     def drafter_dir(self) -> Path:
@@ -134,13 +172,18 @@ class TrainResult:
     tokens_seen: int
 
 
-def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """LR multiplier at `step`: linear warmup, then cosine/linear decay to min_lr_ratio (or constant)."""
+def lr_factor(step: int, cfg: TrainConfig, time_progress: float | None = None) -> float:
+    """LR multiplier at `step`: linear warmup, then cosine/linear decay to min_lr_ratio (or constant).
+
+    `time_progress` (0..1, schedule_by_time) replaces the step-based progress of the decay."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
         return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    if time_progress is not None:
+        progress = min(1.0, max(0.0, time_progress))
+    else:
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
     shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
@@ -175,6 +218,17 @@ def build_drafter_config(cfg: TrainConfig, hf_config: Any, target_name: str) -> 
     """The drafter config of the run; errors name the `drafter.*` setting at fault."""
     if cfg.init_drafter:
         drafter_cfg = DrafterConfig.load(cfg.init_drafter)
+        for key, value in cfg.drafter.items():
+            if key not in DRAFTER_IDENTITY:
+                continue
+            have = getattr(drafter_cfg, key)
+            want = tuple(value) if isinstance(have, tuple) else value
+            if have != want:
+                raise ValueError(f"train config 'drafter.{key}' is {value!r} but init_drafter {cfg.init_drafter} has "
+                                 f"{key} = {have!r}; drop the override or start a fresh drafter")
+        if drafter_cfg.target_name != target_name:
+            raise ValueError(f"init_drafter {cfg.init_drafter} was trained for target {drafter_cfg.target_name!r}, "
+                             f"the data is for {target_name!r} (target)")
     else:
         known = {f.name for f in dataclasses.fields(DrafterConfig)} - {"target_name", "vocab_size", "hidden_size",
                                                                       "target_num_layers", "extra"}
@@ -207,6 +261,62 @@ def _check_resume(saved: Mapping[str, Any], cfg: TrainConfig) -> None:
                          f"(use a new output_dir, or restore them)")
 
 
+def _wait_for_shards(data_dir: str, minutes: float, log: Callable[[str], None]) -> None:
+    """Block until the dataset folder lists at least one shard (stream_data)."""
+    deadline = time.monotonic() + minutes * 60
+    while True:
+        try:
+            if read_manifest(data_dir)["shards"]:
+                return
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise ValueError(f"stream_data: no shard appeared in {data_dir} within stream_wait_minutes={minutes}")
+        log(f"train: waiting for the first shard in {data_dir}")
+        time.sleep(5)
+
+
+def _open_data(cfg: TrainConfig, log: Callable[[str], None]) -> tuple[TokenDataset, ShardStream | None]:
+    if not cfg.stream_data:
+        dataset = TokenDataset.load(cfg.data_dir)
+        if not dataset.manifest["complete"]:
+            raise ValueError(f"dataset {cfg.data_dir} is incomplete ({len(dataset)} of "
+                             f"{dataset.manifest['generation']['num_prompts']} samples); run `ubtree gen-data` again to "
+                             f"finish it, or set stream_data: true")
+        return dataset, None
+    _wait_for_shards(cfg.data_dir, cfg.stream_wait_minutes, log)
+    dataset = TokenDataset.load(cfg.data_dir, shard_files=[])
+    return dataset, ShardStream(dataset, cfg.seed)
+
+
+@torch.no_grad()
+def _feature_scale(target: FrozenTarget, dataset: TokenDataset, cfg: TrainConfig, device: torch.device) -> torch.Tensor:
+    """[F] float32: 1 / RMS of each feature channel over the first feature_stats_batches batches."""
+    sums, count = None, 0
+    take = min(len(dataset), cfg.feature_stats_batches * cfg.batch_size)
+    for start in range(0, take, cfg.batch_size):
+        batch = collate([dataset.sample(i) for i in range(start, min(take, start + cfg.batch_size))],
+                        cfg.max_seq_len).to(device)
+        valid = torch.arange(batch.input_ids.shape[1], device=device)[None] < batch.lengths[:, None]
+        part, n = target.feature_square_sums(batch.input_ids, valid)
+        sums, count = (part if sums is None else sums + part), count + n
+    rms = (sums / max(1, count)).sqrt().float()
+    return 1.0 / rms.clamp(min=1e-3)
+
+
+def _prior_totals(init_drafter: str | None) -> dict[str, int]:
+    """Cumulative label rows / distinct tokens behind an init drafter (0 for a fresh one)."""
+    if not init_drafter:
+        return {"cumulative_label_rows": 0, "cumulative_distinct_tokens": 0}
+    meta_path = Path(init_drafter) / META_FILE
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    training, data = meta.get("training", {}), meta.get("data", {})
+    rows = training.get("cumulative_label_rows", training.get("tokens_seen", 0))
+    # Drafters from before these counts: every response token of their dataset was trained on.
+    distinct = training.get("cumulative_distinct_tokens", data.get("num_response_tokens", data.get("num_tokens", 0)))
+    return {"cumulative_label_rows": int(rows), "cumulative_distinct_tokens": int(distinct)}
+
+
 def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str], None] = print) -> TrainResult:
     """Run (or resume) training; see the module docstring. `stop_at_step` pauses early (tests)."""
     from transformers import AutoConfig, AutoTokenizer
@@ -219,12 +329,9 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
     if existing and not cfg.resume:
         raise ValueError(f"{out} already has checkpoints; set resume: true to continue or use a new output_dir")
 
-    dataset = TokenDataset.load(cfg.data_dir)
-    if not dataset.manifest["complete"]:
-        raise ValueError(f"dataset {cfg.data_dir} is incomplete ({len(dataset)} of "
-                         f"{dataset.manifest['generation']['num_prompts']} samples); run `ubtree gen-data` again to "
-                         f"finish it")
-    data_identity = {k: dataset.manifest[k] for k in ("num_samples", "num_tokens")}
+    dataset, stream = _open_data(cfg, log)
+    if stream is not None and not existing:
+        stream.refresh()
     target_path = resolve_target_path(cfg.target)
     hf_config = AutoConfig.from_pretrained(target_path)
     dataset.check_target(AutoTokenizer.from_pretrained(target_path), hf_config.get_text_config().vocab_size)
@@ -239,42 +346,71 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
     drafter.bind_hf_target(target.model)
     drafter.train()
     optimizer = torch.optim.AdamW(_param_groups(drafter, cfg.weight_decay), lr=cfg.lr, betas=cfg.adam_betas)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+    loop_s = 0.0  # training-loop seconds of this run (all slices), for the schedule and throughput
+    loop_started = None
+
+    def time_progress() -> float | None:
+        if not cfg.schedule_by_time:
+            return None
+        now = loop_s + (time.monotonic() - loop_started if loop_started is not None else 0.0)
+        return now / (cfg.max_minutes * 60)
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, time_progress()))
     step = cursor = tokens_seen = 0
     wall_before = 0.0
     history: list[dict[str, float]] = []
+    seen: set[int] = set()
     if existing:
         state = ckpt.load_checkpoint(existing[-1])
         _check_resume(state["config"], cfg)
-        if state["data"] != data_identity:
+        if stream is None and state["data"] != _data_identity(dataset):
             raise ValueError(f"cannot resume from {out}: the dataset changed since the checkpoint "
-                             f"({state['data']} -> {data_identity})")
+                             f"({state['data']} -> {_data_identity(dataset)})")
         drafter.load_state_dict(state["model"])
+        drafter.backbone.feature_scale.copy_(state["feature_scale"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"])
         step, cursor, tokens_seen = state["step"], state["cursor"], state["tokens_seen"]
-        wall_before, history = state["wall_time_s"], state["history"]
+        wall_before, history, loop_s = state["wall_time_s"], state["history"], state.get("loop_s", 0.0)
+        seen = set(state.get("seen", []))
+        if stream is not None:
+            stream.load_state_dict(state["stream"])
         log(f"train: resumed from {existing[-1]} (step {step}/{cfg.max_steps})")
+    else:
+        if cfg.standardize_features:
+            scale = _feature_scale(target, dataset, cfg, device)
+            if cfg.init_drafter:  # keep the loaded function: its fc already holds the folded scale
+                drafter.backbone.fc.weight.data /= scale[None, :]
+            drafter.backbone.feature_scale.copy_(scale)
+        norm = target.final_norm_weight()
+        if cfg.norm_from_target and not cfg.init_drafter and norm is not None:
+            drafter.backbone.norm.weight.data.copy_(norm.float())
 
     start_step = step
     loss_cfg = cfg.loss_config()
-    order = DataOrder(len(dataset), cfg.seed)
+    order = DataOrder(len(dataset), cfg.seed) if stream is None else None
+    response_tokens = dataset.response_tokens()
     params = [p for p in drafter.parameters()]
     sums: dict[str, torch.Tensor] = {}
     window = 0
     last_ckpt: Path | None = existing[-1] if existing else None
+    prior = _prior_totals(cfg.init_drafter)
 
     def save() -> Path:
-        payload = {"model": drafter.state_dict(), "optimizer": optimizer.state_dict(),
-                   "scheduler": scheduler.state_dict(), "rng": ckpt.rng_state(), "cursor": cursor,
-                   "tokens_seen": tokens_seen, "wall_time_s": wall_before + time.monotonic() - started,
-                   "history": history, "config": cfg.to_dict(), "drafter_config": drafter_cfg.to_hf_dict(),
-                   "data": data_identity}
+        payload = {"model": drafter.state_dict(), "feature_scale": drafter.backbone.feature_scale.cpu(),
+                   "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": ckpt.rng_state(),
+                   "cursor": cursor, "tokens_seen": tokens_seen, "wall_time_s": wall_before + time.monotonic() - started,
+                   "loop_s": loop_s, "history": history, "config": cfg.to_dict(),
+                   "drafter_config": drafter_cfg.to_hf_dict(), "data": _data_identity(dataset), "seen": sorted(seen),
+                   "stream": stream.state_dict() if stream is not None else None}
         path = ckpt.save_checkpoint(out, step, payload, cfg.keep_checkpoints)
         ckpt.plot_history(history, out / "loss_curve.png", f"UBTree drafter for {target_name}")
         (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
         return path
+
+    def distinct_tokens() -> int:
+        return int(response_tokens[sorted(seen)].sum()) if seen else 0
 
     bar = None
     if cfg.progress:
@@ -282,14 +418,21 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
 
         bar = tqdm(total=cfg.max_steps, initial=step, desc="train", dynamic_ncols=True)
     status = "finished"
+    loop_started = time.monotonic()
     while step < cfg.max_steps:
         if stop_at_step is not None and step >= stop_at_step:
             status = "paused"
             break
-        if cfg.max_minutes is not None and time.monotonic() - started > cfg.max_minutes * 60:
+        if cfg.schedule_by_time and time_progress() >= 1.0:  # the budget counts training-loop time only
+            break
+        if not cfg.schedule_by_time and cfg.max_minutes is not None and time.monotonic() - started > cfg.max_minutes * 60:
             status = "paused"
             break
-        batch = collate([dataset.sample(i) for i in order.take(cursor, cfg.batch_size)], cfg.max_seq_len)
+        if stream is not None and step % cfg.stream_refresh_steps == 0 and stream.refresh():
+            response_tokens = dataset.response_tokens()
+        indices = order.take(cursor, cfg.batch_size) if order is not None else stream.take(cfg.batch_size)
+        seen.update(indices)
+        batch = collate([dataset.sample(i) for i in indices], cfg.max_seq_len)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_bf16):
             result = drafter_loss(drafter, target, batch.to(device), loss_cfg, make_generator(cfg.seed, step))
         optimizer.zero_grad(set_to_none=True)
@@ -307,7 +450,7 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
             bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             entry = {"step": step, "lr": scheduler.get_last_lr()[0], "tokens_seen": tokens_seen,
-                     **{k: float(v) / window for k, v in sums.items()}}  # SYNC: logging only
+                     "samples_seen": len(seen), **{k: float(v) / window for k, v in sums.items()}}  # SYNC: logging only
             history.append(entry)
             sums, window = {}, 0
             if bar is not None:
@@ -315,14 +458,19 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
                                 tau=f"{entry['chain_tau']:.2f}")
             else:
                 log(f"step {step}: loss {entry['loss']:.4f} ce {entry['ce']:.4f} kl {entry['kl']:.4f} "
-                    f"top1 {entry['top1']:.3f} topk_hit {entry['topk_hit']:.3f}")
+                    f"top1 {entry['top1']:.3f} topk_hit {entry['topk_hit']:.3f} tau~ {entry['chain_tau']:.2f} "
+                    f"samples {len(seen)}/{len(dataset)}")
         if step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
+            loop_s += time.monotonic() - loop_started
+            loop_started = time.monotonic()
             last_ckpt = save()
+    loop_s += time.monotonic() - loop_started
+    loop_started = None
     if bar is not None:
         bar.close()
     if window:  # flush a partial logging window so no step's metrics are lost
         history.append({"step": step, "lr": scheduler.get_last_lr()[0], "tokens_seen": tokens_seen,
-                        **{k: float(v) / window for k, v in sums.items()}})
+                        "samples_seen": len(seen), **{k: float(v) / window for k, v in sums.items()}})
     ran = step > start_step
     if ran:
         last_ckpt = save()
@@ -335,17 +483,25 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
     if not ran and (cfg.drafter_dir / "config.json").is_file():
         log(f"train: already finished at step {step}; the drafter is in {cfg.drafter_dir}")
         return TrainResult(status, step, history, cfg.drafter_dir, last_ckpt, wall, tokens_seen)
-    drafter_dir = _finish(cfg, drafter, dataset, history, step, tokens_seen, wall, target_name, log)
+    totals = {"label_rows_per_s": round(tokens_seen / max(loop_s, 1e-9), 1), "distinct_tokens": distinct_tokens(),
+              "cumulative_label_rows": prior["cumulative_label_rows"] + tokens_seen,
+              "cumulative_distinct_tokens": prior["cumulative_distinct_tokens"] + distinct_tokens()}
+    drafter_dir = _finish(cfg, drafter, dataset, history, step, tokens_seen, wall, target_name, totals, log)
     return TrainResult(status, step, history, drafter_dir, last_ckpt, wall, tokens_seen)
 
 
+def _data_identity(dataset: TokenDataset) -> dict[str, int]:
+    return {k: dataset.manifest[k] for k in ("num_samples", "num_tokens")}
+
+
 def _finish(cfg: TrainConfig, drafter: UBTreeDrafter, dataset: TokenDataset, history: list[dict[str, float]],
-            step: int, tokens_seen: int, wall: float, target_name: str, log: Callable[[str], None]) -> Path:
-    """Export, round-trip check, and the `train` record."""
+            step: int, tokens_seen: int, wall: float, target_name: str, totals: dict[str, Any],
+            log: Callable[[str], None]) -> Path:
+    """Export, round-trip check, and the `train` record. `totals`: throughput and cumulative counts."""
     final = history[-1] if history else {}
     provenance = {
-        "training": {"steps": step, "tokens_seen": tokens_seen, "wall_time_s": round(wall, 1),
-                     "final_metrics": final, "config": cfg.to_dict()},
+        "training": {"steps": step, "tokens_seen": tokens_seen, "wall_time_s": round(wall, 1), **totals,
+                     "init_drafter": cfg.init_drafter, "final_metrics": final, "config": cfg.to_dict()},
         "data": manifest_summary(dataset.manifest),
     }
     drafter_dir = export_drafter(drafter, cfg.drafter_dir, provenance)
@@ -361,7 +517,11 @@ def _finish(cfg: TrainConfig, drafter: UBTreeDrafter, dataset: TokenDataset, his
             "max_new_tokens": gen["max_new_tokens"], "temperature": gen["temperature"],
             "batch_size": cfg.batch_size, "top_k": drafter.cfg.top_k, "block_size": drafter.cfg.block_size,
             "loss": final.get("loss"), "tokens_seen": tokens_seen, "wall_time_s": round(wall, 1), "steps": step,
+            **totals,
             "notes": (f"selector_loss={cfg.selector_loss} beta={cfg.beta} loss_decay={cfg.loss_decay} "
+                      f"proposer_kl={cfg.proposer_kl} detach_selector={cfg.detach_selector} "
+                      f"blocks_per_seq={cfg.blocks_per_seq} init={cfg.init_drafter or 'fresh'} "
+                      f"stream_data={cfg.stream_data} samples={len(dataset)} "
                       f"T_train={gen['temperature']} final top1={final.get('top1', float('nan')):.3f} "
                       f"topk_hit={final.get('topk_hit', float('nan')):.3f} "
                       f"chain_tau_proxy={final.get('chain_tau', float('nan')):.2f}"),

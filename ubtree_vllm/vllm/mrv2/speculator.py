@@ -14,7 +14,7 @@ Configuration the engine must present (the runner's engine rewrite writes it):
 
 * ``speculative_config``: ``method="dflash"``, ``num_speculative_tokens = B`` (the tree
   budget: the draft slots the target verifies), ``model`` = a *proposer-only* DFlash folder
-  (``training/export.py:export_dflash_proposer``; vLLM's weight loader raises on the full
+  (``drafter/io.py:export_dflash_proposer``; vLLM's weight loader raises on the full
   drafter's ``selector.*`` tensors).
 * ``additional_config["ubtree"]`` (:data:`ubtree_vllm.vllm.config.ADDITIONAL_CONFIG_KEY`):
   ``UBTreeVllmConfig.to_additional_config()``, i.e. ``{"drafter": <the FULL drafter folder,

@@ -1,0 +1,78 @@
+"""Tau against cumulative training: does more training of the shipped drafter still pay?
+
+Records are read in file order (the order they were measured). A `train` record of a drafter
+folder sets that folder's cumulative label rows (`cumulative_label_rows`, or `tokens_seen` for
+records from before that field); every later tree tau measurement of the same folder
+(e2e records of the tree methods at B = 64, batch 1; bench and the reference decoder's
+eval-tau alike) is a point of the curve at that training amount, until the next `train` record
+of the folder. Only folders under `checkpoints/` (the shipped drafter) are plotted.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+SHIPPED_PREFIX = "checkpoints/"
+TREE_METHODS = ("ubtree", "ubtree-mrv2")
+BUDGET = 64
+
+
+def curve_points(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """[{dataset, temperature, label_rows, tau}] averaged over the measurements at each training amount."""
+    cumulative: dict[str, int] = {}
+    taus: dict[tuple, list[float]] = defaultdict(list)
+    for r in records:
+        drafter = r.get("drafter") or ""
+        if not drafter.startswith(SHIPPED_PREFIX):
+            continue
+        if r["kind"] == "train":
+            cumulative[drafter] = r.get("cumulative_label_rows") or r["tokens_seen"]
+        elif (r["kind"] == "e2e" and drafter in cumulative and r.get("tau") and r.get("method") in TREE_METHODS
+              and r.get("tree_budget") == BUDGET and r.get("concurrency") in (1, None)):
+            taus[(r["dataset"], r["temperature"], cumulative[drafter])].append(r["tau"])
+    return [{"dataset": d, "temperature": t, "label_rows": rows, "tau": sum(v) / len(v)}
+            for (d, t, rows), v in sorted(taus.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2]))]
+
+
+def curve_section(records: Sequence[dict[str, Any]]) -> list[str]:
+    points = curve_points(records)
+    if not points:
+        return []
+    lines = ["## Tau against cumulative training (shipped drafter)", "",
+             f"Tree tau (B = {BUDGET}, batch 1) of the drafter in `{SHIPPED_PREFIX}` after each training slice, against "
+             "the label rows trained on so far (every slice behind it). Mean over the tau measurements of that "
+             "drafter state (bench e2e and eval-tau).", "",
+             "| T | dataset | cumulative label rows | tau |", "|---|---|---|---|"]
+    lines += [f"| {p['temperature']:g} | {p['dataset']} | {p['label_rows']:,} | {p['tau']:.2f} |" for p in points]
+    return lines + [""]
+
+
+def plot_training_curve(records: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """One PNG per temperature: tau against cumulative label rows, a line per dataset."""
+    points = curve_points(records)
+    if not points:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for temperature in sorted({p["temperature"] for p in points}):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for dataset in sorted({p["dataset"] for p in points if p["temperature"] == temperature}):
+            row = [p for p in points if p["temperature"] == temperature and p["dataset"] == dataset]
+            ax.plot([p["label_rows"] / 1e6 for p in row], [p["tau"] for p in row], marker="o", label=dataset)
+        ax.set_xlabel("cumulative label rows (millions)")
+        ax.set_ylabel(f"tree tau (B={BUDGET})")
+        ax.set_title(f"Shipped drafter: tau vs training, T={temperature:g}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        path = out_dir / f"tau_vs_training_T{temperature:g}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
