@@ -43,10 +43,24 @@ def bench(tiny_target, tiny_drafter, tmp_path_factory):
     return path, rows
 
 
+def test_each_tree_run_records_its_round_cost_against_the_same_cell(bench):
+    path, rows = bench
+    e2e = {(r["method"], r["concurrency"], r["temperature"]): r for r in rows if r["kind"] == "e2e"}
+    costs = [r for r in rows if r["kind"] == "microbench"]
+    assert [(r["method"], r["concurrency"], r["temperature"]) for r in costs] == [
+        ("ubtree", c, t) for c in (1, 2) for t in (0.0, 1.0)]
+    for r in costs:
+        tree, ar = e2e[("ubtree", r["concurrency"], r["temperature"])], e2e[("ar", r["concurrency"], r["temperature"])]
+        assert r["metric"] == "round_over_plain_step" and r["unit"] == "plain steps"
+        assert abs(r["value"] - tree["tpot_ms"] * tree["tau"] / ar["tpot_ms"]) < 1e-3
+
+
 def test_one_complete_record_per_measurement(bench, tiny_drafter):
     path, rows = bench
     written = rec.read_records(path)
-    assert written == rows and len(rows) == 2 * 2 * 2  # methods x concurrency x temperatures
+    assert written == rows
+    rows = [r for r in rows if r["kind"] == "e2e"]
+    assert len(rows) == 2 * 2 * 2  # methods x concurrency x temperatures
     assert [(r["method"], r["concurrency"], r["temperature"]) for r in rows] == [
         (m, c, t) for m in ("ar", "ubtree") for c in (1, 2) for t in (0.0, 1.0)]
     for r in rows:
@@ -68,6 +82,7 @@ def test_one_complete_record_per_measurement(bench, tiny_drafter):
 
 def test_summary_and_report_show_the_speed_rows(bench):
     path, rows = bench
+    rows = [r for r in rows if r["kind"] == "e2e"]
     table = summary_table(rows)
     assert len(table.splitlines()) == 1 + len(rows) and "tok/s" in table
     regenerate(path)

@@ -241,7 +241,11 @@ def run_cli(args: argparse.Namespace) -> int:
             print(f"{r['method']:<12} B={r['tree_budget']} {r['dataset']} T={r['temperature']} "
                   f"{r['metric']:<28} {r['value']:9.3f} ms")
     else:
-        print(summary_table(rows))
+        print(summary_table([r for r in rows if r["kind"] == "e2e"]))
+        for r in rows:
+            if r["kind"] == "microbench":
+                print(f"{r['method']:<12} B={r['tree_budget']} {r['dataset']} T={r['temperature']} "
+                      f"c={r['concurrency']} {r['metric']} {r['value']:.3f} {r['unit']}")
     if records_path is not None and not args.no_report:
         from ubtree_vllm.bench.report import regenerate
 

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from ubtree_vllm.drafter.proposer import UBTreeDrafter
 from ubtree_vllm.training.head_loss import DEFAULT_CHUNK_ROWS, head_loss
@@ -142,14 +143,16 @@ def drafter_loss(drafter: UBTreeDrafter, target: FrozenTarget, batch: Batch, cfg
 
     positions = torch.arange(width, device=dev).expand(num_seqs, -1)  # [B, T]
     valid_tok = positions < lengths[:, None]
-    features, final_hidden = target.forward(input_ids, valid_tok)  # [B, T, F], [B, T, H]
+    with record_function("loss.target_forward"):
+        features, final_hidden = target.forward(input_ids, valid_tok)  # [B, T, F], [B, T, H]
 
     anchor_pos, block_valid = sample_anchors(lengths.cpu(), batch.prompt_lens.cpu(), width, cfg.blocks_per_seq,
                                              generator)
     anchor_pos, block_valid = anchor_pos.to(dev), block_valid.to(dev)  # [B, nb]
     num_blocks = anchor_pos.shape[1]
     anchor = input_ids.gather(1, anchor_pos)
-    hidden = drafter.block_hidden(anchor, anchor_pos, features, positions, valid_tok)  # [B, nb, gamma, H]
+    with record_function("loss.drafter_blocks"):
+        hidden = drafter.block_hidden(anchor, anchor_pos, features, positions, valid_tok)  # [B, nb, gamma, H]
 
     depth = torch.arange(1, gamma + 1, device=dev)
     label_pos = anchor_pos[:, :, None] + depth  # [B, nb, gamma]
@@ -170,8 +173,9 @@ def drafter_loss(drafter: UBTreeDrafter, target: FrozenTarget, batch: Batch, cfg
     row_hidden = hidden.flatten(0, 1)[rows]  # [M, H]
 
     # Proposer: KL to the target + beta * CE, chunked through the LM head.
-    head = head_loss(row_hidden, drafter.lm_head_weight, target_rows, row_labels, weights, cfg.proposer_kl,
-                     cfg.beta, top_k, target.softcap, cfg.head_chunk_rows, lse_grad=not cfg.detach_selector)
+    with record_function("loss.head"):
+        head = head_loss(row_hidden, drafter.lm_head_weight, target_rows, row_labels, weights, cfg.proposer_kl,
+                         cfg.beta, top_k, target.softcap, cfg.head_chunk_rows, lse_grad=not cfg.detach_selector)
     cand = head.cand  # [M, K] the selection is never differentiated
     if cfg.detach_selector:
         cand_logp, sel_hidden = head.cand_logp, hidden.detach()
@@ -180,20 +184,22 @@ def drafter_loss(drafter: UBTreeDrafter, target: FrozenTarget, batch: Batch, cfg
         cand_logp = torch.bmm(w, row_hidden[:, :, None]).squeeze(-1).float() - head.lse[:, None]
         sel_hidden = hidden
 
-    # Selector over the K candidates, true predecessor (P = 1), every depth of every block.
-    cand_full = torch.zeros((num_rows * gamma, top_k), dtype=torch.long, device=dev).index_copy(0, rows, cand)
-    logp_full = torch.zeros((num_rows * gamma, top_k), dtype=cand_logp.dtype, device=dev).index_put(
-        (rows,), cand_logp)
-    log_q = drafter.selector.edge_logprobs(prev.reshape(num_rows, gamma, 1), cand_full.view(num_rows, gamma, top_k),
-                                           logp_full.view(num_rows, gamma, top_k), sel_hidden, drafter.embed_weight)
-    log_q = log_q.reshape(num_rows * gamma, top_k)[rows]  # [M, K]
+    with record_function("loss.selector"):
+        # Selector over the K candidates, true predecessor (P = 1), every depth of every block.
+        cand_full = torch.zeros((num_rows * gamma, top_k), dtype=torch.long, device=dev).index_copy(0, rows, cand)
+        logp_full = torch.zeros((num_rows * gamma, top_k), dtype=cand_logp.dtype, device=dev).index_put(
+            (rows,), cand_logp)
+        log_q = drafter.selector.edge_logprobs(prev.reshape(num_rows, gamma, 1),
+                                               cand_full.view(num_rows, gamma, top_k),
+                                               logp_full.view(num_rows, gamma, top_k), sel_hidden, drafter.embed_weight)
+        log_q = log_q.reshape(num_rows * gamma, top_k)[rows]  # [M, K]
 
-    # Target at position a + d - 1, renormalized over the candidates.
-    log_p = torch.log_softmax(target.candidate_logits(target_rows, cand), dim=-1)  # [M, K]
-    kl_rows = (log_p.exp() * (log_p - log_q)).sum(-1)
-    hit = cand == row_labels[:, None]  # [M, K]
-    in_topk = hit.any(-1)
-    hard_rows = -(log_q * hit).sum(-1)
+        # Target at position a + d - 1, renormalized over the candidates.
+        log_p = torch.log_softmax(target.candidate_logits(target_rows, cand), dim=-1)  # [M, K]
+        kl_rows = (log_p.exp() * (log_p - log_q)).sum(-1)
+        hit = cand == row_labels[:, None]  # [M, K]
+        in_topk = hit.any(-1)
+        hard_rows = -(log_q * hit).sum(-1)
 
     weight_sum = weights.sum().clamp(min=1e-12)
     proposer = head.loss / weight_sum

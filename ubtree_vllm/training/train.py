@@ -54,6 +54,8 @@ SCHEDULES = ("cosine", "linear", "constant")
 SLICE_SETTINGS = frozenset({"max_minutes", "log_every", "checkpoint_every", "keep_checkpoints", "progress",
                             "records_path", "export_dir", "device", "resume", "stream_wait_minutes",
                             "stream_refresh_steps", "head_chunk_rows"})
+# Block depths whose proposer top-1 accuracy the history logs.
+DEPTHS_LOGGED = (1, 2, 4, 8, 16)
 # Drafter settings an `init_drafter` fixes; an override that disagrees is an error.
 DRAFTER_IDENTITY = ("num_layers", "block_size", "top_k", "selector_rank", "mask_token_id", "target_layer_ids",
                     "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
@@ -443,7 +445,9 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
         step += 1
         cursor += cfg.batch_size
         tokens_seen += int(result.num_tokens)
-        for key, value in {**result.metrics, "grad_norm": grad_norm.detach()}.items():
+        by_depth = {f"top1_depth{d}": result.top1_by_depth[d - 1].nan_to_num(0.0) for d in DEPTHS_LOGGED
+                    if d <= drafter_cfg.block_size}
+        for key, value in {**result.metrics, **by_depth, "grad_norm": grad_norm.detach()}.items():
             sums[key] = sums.get(key, 0.0) + value.float()
         window += 1
         if bar is not None:

@@ -1,0 +1,111 @@
+"""Where a training step's time goes on the GPU, and label rows/s for a few batch shapes.
+
+The recipe's loss + backward + AdamW step on random token sequences of typical lengths (the
+step's cost does not depend on the tokens), with the drafter of the run file. Prints mean
+step time and label rows/s per shape (CUDA-synchronised wall time over `--steps` steps after
+two warm-up steps), then torch.profiler's CUDA time per `loss.*` stage (training/losses.py)
+and the top kernels for the first shape.
+
+  python3 scripts/gpu/profile_train_step.py --config examples/train_drafter_gpu.yaml \
+      --shapes 16x256,16x64,32x128 --steps 8
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import yaml
+
+from ubtree_vllm.drafter.config import DrafterConfig
+from ubtree_vllm.drafter.proposer import UBTreeDrafter
+from ubtree_vllm.training.data import resolve_target_path
+from ubtree_vllm.training.losses import Batch, LossConfig, drafter_loss, make_generator
+from ubtree_vllm.training.target import FrozenTarget
+
+
+def random_batch(num_seqs: int, prompt_len: int, length: int, vocab: int, seed: int) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(length // 2, length + 1, (num_seqs,), generator=g)
+    ids = torch.randint(3, vocab, (num_seqs, int(lengths.max())), generator=g)
+    return Batch(ids, lengths, torch.full((num_seqs,), prompt_len))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="examples/train_drafter_gpu.yaml")
+    ap.add_argument("--shapes", default="16x256,16x64,32x128", help="SEQSxANCHORS,...")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=640, help="longest sequence (lengths drawn in [len/2, len])")
+    ap.add_argument("--prompt-len", type=int, default=96)
+    ap.add_argument("--device", default="cuda", help="cuda (bf16 autocast) or cpu (float32; a smoke run)")
+    args = ap.parse_args()
+    train = yaml.safe_load(open(args.config))["train"]
+    from transformers import AutoConfig
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    target_path = resolve_target_path("default")
+    hf = AutoConfig.from_pretrained(target_path)
+    drafter_cfg = DrafterConfig.for_target(hf, "profile", **train.get("drafter", {}))
+    target = FrozenTarget.from_pretrained(target_path, drafter_cfg.target_layer_ids, device,
+                                          torch.bfloat16 if cuda else torch.float32)
+    drafter = UBTreeDrafter(drafter_cfg).to(device)
+    drafter.bind_hf_target(target.model)
+    drafter.train()
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+    base = dict(selector_loss=train.get("selector_loss", "kl"), beta=train.get("beta", 0.1),
+                loss_decay=train.get("loss_decay", 7.0), proposer_kl=train.get("proposer_kl", 1.0),
+                detach_selector=train.get("detach_selector", True),
+                head_chunk_rows=train.get("head_chunk_rows", 4096))
+
+    def step(batch: Batch, loss_cfg: LossConfig, index: int) -> int:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            out = drafter_loss(drafter, target, batch.to(device), loss_cfg, make_generator(0, index))
+        optimizer.zero_grad(set_to_none=True)
+        with torch.profiler.record_function("backward"):
+            out.loss.backward()
+        with torch.profiler.record_function("optimizer"):
+            optimizer.step()
+        return int(out.num_tokens)
+
+    first = None
+    for shape in args.shapes.split(","):
+        seqs, anchors = (int(x) for x in shape.split("x"))
+        loss_cfg = LossConfig(blocks_per_seq=anchors, **base)
+        batches = [random_batch(seqs, args.prompt_len, args.seq_len, drafter_cfg.vocab_size, i)
+                   for i in range(args.steps + 2)]
+        for i in range(2):
+            step(batches[i], loss_cfg, i)
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        start, rows = time.perf_counter(), 0
+        for i in range(2, args.steps + 2):
+            rows += step(batches[i], loss_cfg, i)
+        sync()
+        wall = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+        print(f"shape {seqs} seqs x {anchors} anchors: {1000 * wall / args.steps:.1f} ms/step, "
+              f"{rows / args.steps:.0f} label rows/step, {rows / wall:,.0f} label rows/s, "
+              f"peak {peak:.1f} GiB", flush=True)
+        first = first or (batches, loss_cfg)
+
+    batches, loss_cfg = first
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for i in range(2):
+            step(batches[i], loss_cfg, 100 + i)
+        sync()
+    events = prof.key_averages()
+    print("\nCUDA time per stage over 2 steps (ms):")
+    for e in events:
+        if e.key.startswith(("loss.", "backward", "optimizer")):
+            print(f"  {e.key:<24} cuda {e.device_time_total / 1000:9.1f}  cpu {e.cpu_time_total / 1000:9.1f}")
+    print(events.table(sort_by="device_time_total" if cuda else "cpu_time_total", row_limit=25,
+                       max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
