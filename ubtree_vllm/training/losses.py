@@ -170,7 +170,8 @@ def drafter_loss(drafter: UBTreeDrafter, target: FrozenTarget, batch: Batch, cfg
         -row_depth.float() / cfg.loss_decay)
     seq_of_row = rows // (num_blocks * gamma)
     target_rows = final_hidden[seq_of_row, label_pos.flatten()[rows] - 1]  # [M, H] target at a + d - 1
-    row_hidden = hidden.flatten(0, 1)[rows]  # [M, H]
+    # index_select: its backward is an index_add (advanced indexing's sorts; ~95 ms a step on the H200)
+    row_hidden = hidden.flatten(0, 1).index_select(0, rows)  # [M, H]
 
     # Proposer: KL to the target + beta * CE, chunked through the LM head.
     with record_function("loss.head"):
@@ -192,7 +193,7 @@ def drafter_loss(drafter: UBTreeDrafter, target: FrozenTarget, batch: Batch, cfg
         log_q = drafter.selector.edge_logprobs(prev.reshape(num_rows, gamma, 1),
                                                cand_full.view(num_rows, gamma, top_k),
                                                logp_full.view(num_rows, gamma, top_k), sel_hidden, drafter.embed_weight)
-        log_q = log_q.reshape(num_rows * gamma, top_k)[rows]  # [M, K]
+        log_q = log_q.reshape(num_rows * gamma, top_k).index_select(0, rows)  # [M, K]
 
         # Target at position a + d - 1, renormalized over the candidates.
         log_p = torch.log_softmax(target.candidate_logits(target_rows, cand), dim=-1)  # [M, K]
