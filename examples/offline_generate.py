@@ -31,7 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated token ids, sent as is (repeatable)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--dtype", default="auto", help="vLLM dtype (float32 for bit-stable CPU comparisons)")
+    parser.add_argument("--dtype", default=None,
+                        help="vLLM dtype (default: float32 on the CPU, where the default target answers badly in "
+                             "bf16; the model's own dtype on a GPU)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.25,
                         help="share of device memory (on the CPU backend: of host memory) for vLLM")
@@ -70,7 +72,10 @@ def main(argv: list[str] | None = None) -> None:
         speculative_config["beam_width"] = args.beam_width
     if args.top_k is not None:
         speculative_config["top_k"] = args.top_k
-    llm = LLM(model=target, speculative_config=speculative_config, dtype=args.dtype,
+    import torch
+
+    dtype = args.dtype or ("auto" if torch.cuda.is_available() else "float32")
+    llm = LLM(model=target, speculative_config=speculative_config, dtype=dtype,
               max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=args.enforce_eager,
               skip_tokenizer_init=not args.prompt, disable_log_stats=False, seed=0)

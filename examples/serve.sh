@@ -56,6 +56,12 @@ else
     # Run the same OpenAI server (same argument parser, same run_server) without the CLI shell.
     server=("$python" -m vllm.entrypoints.openai.api_server --model "$target")
 fi
-# On the CPU backend --gpu-memory-utilization is the share of host memory vLLM reserves.
+# On the CPU backend --gpu-memory-utilization is the share of host memory vLLM reserves, and the
+# target runs in float32: SmolLM2-135M answers badly in bf16 on vLLM's CPU backend (plain vLLM too;
+# "The capital of France is Paris." in float32). A --dtype after -- still wins (argparse: last one).
+cpu_dtype=()
+if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    cpu_dtype=(--dtype float32)
+fi
 exec "${server[@]}" --host "$host" --port "$port" --speculative-config "$spec" \
-    --gpu-memory-utilization 0.25 "$@"
+    --gpu-memory-utilization 0.25 "${cpu_dtype[@]}" "$@"

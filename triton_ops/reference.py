@@ -72,3 +72,57 @@ def kv_path_commit_reference(
         for src, dst, move in zip(src_slot.tolist(), dst_slot.tolist(), moves.tolist()):
             if move:
                 cache[dst // block_size, :, dst % block_size] = cache[src // block_size, :, src % block_size].clone()
+
+
+def gated_delta_rule_chain_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                     beta: torch.Tensor, state: torch.Tensor, scale: float
+                                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chain recurrence of one sequence (fla's fused recurrent form), float32.
+
+    q/k [L, H, Dk], v [L, H, Dv], g [L, H] or [L, H, Dk], beta [L, H], state [H, Dk, Dv].
+    Returns (o [L, H, Dv], states [L, H, Dk, Dv] after each token)."""
+    state = state.float().clone()
+    outs, states = [], []
+    for t in range(q.shape[0]):
+        decay = g[t].float().exp()
+        state = state * (decay[:, :, None] if decay.dim() == 2 else decay[:, None, None])
+        u = beta[t].float()[:, None] * (v[t].float() - torch.einsum("hkv,hk->hv", state, k[t].float()))
+        state = state + k[t].float()[:, :, None] * u[:, None, :]
+        outs.append(torch.einsum("hkv,hk->hv", state, q[t].float()) * scale)
+        states.append(state.clone())
+    return torch.stack(outs), torch.stack(states)
+
+
+def tree_gated_delta_rule_reference(q, k, v, g, beta, parents, initial_state, scale):
+    """Twin of :func:`ubtree_vllm.triton_ops.tree_delta_rule.tree_gated_delta_rule`: node by node, each
+    starting from its parent's state (or the committed one). Same arguments and outputs."""
+    num_reqs, num_nodes = parents.shape
+    o = torch.empty_like(v)
+    states = torch.empty((*q.shape[:3], q.shape[3], v.shape[3]), dtype=torch.float32, device=q.device)
+    for n in range(num_reqs):
+        for t, parent in enumerate(parents[n].tolist()):
+            start = initial_state[n] if parent < 0 else states[n, parent]
+            out, after = gated_delta_rule_chain_reference(q[n, t:t + 1], k[n, t:t + 1], v[n, t:t + 1],
+                                                          g[n, t:t + 1], beta[n, t:t + 1], start, scale)
+            o[n, t], states[n, t] = out[0].to(o.dtype), after[0]
+    return o, states
+
+
+def tree_causal_conv1d_reference(x, parents, conv_state, weight, bias=None, activation="silu"):
+    """Twin of :func:`ubtree_vllm.triton_ops.tree_conv.tree_causal_conv1d`: each node's window gathered by
+    walking its ancestors on the host, then the chain formula. Same arguments and output."""
+    num_reqs, num_nodes, _ = x.shape
+    width = weight.shape[1]
+    out = torch.empty_like(x)
+    for n in range(num_reqs):
+        par = parents[n].tolist()
+        for t in range(num_nodes):
+            path, node = [], t
+            while node >= 0 and len(path) < width:
+                path.append(x[n, node].float())
+                node = par[node]
+            window = [conv_state[n, :, i].float() for i in range(width - 1)] + path[::-1]
+            window = torch.stack(window[-width:], dim=1)  # [C, W] oldest first
+            y = (window * weight.float()).sum(1) + (bias.float() if bias is not None else 0.0)
+            out[n, t] = (torch.nn.functional.silu(y) if activation == "silu" else y).to(out.dtype)
+    return out

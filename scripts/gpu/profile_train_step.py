@@ -7,7 +7,7 @@ two warm-up steps), then torch.profiler's CUDA time per `loss.*` stage (training
 and the top kernels for the first shape.
 
   python3 scripts/gpu/profile_train_step.py --config examples/train_drafter_gpu.yaml \
-      --shapes 16x256,16x64,32x128 --steps 8
+      --shapes 16x256,16x64,32x128 --steps 8 --records runs/records.jsonl
 """
 from __future__ import annotations
 
@@ -39,8 +39,10 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=640, help="longest sequence (lengths drawn in [len/2, len])")
     ap.add_argument("--prompt-len", type=int, default=96)
     ap.add_argument("--device", default="cuda", help="cuda (bf16 autocast) or cpu (float32; a smoke run)")
+    ap.add_argument("--records", default=None, help="append one train_label_rows_per_s microbench record per shape")
     args = ap.parse_args()
-    train = yaml.safe_load(open(args.config))["train"]
+    run_file = yaml.safe_load(open(args.config))
+    train = run_file["train"]
     from transformers import AutoConfig
 
     device = torch.device(args.device)
@@ -48,7 +50,8 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     target_path = resolve_target_path("default")
     hf = AutoConfig.from_pretrained(target_path)
-    drafter_cfg = DrafterConfig.for_target(hf, "profile", **train.get("drafter", {}))
+    drafter_cfg = DrafterConfig.for_target(hf, run_file.get("data", {}).get("target_name") or "default",
+                                           **train.get("drafter", {}))
     target = FrozenTarget.from_pretrained(target_path, drafter_cfg.target_layer_ids, device,
                                           torch.bfloat16 if cuda else torch.float32)
     drafter = UBTreeDrafter(drafter_cfg).to(device)
@@ -87,6 +90,16 @@ def main() -> None:
         sync()
         wall = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+        if args.records:
+            from ubtree_vllm.bench.records import append_record
+
+            append_record({"kind": "microbench", "method": "ubtree", "target": drafter_cfg.target_name,
+                           "batch_size": seqs, "block_size": drafter_cfg.block_size, "top_k": drafter_cfg.top_k,
+                           "metric": "train_label_rows_per_s", "value": round(rows / wall, 1), "unit": "label rows/s",
+                           "notes": (f"training step (loss + backward + AdamW) of the recipe, {seqs} sequences x up to "
+                                     f"{anchors} anchors, random tokens of {args.seq_len // 2}-{args.seq_len} positions, "
+                                     f"{1000 * wall / args.steps:.1f} ms/step, nothing else on the device")},
+                          path=args.records)
         print(f"shape {seqs} seqs x {anchors} anchors: {1000 * wall / args.steps:.1f} ms/step, "
               f"{rows / args.steps:.0f} label rows/step, {rows / wall:,.0f} label rows/s, "
               f"peak {peak:.1f} GiB", flush=True)

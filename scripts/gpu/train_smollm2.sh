@@ -10,7 +10,10 @@
 #   slice    one training slice: gen-data (vLLM, new seed SLICE_SEED, default the day number) in the
 #            background writes fresh T=1 rollouts while `ubtree train` (stream_data) trains on the shards
 #            as they land for SLICE_MINUTES (default 7), continuing the committed drafter, then exports it
-#            to checkpoints/ and appends the train record; gen-data is stopped at the end (logs in runs/)
+#            to checkpoints/ and appends the train record; gen-data is stopped at the end (logs in runs/).
+#            GEN_MINUTES=N instead runs gen-data alone for N minutes first and then the trainer alone: on
+#            2026-12-01 the trainer beside gen-data (the slices' train records) ran at well under half the label
+#            rows/s that scripts/gpu/profile_train_step.py measured for it alone
 #   eval     tau with the lossless reference decoder (single path vs UBTree, T=0 and T=1)
 #   pack     copy the drafter (split, files <= 16 MB each), the records, logs and loss curves to $OUT
 #   keep / restore  keep the exported drafter in /tmp across calls of one warm machine / put it back
@@ -43,6 +46,8 @@
 #            each list runs in order, a failed phase does not stop the list; logs runs/gpu0.log, runs/gpu1.log.
 #            Unpinned, the other GPU's engine start-ups (torch.compile workers) slowed batch-1 decoding
 #            of the small target by up to ~1.5x.
+#   profile  scripts/gpu/profile_train_step.py: a training step's time by stage and label rows/s per batch shape
+#            (PROFILE_SHAPES, SEQSxANCHORS,...), one train_label_rows_per_s record per shape
 #   microbench  `ubtree bench microbench --which ${MB_WHICH:-all}` (draft post-processing per round, tree attention
 #            vs FlashAttention, tree-65 vs chain-17 verification forward on a dummy Qwen3-8B)
 # Records go to $RECORDS (default docs/benchmarks/records.jsonl; on the device use runs/records.jsonl,
@@ -104,9 +109,14 @@ for phase in "$@"; do
     slice)
       mkdir -p runs
       seed=${SLICE_SEED:-$(( $(date +%s) / 86400 ))}
+      if [ -n "${GEN_MINUTES:-}" ]; then  # sequential: gen-data alone on the GPU first, then the trainer alone
+        ubtree gen-data --config "$CONFIG" --data-root .gpudata --set seed="$seed" --set gpu_memory_utilization=0.85 \
+          --set out_dir=runs/smollm2/slice-data-$seed --max-minutes "$GEN_MINUTES" > runs/gen-data.log 2>&1 || true
+      fi
       ubtree gen-data --config "$CONFIG" --data-root .gpudata --set seed="$seed" \
         --set out_dir=runs/smollm2/slice-data-$seed > runs/gen-data.log 2>&1 &
       gen=$!
+      [ -n "${GEN_MINUTES:-}" ] && { kill "$gen" 2>/dev/null; wait "$gen" 2>/dev/null || true; }
       rc=0
       ubtree train --config "$CONFIG" --data-dir runs/smollm2/slice-data-$seed --set records_path="$RECORDS" \
         --set progress=false --max-minutes "${SLICE_MINUTES:-7}" || rc=$?
@@ -180,6 +190,9 @@ for phase in "$@"; do
       run_list 0 "0-$(( q - 1 ))" ${GPU0_PHASES:-} > runs/gpu0.log 2>&1 &
       run_list 1 "$q-$(( n - 1 ))" ${GPU1_PHASES:-} > runs/gpu1.log 2>&1 &
       wait ;;
+    profile)
+      python3 scripts/gpu/profile_train_step.py --config "$CONFIG" --shapes "${PROFILE_SHAPES:-16x256,16x64,32x64}" \
+        --steps 6 --records "$RECORDS" ;;
     microbench)
       ubtree bench microbench --which "${MB_WHICH:-all}" --drafter "$DRAFTER" --records "$RECORDS" --no-report ;;
     humaneval-t1)

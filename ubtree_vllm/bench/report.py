@@ -308,10 +308,11 @@ def render(records: Sequence[dict[str, Any]], plots: Sequence[str] = (), source:
         micro.sort(key=lambda r: (str(r["hardware"]), str(r["drafter"]), r["tree_budget"] or 0, r["beam_width"] or 0,
                                   r["top_k"] or 0, r["batch_size"] or 0, str(r["metric"])))
         lines += _table(["metric", "value", "unit", "method", "target", "drafter", "B", "W", "K", "γ", "batch",
-                         "hardware", "commit", "date"],
+                         "dataset", "T", "hardware", "commit", "date"],
                         [[r["metric"], r["value"], r["unit"], r["method"], r["target"],
                           drafter_label(r["drafter"]) if r["drafter"] else None, r["tree_budget"], r["beam_width"],
-                          r["top_k"], r["block_size"], r["batch_size"], r["hardware"], r["commit"], r["date"]]
+                          r["top_k"], r["block_size"], r["batch_size"], r["dataset"], r["temperature"],
+                          r["hardware"], r["commit"], r["date"]]
                          for r in micro])
     lines += curve_section(records)
     train = [r for r in shown if r["kind"] == "train"]
@@ -321,8 +322,8 @@ def render(records: Sequence[dict[str, Any]], plots: Sequence[str] = (), source:
                          "distinct tokens", "cumulative label rows", "cumulative distinct tokens", "loss", "wall min",
                          "hardware", "commit", "date", "notes"],
                         [[r["target"], r["drafter"], r["dataset"], r["temperature"], r["steps"], r["tokens_seen"],
-                          r["label_rows_per_s"], r["distinct_tokens"], r["cumulative_label_rows"],
-                          r["cumulative_distinct_tokens"], r["loss"],
+                          r.get("label_rows_per_s"), r.get("distinct_tokens"), r.get("cumulative_label_rows"),
+                          r.get("cumulative_distinct_tokens"), r["loss"],
                           r["wall_time_s"] / 60 if r["wall_time_s"] is not None else None, r["hardware"],
                           r["commit"], r["date"], r["notes"]] for r in train])
     if plots:
