@@ -131,7 +131,7 @@ def compile_accepted_rows(max_depth: int, write_pairs: bool, arch: int) -> int:
                     lambda name: pointers.get(name, "*i64") if name.endswith("_ptr") else "i64", arch)
 
 
-def compile_tree_delta_rule(dk: int, dv: int, per_channel: bool, arch: int) -> int:
+def compile_tree_delta_rule(dk: int, dv: int, per_channel: bool, delta: bool, arch: int) -> int:
     """`_tree_delta_rule_kernel` with the launcher's tile sizes (bf16 q/k/v/g/beta); returns the cubin size."""
     from ubtree_vllm.triton_ops.tree_delta_rule import launch_meta
 
@@ -140,7 +140,7 @@ def compile_tree_delta_rule(dk: int, dv: int, per_channel: bool, arch: int) -> i
             return {"parents_ptr": "*i64", "h0_ptr": "*fp32", "hs_ptr": "*fp32"}.get(name, "*bf16")
         return "fp32" if name == "scale" else "i32"
 
-    return _compile("tree_delta_rule", "_tree_delta_rule_kernel", launch_meta(dk, dv, 16, per_channel), kind, arch)
+    return _compile("tree_delta_rule", "_tree_delta_rule_kernel", launch_meta(dk, dv, 16, per_channel, delta), kind, arch)
 
 
 def compile_tree_conv(channels: int, width: int, arch: int) -> int:
@@ -184,10 +184,10 @@ def main() -> int:
             size = compile_accepted_rows(max_depth, write_pairs, args.arch)
             print(f"accepted_rows sm_{args.arch} depth {max_depth} {'pairs' if write_pairs else 'permutation'}: "
                   f"cubin {size} bytes")
-    for dk, dv, per_channel in ((128, 128, False), (128, 128, True)):  # GDN and KDA heads
-        size = compile_tree_delta_rule(dk, dv, per_channel, args.arch)
-        print(f"tree_delta_rule sm_{args.arch} Dk {dk} Dv {dv} {'per-channel' if per_channel else 'per-head'} gate: "
-              f"cubin {size} bytes")
+    for dk, dv, per_channel, delta in ((128, 128, False, True), (128, 128, True, True), (128, 64, False, False)):
+        size = compile_tree_delta_rule(dk, dv, per_channel, delta, args.arch)  # GDN, KDA, Mamba2 heads
+        print(f"tree_delta_rule sm_{args.arch} Dk {dk} Dv {dv} {'per-channel' if per_channel else 'per-head'} gate "
+              f"{'delta' if delta else 'ssm'}: cubin {size} bytes")
     size = compile_tree_conv(4096, 4, args.arch)
     print(f"tree_conv sm_{args.arch} channels 4096 width 4: cubin {size} bytes")
     return 0

@@ -75,9 +75,9 @@ def kv_path_commit_reference(
 
 
 def gated_delta_rule_chain_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                                     beta: torch.Tensor, state: torch.Tensor, scale: float
+                                     beta: torch.Tensor, state: torch.Tensor, scale: float, delta: bool = True
                                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chain recurrence of one sequence (fla's fused recurrent form), float32.
+    """The chain recurrence of one sequence (fla's fused recurrent form; delta=False: Mamba2's), float32.
 
     q/k [L, H, Dk], v [L, H, Dv], g [L, H] or [L, H, Dk], beta [L, H], state [H, Dk, Dv].
     Returns (o [L, H, Dv], states [L, H, Dk, Dv] after each token)."""
@@ -86,14 +86,15 @@ def gated_delta_rule_chain_reference(q: torch.Tensor, k: torch.Tensor, v: torch.
     for t in range(q.shape[0]):
         decay = g[t].float().exp()
         state = state * (decay[:, :, None] if decay.dim() == 2 else decay[:, None, None])
-        u = beta[t].float()[:, None] * (v[t].float() - torch.einsum("hkv,hk->hv", state, k[t].float()))
+        correction = torch.einsum("hkv,hk->hv", state, k[t].float()) if delta else 0.0
+        u = beta[t].float()[:, None] * (v[t].float() - correction)
         state = state + k[t].float()[:, :, None] * u[:, None, :]
         outs.append(torch.einsum("hkv,hk->hv", state, q[t].float()) * scale)
         states.append(state.clone())
     return torch.stack(outs), torch.stack(states)
 
 
-def tree_gated_delta_rule_reference(q, k, v, g, beta, parents, initial_state, scale):
+def tree_gated_delta_rule_reference(q, k, v, g, beta, parents, initial_state, scale, delta=True):
     """Twin of :func:`ubtree_vllm.triton_ops.tree_delta_rule.tree_gated_delta_rule`: node by node, each
     starting from its parent's state (or the committed one). Same arguments and outputs."""
     num_reqs, num_nodes = parents.shape
@@ -103,7 +104,7 @@ def tree_gated_delta_rule_reference(q, k, v, g, beta, parents, initial_state, sc
         for t, parent in enumerate(parents[n].tolist()):
             start = initial_state[n] if parent < 0 else states[n, parent]
             out, after = gated_delta_rule_chain_reference(q[n, t:t + 1], k[n, t:t + 1], v[n, t:t + 1],
-                                                          g[n, t:t + 1], beta[n, t:t + 1], start, scale)
+                                                          g[n, t:t + 1], beta[n, t:t + 1], start, scale, delta)
             o[n, t], states[n, t] = out[0].to(o.dtype), after[0]
     return o, states
 

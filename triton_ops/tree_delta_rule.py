@@ -9,6 +9,10 @@ updates it as (fla's fused recurrent form, q and k already normalised by the cal
     S   = S + k_t u^T
     o_t = scale * S^T q_t
 
+With ``delta=False`` the correction is dropped (u = beta_t * v_t): the selective-state-space
+update of Mamba2 layers in the same form (k = B_t, v = x_t, q = C_t, g_t = dt_t * A per head,
+beta_t = dt_t; the layer adds its D * x skip itself).
+
 Over a tree, node t reads the state *after its parent* (``parents[n, t]``; -1 = the committed
 state ``initial_state`` before the tree's root), so every root->node path sees exactly the
 chain recurrence of its own tokens and nothing of its siblings. The per-node states are
@@ -34,7 +38,7 @@ if triton is not None:
     def _tree_delta_rule_kernel(
             q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, parents_ptr, h0_ptr, o_ptr, hs_ptr, scale,
             T, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-            PER_CHANNEL_GATE: tl.constexpr):
+            PER_CHANNEL_GATE: tl.constexpr, DELTA: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         iv = tl.program_id(2).to(tl.int64)
@@ -60,7 +64,10 @@ if triton is not None:
                 state = state * tl.exp(g)[:, None]
             else:
                 state = state * tl.exp(tl.load(g_ptr + tok).to(tl.float32))
-            u = beta * (v - tl.sum(state * k[:, None], axis=0))  # [BV]
+            if DELTA:
+                u = beta * (v - tl.sum(state * k[:, None], axis=0))  # [BV]
+            else:
+                u = beta * v
             state = state + k[:, None] * u[None, :]
             o = tl.sum(state * q[:, None], axis=0) * scale
             tl.store(o_ptr + tok * DV + ov, o.to(o_ptr.dtype.element_ty), mask=mv)
@@ -68,11 +75,11 @@ if triton is not None:
             tl.debug_barrier()  # a child's program lanes re-read this state tile
 
 
-def launch_meta(dk: int, dv: int, num_heads: int, per_channel: bool) -> dict[str, object]:
+def launch_meta(dk: int, dv: int, num_heads: int, per_channel: bool, delta: bool = True) -> dict[str, object]:
     """Compile-time parameters of the kernel (shared with compile_check)."""
     bk = triton.next_power_of_2(dk)
     return {"H": num_heads, "DK": dk, "DV": dv, "BK": bk, "BV": min(triton.next_power_of_2(dv), max(16, 8192 // bk)),
-            "PER_CHANNEL_GATE": per_channel}
+            "PER_CHANNEL_GATE": per_channel, "DELTA": delta}
 
 
 def tree_gated_delta_rule(
@@ -88,7 +95,9 @@ def tree_gated_delta_rule(
         parents: torch.Tensor,
         # [N, H, Dk, Dv] committed states (float32)
         initial_state: torch.Tensor,
-        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        scale: float,
+        # False: no delta-rule correction (the Mamba2 form, module docstring)
+        delta: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (o [N, T, H, Dv] in v's dtype, node_states [N, T, H, Dk, Dv] float32). See the module docstring."""
     num_reqs, num_nodes, num_heads, dk = q.shape
     dv = v.shape[-1]
@@ -105,10 +114,21 @@ def tree_gated_delta_rule(
     node_states = torch.zeros((num_reqs, num_nodes, num_heads, dk, dv), dtype=torch.float32, device=q.device)
     if num_reqs * num_nodes == 0:
         return o, node_states
-    meta = launch_meta(dk, dv, num_heads, per_channel)
+    meta = launch_meta(dk, dv, num_heads, per_channel, delta)
     grid = (num_reqs, num_heads, triton.cdiv(dv, meta["BV"]))
     _tree_delta_rule_kernel[grid](
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
         parents.to(torch.int64).contiguous(), initial_state.float().contiguous(), o, node_states, float(scale),
         num_nodes, **meta)
     return o, node_states
+
+
+def commit_tree_state(node_states: torch.Tensor, accepted_node: torch.Tensor, state_cache: torch.Tensor,
+                      cache_slot: torch.Tensor) -> None:
+    """Write each request's accepted state into the layer's state cache, no host read.
+
+    node_states [N, T, H, Dk, Dv] (the kernel's); accepted_node [N] deepest accepted node (>= 0: the
+    root is always accepted); state_cache [S, H, Dk, Dv] (mutated); cache_slot [N] the request's slot.
+    Rejected branches leave no trace: only the accepted node's state is written."""
+    rows = torch.arange(node_states.shape[0], device=node_states.device)
+    state_cache[cache_slot.long()] = node_states[rows, accepted_node.long()].to(state_cache.dtype)

@@ -43,14 +43,15 @@ def delta_inputs(num_reqs, num_nodes, heads, dk, dv, per_channel, gen, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn-gate", "kda-gate"])
+@pytest.mark.parametrize("per_channel,delta", [(False, True), (True, True), (False, False)],
+                         ids=["gdn", "kda", "mamba2"])
 @pytest.mark.parametrize("num_nodes,dk,dv", [(7, 16, 16), (65, 32, 24)])
-def test_tree_delta_rule_node_state_equals_its_path_as_a_chain(device, per_channel, num_nodes, dk, dv):
+def test_tree_delta_rule_node_state_equals_its_path_as_a_chain(device, per_channel, delta, num_nodes, dk, dv):
     gen = torch.Generator().manual_seed(num_nodes + dk)
     parents = random_parents(2, num_nodes, gen).to(device)
     q, k, v, g, beta, h0 = delta_inputs(2, num_nodes, 2, dk, dv, per_channel, gen, device)
-    o, states = tree_gated_delta_rule(q, k, v, g, beta, parents, h0, scale=dk ** -0.5)
-    o_ref, states_ref = tree_gated_delta_rule_reference(q, k, v, g, beta, parents, h0, dk ** -0.5)
+    o, states = tree_gated_delta_rule(q, k, v, g, beta, parents, h0, scale=dk ** -0.5, delta=delta)
+    o_ref, states_ref = tree_gated_delta_rule_reference(q, k, v, g, beta, parents, h0, dk ** -0.5, delta)
     torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(states, states_ref, rtol=1e-4, atol=1e-4)
     for n in range(2):
@@ -58,7 +59,8 @@ def test_tree_delta_rule_node_state_equals_its_path_as_a_chain(device, per_chann
         for node in (num_nodes - 1, num_nodes // 2, 0):
             path = path_to(par, node)
             chain_o, chain_states = gated_delta_rule_chain_reference(q[n, path], k[n, path], v[n, path],
-                                                                     g[n, path], beta[n, path], h0[n], dk ** -0.5)
+                                                                     g[n, path], beta[n, path], h0[n], dk ** -0.5,
+                                                                     delta)
             torch.testing.assert_close(states[n, node], chain_states[-1], rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(o[n, node], chain_o[-1], rtol=1e-4, atol=1e-4)
 
@@ -86,6 +88,25 @@ def test_tree_conv_node_window_is_built_from_its_ancestors(device, width, bias, 
             y = (seq.t() * weight).sum(1) + (b if bias else 0.0)
             y = torch.nn.functional.silu(y) if activation else y
             torch.testing.assert_close(out[n, node], y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_commit_writes_only_the_accepted_nodes_state(device):
+    from ubtree_vllm.triton_ops.tree_delta_rule import commit_tree_state
+
+    gen = torch.Generator().manual_seed(5)
+    parents = random_parents(3, 9, gen).to(device)
+    q, k, v, g, beta, h0 = delta_inputs(3, 9, 2, 8, 8, False, gen, device)
+    _, states = tree_gated_delta_rule(q, k, v, g, beta, parents, h0, scale=1.0)
+    cache = torch.zeros(6, 2, 8, 8, device=device)
+    accepted, slots = torch.tensor([8, 0, 4], device=device), torch.tensor([5, 1, 2], device=device)
+    commit_tree_state(states, accepted, cache, slots)
+    for n, (node, slot) in enumerate(zip(accepted.tolist(), slots.tolist())):
+        path = path_to(parents[n].tolist(), node)
+        _, chain = gated_delta_rule_chain_reference(q[n, path], k[n, path], v[n, path], g[n, path], beta[n, path],
+                                                    h0[n], 1.0)
+        torch.testing.assert_close(cache[slot], chain[-1], rtol=1e-4, atol=1e-4)
+    assert cache[[0, 3, 4]].abs().sum() == 0  # other slots untouched
 
 
 @pytest.mark.parametrize("device", DEVICES)
