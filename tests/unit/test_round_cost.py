@@ -18,20 +18,3 @@ def test_round_cost_is_tpot_times_tau_over_the_plain_step_of_the_same_cell():
     assert out[0]["value"] == 1.8 and out[0]["tree_budget"] == 64 and out[0]["unit"] == "plain steps"
     assert abs(out[1]["value"] - 2.0 / 3.0) < 1e-4
 
-
-def test_tau_curve_follows_the_train_records_of_the_shipped_drafter():
-    from ubtree_vllm.bench.training_curve import curve_points, curve_section
-
-    shipped = "checkpoints/d"
-
-    def tau(value, method="ubtree-mrv2", drafter=shipped, budget=64):
-        return {**e2e(method, 1.0, value, budget=budget), "drafter": drafter}
-
-    records = [tau(9.0),  # before any train record of the folder: no training amount known
-               {"kind": "train", "drafter": shipped, "tokens_seen": 100, "cumulative_label_rows": None},
-               tau(2.0), tau(3.0, method="ubtree"), tau(5.0, budget=32), tau(7.0, drafter="runs/ablation"),
-               {"kind": "train", "drafter": shipped, "tokens_seen": 50, "cumulative_label_rows": 150},
-               tau(4.0)]
-    assert curve_points(records) == [{"dataset": "mt_bench", "temperature": 0.0, "label_rows": 100, "tau": 2.5},
-                                     {"dataset": "mt_bench", "temperature": 0.0, "label_rows": 150, "tau": 4.0}]
-    assert "| 0 | mt_bench | 150 | 4.00 |" in curve_section(records)
