@@ -268,7 +268,13 @@ def test_fresh_drafter_starts_from_standardised_features_and_the_target_norm(tmp
     fresh = train(train_config(workspace, tmp_path / "fresh", max_steps=1, lr=1e-9, warmup_steps=1000),
                   log=lambda _: None)
     norm = torch.load(fresh.checkpoint, weights_only=False)["model"]["backbone.norm.weight"]
-    torch.testing.assert_close(norm, model.model.norm.weight.detach(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(norm, 0.1 * model.model.norm.weight.detach(), atol=1e-6, rtol=0)  # the default
+    scaled = train(train_config(workspace, tmp_path / "scaled", max_steps=1, lr=1e-9, warmup_steps=1000,
+                                norm_init_scale=0.25), log=lambda _: None)
+    norm = torch.load(scaled.checkpoint, weights_only=False)["model"]["backbone.norm.weight"]
+    torch.testing.assert_close(norm, 0.25 * model.model.norm.weight.detach(), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="norm_init_scale"):
+        train_config(workspace, tmp_path / "bad", norm_init_scale=0.0)
 
 
 def test_a_slice_continues_an_exported_drafter_and_adds_to_its_totals(tmp_path, workspace):
