@@ -65,6 +65,7 @@ def plot_training_curve(records: Sequence[dict[str, Any]], out_dir: Path) -> lis
         for dataset in sorted({p["dataset"] for p in points if p["temperature"] == temperature}):
             row = [p for p in points if p["temperature"] == temperature and p["dataset"] == dataset]
             ax.plot([p["label_rows"] / 1e6 for p in row], [p["tau"] for p in row], marker="o", label=dataset)
+        ax.set_ylim(1.0, 1.1 * max(p["tau"] for p in points if p["temperature"] == temperature))  # tau >= 1
         ax.set_xlabel("cumulative label rows (millions)")
         ax.set_ylabel(f"tree tau (B={BUDGET})")
         ax.set_title(f"Shipped drafter: tau vs training, T={temperature:g}")
