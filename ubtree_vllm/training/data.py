@@ -482,6 +482,11 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
     return manifest
 
 
+def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The sample order of one epoch: randperm(num_samples) seeded by (seed, epoch)."""
+    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+
+
 class ShardStream:
     """Sample order over a dataset folder that gen-data is still writing.
 
@@ -531,8 +536,7 @@ class ShardStream:
                 out.append(self.fresh.pop())
                 continue
             if not self.replay:
-                g = torch.Generator().manual_seed(self.seed * 7919 + self.epoch)
-                self.replay = torch.randperm(len(self.dataset), generator=g).tolist()
+                self.replay = epoch_permutation(len(self.dataset), self.seed, self.epoch).tolist()
                 self.epoch += 1
             out.append(self.replay.pop())
         return out

@@ -45,7 +45,8 @@ from ubtree_vllm.drafter.config import DrafterConfig
 from ubtree_vllm.drafter.io import META_FILE, load_drafter
 from ubtree_vllm.drafter.proposer import UBTreeDrafter
 from ubtree_vllm.training import checkpoint as ckpt
-from ubtree_vllm.training.data import ShardStream, TokenDataset, manifest_summary, read_manifest, resolve_target_path
+from ubtree_vllm.training.data import (ShardStream, TokenDataset, epoch_permutation, manifest_summary, read_manifest,
+                                      resolve_target_path)
 from ubtree_vllm.training.export import check_round_trip, export_drafter
 from ubtree_vllm.training.losses import LossConfig, collate, drafter_loss, make_generator
 from ubtree_vllm.training.target import FrozenTarget
@@ -210,8 +211,7 @@ class DataOrder:
         for c in range(cursor, cursor + count):
             epoch, i = divmod(c, self.num_samples)
             if epoch != self._epoch:
-                g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
-                self._epoch, self._perm = epoch, torch.randperm(self.num_samples, generator=g)
+                self._epoch, self._perm = epoch, epoch_permutation(self.num_samples, self.seed, epoch)
             out.append(int(self._perm[i]))
         return out
 
@@ -398,7 +398,6 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
     start_step = step
     loss_cfg = cfg.loss_config()
     order = DataOrder(len(dataset), cfg.seed) if stream is None else None
-    response_tokens = dataset.response_tokens()
     params = [p for p in drafter.parameters()]
     sums: dict[str, torch.Tensor] = {}
     window = 0
@@ -417,9 +416,6 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
         (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
         return path
 
-    def distinct_tokens() -> int:
-        return int(response_tokens[sorted(seen)].sum()) if seen else 0
-
     bar = None
     if cfg.progress:
         from tqdm.auto import tqdm
@@ -436,8 +432,8 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
         if not cfg.schedule_by_time and cfg.max_minutes is not None and time.monotonic() - started > cfg.max_minutes * 60:
             status = "paused"
             break
-        if stream is not None and step % cfg.stream_refresh_steps == 0 and stream.refresh():
-            response_tokens = dataset.response_tokens()
+        if stream is not None and step % cfg.stream_refresh_steps == 0:
+            stream.refresh()
         indices = order.take(cursor, cfg.batch_size) if order is not None else stream.take(cfg.batch_size)
         seen.update(indices)
         batch = collate([dataset.sample(i) for i in indices], cfg.max_seq_len)
@@ -493,9 +489,11 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
     if not ran and (cfg.drafter_dir / "config.json").is_file():
         log(f"train: already finished at step {step}; the drafter is in {cfg.drafter_dir}")
         return TrainResult(status, step, history, cfg.drafter_dir, last_ckpt, wall, tokens_seen)
-    totals = {"label_rows_per_s": round(tokens_seen / max(loop_s, 1e-9), 1), "distinct_tokens": distinct_tokens(),
+    # response tokens of the distinct samples trained on (this run's)
+    distinct = int(dataset.response_tokens()[sorted(seen)].sum()) if seen else 0
+    totals = {"label_rows_per_s": round(tokens_seen / max(loop_s, 1e-9), 1), "distinct_tokens": distinct,
               "cumulative_label_rows": prior["cumulative_label_rows"] + tokens_seen,
-              "cumulative_distinct_tokens": prior["cumulative_distinct_tokens"] + distinct_tokens()}
+              "cumulative_distinct_tokens": prior["cumulative_distinct_tokens"] + distinct}
     drafter_dir = _finish(cfg, drafter, dataset, history, step, tokens_seen, wall, target_name, totals, log)
     return TrainResult(status, step, history, drafter_dir, last_ckpt, wall, tokens_seen)
 
