@@ -16,6 +16,8 @@ Public launchers only:
   :func:`tree_accept_rows` (the walk over MRV2's flat logits rows, with its counts),
   :func:`accepted_commit_pairs` / :func:`accepted_row_permutation` (where the accepted path's
   KV and hidden rows move).
+* :func:`head_loss_rows` -- training: the proposer loss's per-row softmax statistics and its
+  gradient w.r.t. the LM-head logits, two streaming passes (``training/head_loss.py``).
 
 Each kernel comes as a private ``_*_kernel``, a public launcher in ``triton_ops/<op>.py``
 that asserts its shape/stride/dtype contract and never syncs with the host, and a
@@ -32,11 +34,12 @@ the kernels run under the Triton interpreter, which ``TRITON_INTERPRET=1`` selec
 set before triton is first imported.
 """
 from ubtree_vllm.triton_ops.accepted_rows import accepted_commit_pairs, accepted_row_permutation
+from ubtree_vllm.triton_ops.head_loss_rows import head_loss_rows
 from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers, kv_path_commit
 from ubtree_vllm.triton_ops.tree_accept import tree_accept, tree_accept_rows
 from ubtree_vllm.triton_ops.tree_attention import tree_attention
 from ubtree_vllm.triton_ops.tree_layout import tree_layout
 from ubtree_vllm.triton_ops.tree_search import tree_search
 
-__all__ = ["accepted_commit_pairs", "accepted_row_permutation", "kv_cache_pointers", "kv_path_commit", "tree_accept",
-           "tree_accept_rows", "tree_attention", "tree_layout", "tree_search"]
+__all__ = ["accepted_commit_pairs", "accepted_row_permutation", "head_loss_rows", "kv_cache_pointers", "kv_path_commit",
+           "tree_accept", "tree_accept_rows", "tree_attention", "tree_layout", "tree_search"]

@@ -152,6 +152,18 @@ def compile_tree_conv(channels: int, width: int, arch: int) -> int:
                     arch)
 
 
+_HEAD_LOSS_ROWS_KINDS = {"labels_ptr": "*i64", "row_weight_ptr": "*fp32", "stats_ptr": "*fp32", "top1_ptr": "*i64",
+                         "kl_weight": "fp32", "ce_weight": "fp32", "softcap": "fp32", "vocab": "i32"}
+
+
+def compile_head_loss_rows(vocab: int, softcap: float | None, arch: int) -> int:
+    """`_head_loss_rows_kernel` as its launcher compiles it (bf16 logits and gradient); returns the cubin size."""
+    from ubtree_vllm.triton_ops.head_loss_rows import launch_meta
+
+    return _compile("head_loss_rows", "_head_loss_rows_kernel", launch_meta(vocab, softcap),
+                    lambda name: _HEAD_LOSS_ROWS_KINDS.get(name, "*bf16" if name.endswith("_ptr") else "i64"), arch)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for Hopper")
@@ -190,6 +202,9 @@ def main() -> int:
               f"{'delta' if delta else 'ssm'}: cubin {size} bytes")
     size = compile_tree_conv(4096, 4, args.arch)
     print(f"tree_conv sm_{args.arch} channels 4096 width 4: cubin {size} bytes")
+    for vocab, softcap in ((49152, None), (151936, 30.0)):
+        size = compile_head_loss_rows(vocab, softcap, args.arch)
+        print(f"head_loss_rows sm_{args.arch} vocab {vocab} {'softcap' if softcap else 'plain'}: cubin {size} bytes")
     return 0
 
 

@@ -127,3 +127,21 @@ def tree_causal_conv1d_reference(x, parents, conv_state, weight, bias=None, acti
             y = (window * weight.float()).sum(1) + (bias.float() if bias is not None else 0.0)
             out[n, t] = (torch.nn.functional.silu(y) if activation == "silu" else y).to(out.dtype)
     return out
+
+
+def head_loss_rows_reference(logits, teacher_logits, labels, row_weight, kl_weight, ce_weight, softcap=None,
+                             grad_dtype=None):
+    """``head_loss_rows``: the proposer loss's per-row softmax statistics and d loss / d logits (float32 math)."""
+    s = logits.float()
+    t = teacher_logits.float()
+    if softcap:
+        t = softcap * torch.tanh(t / softcap)
+    lse_q, lse_p = torch.logsumexp(s, -1), torch.logsumexp(t, -1)
+    log_q, log_p = s - lse_q[:, None], t - lse_p[:, None]
+    p = log_p.exp()
+    kl = (p * (log_p - log_q)).sum(-1)
+    ce = lse_q - s.gather(1, labels[:, None].long()).squeeze(1)
+    onehot = torch.nn.functional.one_hot(labels.long(), s.shape[1]).float()
+    g = row_weight[:, None] * ((kl_weight + ce_weight) * log_q.exp() - kl_weight * p - ce_weight * onehot)
+    stats = torch.stack([lse_q, kl, ce, lse_p], dim=1)
+    return g.to(grad_dtype or logits.dtype), stats, s.argmax(-1)

@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=96)
     ap.add_argument("--device", default="cuda", help="cuda (bf16 autocast) or cpu (float32; a smoke run)")
     ap.add_argument("--records", default=None, help="append one train_label_rows_per_s microbench record per shape")
+    ap.add_argument("--head-loss", default="fused,torch",
+                    help="LM-head loss paths to time per shape: fused (the Triton kernel; CUDA) and/or torch")
     args = ap.parse_args()
     run_file = yaml.safe_load(open(args.config))
     train = run_file["train"]
@@ -63,9 +65,10 @@ def main() -> None:
                 detach_selector=train.get("detach_selector", True),
                 head_chunk_rows=train.get("head_chunk_rows", 4096))
 
-    def step(batch: Batch, loss_cfg: LossConfig, index: int) -> int:
+    def step(batch: Batch, loss_cfg: LossConfig, index: int, fused: bool) -> int:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            out = drafter_loss(drafter, target, batch.to(device), loss_cfg, make_generator(0, index))
+            out = drafter_loss(drafter, target, batch.to(device), loss_cfg, make_generator(0, index),
+                               fused_head=fused)
         optimizer.zero_grad(set_to_none=True)
         with torch.profiler.record_function("backward"):
             out.loss.backward()
@@ -74,19 +77,23 @@ def main() -> None:
         return int(out.num_tokens)
 
     first = None
-    for shape in args.shapes.split(","):
+    paths = args.head_loss.split(",")
+    if not cuda:
+        paths = ["torch"]
+    for shape, path in ((s, p) for s in args.shapes.split(",") for p in paths):
+        fused = path == "fused"
         seqs, anchors = (int(x) for x in shape.split("x"))
         loss_cfg = LossConfig(blocks_per_seq=anchors, **base)
         batches = [random_batch(seqs, args.prompt_len, args.seq_len, drafter_cfg.vocab_size, i)
                    for i in range(args.steps + 2)]
         for i in range(2):
-            step(batches[i], loss_cfg, i)
+            step(batches[i], loss_cfg, i, fused)
         sync()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         start, rows = time.perf_counter(), 0
         for i in range(2, args.steps + 2):
-            rows += step(batches[i], loss_cfg, i)
+            rows += step(batches[i], loss_cfg, i, fused)
         sync()
         wall = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
@@ -96,20 +103,21 @@ def main() -> None:
             append_record({"kind": "microbench", "method": "ubtree", "target": drafter_cfg.target_name,
                            "batch_size": seqs, "block_size": drafter_cfg.block_size, "top_k": drafter_cfg.top_k,
                            "metric": "train_label_rows_per_s", "value": round(rows / wall, 1), "unit": "label rows/s",
-                           "notes": (f"training step (loss + backward + AdamW) of the recipe, {seqs} sequences x up to "
+                           "notes": (f"training step (loss + backward + AdamW) of the recipe, {path} LM-head loss, "
+                                     f"{seqs} sequences x up to "
                                      f"{anchors} anchors, random tokens of {args.seq_len // 2}-{args.seq_len} positions, "
                                      f"{1000 * wall / args.steps:.1f} ms/step, nothing else on the device")},
                           path=args.records)
-        print(f"shape {seqs} seqs x {anchors} anchors: {1000 * wall / args.steps:.1f} ms/step, "
+        print(f"shape {seqs} seqs x {anchors} anchors, {path} head loss: {1000 * wall / args.steps:.1f} ms/step, "
               f"{rows / args.steps:.0f} label rows/step, {rows / wall:,.0f} label rows/s, "
               f"peak {peak:.1f} GiB", flush=True)
-        first = first or (batches, loss_cfg)
+        first = first or (batches, loss_cfg, fused)
 
-    batches, loss_cfg = first
+    batches, loss_cfg, fused = first
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as prof:
         for i in range(2):
-            step(batches[i], loss_cfg, 100 + i)
+            step(batches[i], loss_cfg, 100 + i, fused)
         sync()
     events = prof.key_averages()
     print("\nCUDA time per stage over 2 steps (ms):")

@@ -11,6 +11,7 @@
 #            background writes fresh T=1 rollouts while `ubtree train` (stream_data) trains on the shards
 #            as they land for SLICE_MINUTES (default 7), continuing the committed drafter, then exports it
 #            to checkpoints/ and appends the train record; gen-data is stopped at the end (logs in runs/).
+#            SLICE_INIT=fresh starts a fresh drafter instead of continuing the committed one.
 #            GEN_MINUTES=N instead runs gen-data alone for N minutes first and then the trainer alone: on
 #            2026-12-01 the trainer beside gen-data (the slices' train records) ran at well under half the label
 #            rows/s that scripts/gpu/profile_train_step.py measured for it alone
@@ -47,7 +48,8 @@
 #            Unpinned, the other GPU's engine start-ups (torch.compile workers) slowed batch-1 decoding
 #            of the small target by up to ~1.5x.
 #   profile  scripts/gpu/profile_train_step.py: a training step's time by stage and label rows/s per batch shape
-#            (PROFILE_SHAPES, SEQSxANCHORS,...), one train_label_rows_per_s record per shape
+#            (PROFILE_SHAPES, SEQSxANCHORS,...) and LM-head loss path (PROFILE_HEAD_LOSS, fused,torch), one
+#            train_label_rows_per_s record per shape and path
 #   microbench  `ubtree bench microbench --which ${MB_WHICH:-all}` (draft post-processing per round, tree attention
 #            vs FlashAttention, tree-65 vs chain-17 verification forward on a dummy Qwen3-8B)
 # Records go to $RECORDS (default docs/benchmarks/records.jsonl; on the device use runs/records.jsonl,
@@ -118,8 +120,9 @@ for phase in "$@"; do
       gen=$!
       [ -n "${GEN_MINUTES:-}" ] && { kill "$gen" 2>/dev/null; wait "$gen" 2>/dev/null || true; }
       rc=0
+      init=(); [ "${SLICE_INIT:-}" = fresh ] && init=(--set init_drafter=null)
       ubtree train --config "$CONFIG" --data-dir runs/smollm2/slice-data-$seed --set records_path="$RECORDS" \
-        --set progress=false --max-minutes "${SLICE_MINUTES:-7}" || rc=$?
+        --set progress=false --max-minutes "${SLICE_MINUTES:-7}" "${init[@]}" || rc=$?
       kill "$gen" 2>/dev/null; wait "$gen" 2>/dev/null || true
       grep -E "wrote shard|Error|error" runs/gen-data.log | tail -n 5 || true
       python3 -c "import json,sys; m=json.load(open(sys.argv[1])); print('generated', m['num_samples'], 'samples,', m['num_response_tokens'], 'response tokens')" \
@@ -192,7 +195,7 @@ for phase in "$@"; do
       wait ;;
     profile)
       python3 scripts/gpu/profile_train_step.py --config "$CONFIG" --shapes "${PROFILE_SHAPES:-16x256,16x64,32x64}" \
-        --steps 6 --records "$RECORDS" ;;
+        --steps 6 --head-loss "${PROFILE_HEAD_LOSS:-fused,torch}" --records "$RECORDS" ;;
     microbench)
       ubtree bench microbench --which "${MB_WHICH:-all}" --drafter "$DRAFTER" --records "$RECORDS" --no-report ;;
     humaneval-t1)

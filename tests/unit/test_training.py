@@ -70,7 +70,7 @@ def write_prompt_files(root: Path, count: int = 30) -> Path:
     return root
 
 
-def count_up(prompts, seed):
+def count_up(prompts, seed, temperatures=()):
     """A learnable stand-in for the target's answers: count up from the last prompt token."""
     return [[7 + (p[-1] + k) % (VOCAB - 7) for k in range(1, 25)] + [2] for p in prompts]
 
@@ -137,7 +137,7 @@ def test_gen_data_resumes_after_an_interrupted_shard(tmp_path, workspace):
                         data_root=str(workspace["prompts"]), num_prompts=6, shard_size=2, max_new_tokens=4)
     calls = []
 
-    def flaky(prompts, seed):
+    def flaky(prompts, seed, temperatures):
         calls.append(seed)
         if len(calls) == 2:
             raise KeyboardInterrupt
@@ -151,8 +151,43 @@ def test_gen_data_resumes_after_an_interrupted_shard(tmp_path, workspace):
     assert manifest["complete"] and manifest["num_samples"] == 6 and len(calls) == 2  # shards 1 and 2 only
 
 
+def test_gen_data_greedy_samples_answer_first_samples_at_t0(tmp_path, workspace):
+    cfg = DataGenConfig(target=str(workspace["target"]), out_dir=str(tmp_path / "d"),
+                        data_root=str(workspace["prompts"]), num_prompts=4, shard_size=2, max_new_tokens=4,
+                        samples_per_prompt=3, greedy_samples=1, temperature=0.7)
+    seen = []
+
+    def recorder(prompts, seed, temperatures):
+        seen.append(list(temperatures))
+        return count_up(prompts, seed)
+
+    manifest = generate_dataset(cfg, generator=recorder, log=lambda _: None)
+    assert seen == [[0.0, 0.7, 0.7] * 2] * 2 and manifest["generation"]["greedy_samples"] == 1
+    with pytest.raises(ValueError, match="greedy_samples"):
+        generate_dataset(DataGenConfig(**{**cfg.__dict__, "greedy_samples": 0}), generator=recorder,
+                         log=lambda _: None)
+    with pytest.raises(ValueError, match=r"greedy_samples must be in \[0, samples_per_prompt = 3\]"):
+        DataGenConfig(samples_per_prompt=3, greedy_samples=4)
+
+
+def test_gen_data_hf_backend_mixes_greedy_and_sampled_answers(tmp_path, workspace):
+    cfg = DataGenConfig(target=str(workspace["target"]), out_dir=str(tmp_path / "d"),
+                        data_root=str(workspace["prompts"]), num_prompts=3, shard_size=3, max_new_tokens=5,
+                        batch_size=4, backend="hf", temperature=1.0, samples_per_prompt=2, greedy_samples=1)
+    generate_dataset(cfg, log=lambda _: None)
+    mixed = TokenDataset.load(tmp_path / "d")
+    greedy_cfg = DataGenConfig(**{**cfg.__dict__, "out_dir": str(tmp_path / "g"), "temperature": 0.0,
+                                  "samples_per_prompt": 1, "greedy_samples": 0})
+    generate_dataset(greedy_cfg, log=lambda _: None)
+    greedy = TokenDataset.load(tmp_path / "g")
+    assert len(mixed) == 2 * len(greedy) == 6
+    for i in range(len(greedy)):  # sample 2i is prompt i's greedy answer, 2i + 1 its sampled one
+        assert torch.equal(mixed.sample(2 * i)[0], greedy.sample(i)[0])
+        assert mixed.sample(2 * i + 1)[1] == greedy.sample(i)[1]
+
+
 def count_up_recorder(calls):
-    def gen(prompts, seed):
+    def gen(prompts, seed, temperatures):
         calls.append(seed)
         return count_up(prompts, seed)
     return gen
@@ -319,7 +354,7 @@ def test_streamed_training_picks_up_shards_as_they_land(tmp_path, workspace):
                         samples_per_prompt=2)
     calls = []
 
-    def interrupted_after_one_shard(prompts, seed):
+    def interrupted_after_one_shard(prompts, seed, temperatures):
         calls.append(len(prompts))
         if len(calls) > 1:
             raise InterruptedError
@@ -448,7 +483,7 @@ def test_incomplete_dataset_is_refused(tmp_path, workspace):
     cfg = DataGenConfig(target=str(workspace["target"]), out_dir=str(tmp_path / "d"),
                         data_root=str(workspace["prompts"]), num_prompts=4, shard_size=2, max_new_tokens=4)
     with pytest.raises(KeyboardInterrupt):
-        generate_dataset(cfg, generator=lambda p, s: (_ for _ in ()).throw(KeyboardInterrupt) if s else
+        generate_dataset(cfg, generator=lambda p, s, t: (_ for _ in ()).throw(KeyboardInterrupt) if s else
                          count_up(p, s), log=lambda _: None)
     with pytest.raises(ValueError, match="incomplete"):
         train(train_config(workspace, tmp_path / "run", data_dir=str(tmp_path / "d")), log=lambda _: None)

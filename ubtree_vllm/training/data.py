@@ -69,6 +69,9 @@ class DataGenConfig:
     temperature: float = 1.0
     # Independent answers per prompt (each its own sample).
     samples_per_prompt: int = 1
+    # Of each prompt's samples_per_prompt answers, the first greedy_samples are greedy (T = 0) and
+    # the rest at `temperature`: a mix of the contexts a T = 0 and a T > 0 request will see.
+    greedy_samples: int = 0
     backend: str = "hf"
     shard_size: int = 1024
     # HF backend: prompts per generate() call.  vLLM schedules a whole shard itself.
@@ -92,6 +95,9 @@ class DataGenConfig:
                      "samples_per_prompt"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= int(self.greedy_samples) <= int(self.samples_per_prompt):
+            raise ValueError(f"greedy_samples must be in [0, samples_per_prompt = {self.samples_per_prompt}], "
+                             f"got {self.greedy_samples}")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> DataGenConfig:
@@ -104,7 +110,7 @@ class DataGenConfig:
     def identity(self) -> dict[str, Any]:
         """Settings that define the dataset's content; a resumed run must match them."""
         keys = ("sources", "num_prompts", "max_prompt_tokens", "max_new_tokens", "temperature", "backend",
-                "shard_size", "seed", "samples_per_prompt")
+                "shard_size", "seed", "samples_per_prompt", "greedy_samples")
         return {k: (list(v) if isinstance(v := getattr(self, k), tuple) else v) for k in keys}
 
 
@@ -230,9 +236,10 @@ def select_prompts(texts: Sequence[str], tokenizer: Any, num_prompts: int, max_p
 
 
 # ---- generation backends ---------------------------------------------------------------
-# (prompts, seed) -> responses, each ending at the first EOS when the target stopped; one per
-# prompt, in order (generate_dataset repeats each prompt samples_per_prompt times).
-GenerateFn = Callable[[Sequence[Sequence[int]], int], list[list[int]]]
+# (prompts, seed, temperatures) -> responses, each ending at the first EOS when the target stopped;
+# one per prompt, in order, prompt i answered at temperatures[i] (generate_dataset repeats each
+# prompt samples_per_prompt times).
+GenerateFn = Callable[[Sequence[Sequence[int]], int, Sequence[float]], list[list[int]]]
 
 
 def truncate_at_eos(tokens: Iterable[int], eos: set[int]) -> list[int]:
@@ -255,13 +262,15 @@ def hf_generator(target_path: Path, cfg: DataGenConfig, eos: list[int], device: 
     eos_set = set(eos)
 
     @torch.no_grad()
-    def generate(prompts: Sequence[Sequence[int]], seed: int) -> list[list[int]]:
+    def generate(prompts: Sequence[Sequence[int]], seed: int, temperatures: Sequence[float]) -> list[list[int]]:
         torch.manual_seed(seed)
-        # Sort by length so each generate() call pads little; results go back in order.
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        # Group by temperature, sort by length so each generate() call pads little; results go back in order.
+        order = sorted(range(len(prompts)), key=lambda i: (temperatures[i], len(prompts[i])))
+        batches = [order[s:s + cfg.batch_size] for s in range(0, len(order), cfg.batch_size)]
+        batches = [[i for i in b if temperatures[i] == t] for b in batches for t in sorted({temperatures[i] for i in b})]
         results: list[list[int]] = [[] for _ in prompts]
-        for start in range(0, len(order), cfg.batch_size):
-            chunk = order[start:start + cfg.batch_size]
+        for chunk in batches:
+            temperature = temperatures[chunk[0]]
             width = max(len(prompts[i]) for i in chunk)
             ids = torch.full((len(chunk), width), eos[0], dtype=torch.long)
             mask = torch.zeros((len(chunk), width), dtype=torch.long)
@@ -270,7 +279,7 @@ def hf_generator(target_path: Path, cfg: DataGenConfig, eos: list[int], device: 
                 mask[row, width - len(prompts[i]):] = 1
             out = model.generate(
                 input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=cfg.max_new_tokens,
-                do_sample=cfg.temperature > 0, temperature=cfg.temperature if cfg.temperature > 0 else None,
+                do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
                 top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=eos[0])  # [b, width + new]
             for row, i in enumerate(chunk):
                 results[i] = truncate_at_eos(out[row, width:].tolist(), eos_set)
@@ -289,12 +298,13 @@ def vllm_generator(target_path: Path, cfg: DataGenConfig, eos: list[int]) -> Gen
               gpu_memory_utilization=cfg.gpu_memory_utilization, generation_config="vllm")
     eos_set = set(eos)
 
-    def generate(prompts: Sequence[Sequence[int]], seed: int) -> list[list[int]]:
+    def generate(prompts: Sequence[Sequence[int]], seed: int, temperatures: Sequence[float]) -> list[list[int]]:
         # One engine-level seed per run; per-request seeds would force vLLM's slow
         # per-request sampling path. Reproducibility is up to vLLM's batch schedule.
-        params = SamplingParams(temperature=cfg.temperature, top_p=1.0, top_k=0, max_tokens=cfg.max_new_tokens,
-                                stop_token_ids=eos, detokenize=False)
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=True)
+        params = {t: SamplingParams(temperature=t, top_p=1.0, top_k=0, max_tokens=cfg.max_new_tokens,
+                                    stop_token_ids=eos, detokenize=False) for t in set(temperatures)}
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                               [params[t] for t in temperatures], use_tqdm=True)
         results = []
         for out in outputs:
             completion = out.outputs[0]
@@ -386,9 +396,11 @@ def generate_dataset(cfg: DataGenConfig, generator: GenerateFn | None = None, lo
             log(f"gen-data: stopping at the time budget ({cfg.max_minutes} min) after {len(done)} of "
                 f"{num_shards} shards; run again to resume")
             break
-        chunk = [p for p in prompts[index * cfg.shard_size:(index + 1) * cfg.shard_size]
-                 for _ in range(cfg.samples_per_prompt)]
-        responses = generator(chunk, cfg.seed * 100003 + index)
+        shard_prompts = prompts[index * cfg.shard_size:(index + 1) * cfg.shard_size]
+        chunk = [p for p in shard_prompts for _ in range(cfg.samples_per_prompt)]
+        temperatures = [0.0 if j < cfg.greedy_samples else cfg.temperature
+                        for _ in shard_prompts for j in range(cfg.samples_per_prompt)]
+        responses = generator(chunk, cfg.seed * 100003 + index, temperatures)
         counts = write_shard(out / name, list(zip(chunk, responses)))
         manifest["shards"].append({"file": name, **counts})
         done.add(name)
@@ -556,6 +568,7 @@ def manifest_summary(manifest: Mapping[str, Any]) -> dict[str, Any]:
     return {"target": manifest["target"]["name"], **{k: manifest["generation"][k] for k in
             ("temperature", "backend", "max_new_tokens", "num_prompts", "sources", "seed")},
             "samples_per_prompt": manifest["generation"].get("samples_per_prompt", 1),
+            "greedy_samples": manifest["generation"].get("greedy_samples", 0),
             "num_samples": manifest["num_samples"], "num_tokens": manifest["num_tokens"],
             "num_response_tokens": manifest["num_response_tokens"]}
 

@@ -22,7 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ubtree_vllm.triton_ops.head_loss_rows import head_loss_rows
+from ubtree_vllm.triton_ops.head_loss_rows import triton as _triton
+
 DEFAULT_CHUNK_ROWS = 4096
+
+
+def triton_available() -> bool:
+    return _triton is not None
 
 
 @dataclass
@@ -39,7 +46,7 @@ class HeadLossOutput:
 class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, head_weight, teacher_hidden, labels, row_weight, kl_weight, ce_weight, top_k,
-                softcap, chunk_rows, lse_grad):
+                softcap, chunk_rows, lse_grad, fused):
         rows = hidden.shape[0]
         dev = hidden.device
         w = head_weight
@@ -55,6 +62,18 @@ class _HeadLoss(torch.autograd.Function):
         with torch.autocast(device_type=dev.type, enabled=False):
             for start in range(0, rows, chunk_rows):
                 sl = slice(start, min(rows, start + chunk_rows))
+                if fused:  # one two-pass kernel over the matmuls' logits (triton_ops/head_loss_rows.py)
+                    logits = hidden[sl].to(w.dtype) @ w.t()  # [c, V] in the head's dtype
+                    t_logits = teacher_hidden[sl].to(w.dtype) @ w.t()
+                    g, stats, top1[sl] = head_loss_rows(logits, t_logits, labels[sl], row_weight[sl], kl_weight,
+                                                        ce_weight, softcap)
+                    chunk_lse, kl, ce = stats[:, 0], stats[:, 1], stats[:, 2]
+                    loss += (row_weight[sl] * (kl_weight * kl + ce_weight * ce)).sum()
+                    grad_hidden[sl] = (g @ w).float()
+                    kl_rows[sl], ce_rows[sl], lse[sl] = kl, ce, chunk_lse
+                    top_logits, cand[sl] = logits.topk(top_k, dim=-1)
+                    cand_logp[sl] = top_logits.float() - chunk_lse[:, None]
+                    continue
                 logits = (hidden[sl].to(w.dtype) @ w.t()).float()  # [c, V]
                 chunk_lse = torch.logsumexp(logits, dim=-1)
                 log_q = logits - chunk_lse[:, None]
@@ -93,19 +112,26 @@ class _HeadLoss(torch.autograd.Function):
         grad = grad_hidden * grad_loss
         if ctx.lse_grad and grad_lse is not None:
             grad = grad + lse_hidden * grad_lse[:, None]
-        return grad.to(ctx.hidden_dtype), None, None, None, None, None, None, None, None, None, None
+        return grad.to(ctx.hidden_dtype), None, None, None, None, None, None, None, None, None, None, None
 
 
 def head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, teacher_hidden: torch.Tensor, labels: torch.Tensor,
               row_weight: torch.Tensor, kl_weight: float, ce_weight: float, top_k: int,
               softcap: float | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS,
-              lse_grad: bool = False) -> HeadLossOutput:
+              lse_grad: bool = False, fused: bool | None = None) -> HeadLossOutput:
     """See the module docstring. hidden/teacher_hidden [M, H]; head_weight [V, H] (frozen);
-    labels [M] int64; row_weight [M] float32."""
+    labels [M] int64; row_weight [M] float32. `fused` (default: on CUDA, without lse_grad) runs
+    each chunk's softmax work in the Triton kernel of triton_ops/head_loss_rows.py; the torch
+    path stays for the CPU and for lse_grad, which needs q itself."""
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    if fused is None:
+        fused = hidden.is_cuda and not lse_grad and triton_available()
+    if fused and lse_grad:
+        raise ValueError("fused=True does not support lse_grad (the fused kernel never forms q)")
     out = _HeadLoss.apply(hidden, head_weight.detach(), teacher_hidden.detach(), labels, row_weight.float(),
-                          float(kl_weight), float(ce_weight), int(top_k), softcap, int(chunk_rows), bool(lse_grad))
+                          float(kl_weight), float(ce_weight), int(top_k), softcap, int(chunk_rows), bool(lse_grad),
+                          bool(fused))
     return HeadLossOutput(*out)
 
 

@@ -55,7 +55,8 @@ class LossConfig:
     proposer_kl: float = 1.0
     # The selector trains on detached proposer outputs (False: the joint ablation).
     detach_selector: bool = True
-    # Rows per LM-head chunk (memory: about 7 * rows * vocab float32 values at a time).
+    # Rows per LM-head chunk (memory: three [rows, vocab] buffers in the head's dtype on the fused
+    # CUDA path, about seven float32 ones on the torch path).
     head_chunk_rows: int = DEFAULT_CHUNK_ROWS
 
     def __post_init__(self) -> None:
@@ -134,8 +135,9 @@ def _weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def drafter_loss(drafter: UBTreeDrafter, target: FrozenTarget, batch: Batch, cfg: LossConfig,
-                 generator: torch.Generator) -> LossOutput:
-    """The training objective of one batch (module docstring). `batch` is on the drafter's device."""
+                 generator: torch.Generator, fused_head: bool | None = None) -> LossOutput:
+    """The training objective of one batch (module docstring). `batch` is on the drafter's device;
+    `fused_head` picks the LM-head loss path (training/head_loss.py; default: fused on CUDA)."""
     input_ids, lengths = batch.input_ids, batch.lengths
     dev = input_ids.device
     num_seqs, width = input_ids.shape
@@ -177,7 +179,8 @@ def drafter_loss(drafter: UBTreeDrafter, target: FrozenTarget, batch: Batch, cfg
     # Proposer: KL to the target + beta * CE, chunked through the LM head.
     with record_function("loss.head"):
         head = head_loss(row_hidden, drafter.lm_head_weight, target_rows, row_labels, weights, cfg.proposer_kl,
-                         cfg.beta, top_k, target.softcap, cfg.head_chunk_rows, lse_grad=not cfg.detach_selector)
+                         cfg.beta, top_k, target.softcap, cfg.head_chunk_rows, lse_grad=not cfg.detach_selector,
+                         fused=fused_head if cfg.detach_selector else False)
     cand = head.cand  # [M, K] the selection is never differentiated
     if cfg.detach_selector:
         cand_logp, sel_hidden = head.cand_logp, hidden.detach()
