@@ -80,6 +80,13 @@ def main() -> None:
     paths = args.head_loss.split(",")
     if not cuda:
         paths = ["torch"]
+    # Process warm-up (allocator growth, cuBLAS handles, Triton compiles) before any shape is timed.
+    warm_cfg = LossConfig(blocks_per_seq=8, **base)
+    for path in paths:
+        for i in range(2):
+            step(random_batch(4, args.prompt_len, args.seq_len, drafter_cfg.vocab_size, 1000 + i), warm_cfg, i,
+                 path == "fused")
+    sync()
     for shape, path in ((s, p) for s in args.shapes.split(",") for p in paths):
         fused = path == "fused"
         seqs, anchors = (int(x) for x in shape.split("x"))

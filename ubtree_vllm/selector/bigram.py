@@ -56,14 +56,16 @@ class BigramSelector(nn.Module):
     def _codes(self, which: int, tokens: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
         """Codes of `tokens` [...] -> [..., r] from codebook `which` (0 = phi, 1 = psi).
 
-        Serving reads the precomputed table. Training runs the MLP once per distinct token
-        (a batch repeats tokens many times over) and scatters the rows back.
+        Serving reads the precomputed table. Training runs the MLP over the whole vocabulary
+        (a batch looks up far more tokens than the vocabulary holds, and a fixed-size table
+        needs no `unique`, which syncs with the host) and gathers with index_select, whose
+        backward is an index_add rather than advanced indexing's sort.
         """
         if self._tables is not None and not self.training:
             return self._tables[which][tokens]
         mlp = self.pred_codebook if which == 0 else self.succ_codebook
-        unique, inverse = torch.unique(tokens, return_inverse=True)
-        return mlp(embed_weight[unique].to(self.hidden_proj.weight.dtype))[inverse]
+        table = mlp(embed_weight.to(self.hidden_proj.weight.dtype))  # [V, r]
+        return table.index_select(0, tokens.flatten()).view(*tokens.shape, -1)
 
     # ---- scoring ---------------------------------------------------------------------
     def edge_logprobs(self, pred_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_logp: torch.Tensor,

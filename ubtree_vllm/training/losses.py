@@ -83,9 +83,15 @@ class Batch:
     lengths: torch.Tensor
     # [B] int64 prompt lengths (the response starts here)
     prompt_lens: torch.Tensor
+    # CPU copies of lengths / prompt_lens (the anchor draw reads them without a device sync)
+    host_lengths: torch.Tensor | None = None
+    host_prompt_lens: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(self.input_ids.to(device), self.lengths.to(device), self.prompt_lens.to(device))
+        host = self.host_lengths if self.host_lengths is not None else self.lengths.cpu()
+        host_prompt = self.host_prompt_lens if self.host_prompt_lens is not None else self.prompt_lens.cpu()
+        return Batch(self.input_ids.to(device, non_blocking=True), self.lengths.to(device, non_blocking=True),
+                     self.prompt_lens.to(device, non_blocking=True), host, host_prompt)
 
 
 def collate(samples: Sequence[tuple[torch.Tensor, int]], max_seq_len: int) -> Batch:
@@ -94,8 +100,10 @@ def collate(samples: Sequence[tuple[torch.Tensor, int]], max_seq_len: int) -> Ba
     input_ids = torch.zeros((len(samples), max(lengths)), dtype=torch.long)
     for row, ((ids, _), n) in enumerate(zip(samples, lengths)):
         input_ids[row, :n] = ids[:n]
-    return Batch(input_ids, torch.tensor(lengths, dtype=torch.long),
-                 torch.tensor([p for _, p in samples], dtype=torch.long))
+    host_lengths = torch.tensor(lengths, dtype=torch.long)
+    host_prompt_lens = torch.tensor([p for _, p in samples], dtype=torch.long)
+    return Batch(input_ids.pin_memory() if torch.cuda.is_available() else input_ids, host_lengths,
+                 host_prompt_lens, host_lengths, host_prompt_lens)
 
 
 def sample_anchors(lengths: torch.Tensor, prompt_lens: torch.Tensor, width: int, blocks_per_seq: int,
@@ -126,7 +134,7 @@ class LossOutput:
     metrics: dict[str, torch.Tensor]
     # [gamma] proposer top-1 accuracy per depth (NaN where a depth had no label)
     top1_by_depth: torch.Tensor
-    # label positions scored in this batch
+    # label positions scored in this batch (a device scalar: reading it syncs)
     num_tokens: torch.Tensor
 
 
@@ -148,8 +156,9 @@ def drafter_loss(drafter: UBTreeDrafter, target: FrozenTarget, batch: Batch, cfg
     with record_function("loss.target_forward"):
         features, final_hidden = target.forward(input_ids, valid_tok)  # [B, T, F], [B, T, H]
 
-    anchor_pos, block_valid = sample_anchors(lengths.cpu(), batch.prompt_lens.cpu(), width, cfg.blocks_per_seq,
-                                             generator)
+    host_lengths = batch.host_lengths if batch.host_lengths is not None else lengths.cpu()
+    host_prompt_lens = batch.host_prompt_lens if batch.host_prompt_lens is not None else batch.prompt_lens.cpu()
+    anchor_pos, block_valid = sample_anchors(host_lengths, host_prompt_lens, width, cfg.blocks_per_seq, generator)
     anchor_pos, block_valid = anchor_pos.to(dev), block_valid.to(dev)  # [B, nb]
     num_blocks = anchor_pos.shape[1]
     anchor = input_ids.gather(1, anchor_pos)
@@ -163,18 +172,19 @@ def drafter_loss(drafter: UBTreeDrafter, target: FrozenTarget, batch: Batch, cfg
     labels = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)
     prev = input_ids.gather(1, (label_pos - 1).flatten(1)).view_as(label_pos)  # x_{a+d-1}
 
+    # Every (block, depth) row is scored, M = B * nb * gamma (a static shape: no device -> host sync);
+    # rows without a label weigh 0.
     num_rows = num_seqs * num_blocks
     hidden = hidden.reshape(num_rows, gamma, -1)
-    rows = row_valid.flatten().nonzero().squeeze(1)  # [M] flat (block, depth) rows with a label
-    row_depth = rows % gamma  # 0-based depth
-    row_labels = labels.flatten()[rows]
-    weights = torch.ones(rows.shape, device=dev) if cfg.loss_decay is None else torch.exp(
-        -row_depth.float() / cfg.loss_decay)
-    seq_of_row = rows // (num_blocks * gamma)
-    target_rows = final_hidden[seq_of_row, label_pos.flatten()[rows] - 1]  # [M, H] target at a + d - 1
-    # index_select: its backward is an index_add (advanced indexing sorts the indices in its backward,
-    # which dominated the backward in the H200 profile)
-    row_hidden = hidden.flatten(0, 1).index_select(0, rows)  # [M, H]
+    valid = row_valid.flatten()  # [M]
+    valid_f = valid.float()
+    row_depth = torch.arange(gamma, device=dev).repeat(num_rows)  # [M] 0-based depth
+    row_labels = labels.flatten()
+    decay = torch.ones_like(valid_f) if cfg.loss_decay is None else torch.exp(-row_depth.float() / cfg.loss_decay)
+    weights = decay * valid_f
+    seq_of_row = torch.arange(num_seqs, device=dev).repeat_interleave(num_blocks * gamma)
+    target_rows = final_hidden[seq_of_row, label_pos.flatten() - 1]  # [M, H] target at a + d - 1
+    row_hidden = hidden.flatten(0, 1)  # [M, H]
 
     # Proposer: KL to the target + beta * CE, chunked through the LM head.
     with record_function("loss.head"):
@@ -191,13 +201,10 @@ def drafter_loss(drafter: UBTreeDrafter, target: FrozenTarget, batch: Batch, cfg
 
     with record_function("loss.selector"):
         # Selector over the K candidates, true predecessor (P = 1), every depth of every block.
-        cand_full = torch.zeros((num_rows * gamma, top_k), dtype=torch.long, device=dev).index_copy(0, rows, cand)
-        logp_full = torch.zeros((num_rows * gamma, top_k), dtype=cand_logp.dtype, device=dev).index_put(
-            (rows,), cand_logp)
-        log_q = drafter.selector.edge_logprobs(prev.reshape(num_rows, gamma, 1),
-                                               cand_full.view(num_rows, gamma, top_k),
-                                               logp_full.view(num_rows, gamma, top_k), sel_hidden, drafter.embed_weight)
-        log_q = log_q.reshape(num_rows * gamma, top_k).index_select(0, rows)  # [M, K]
+        log_q = drafter.selector.edge_logprobs(prev.reshape(num_rows, gamma, 1), cand.view(num_rows, gamma, top_k),
+                                               cand_logp.view(num_rows, gamma, top_k), sel_hidden,
+                                               drafter.embed_weight)
+        log_q = log_q.reshape(num_rows * gamma, top_k)  # [M, K]
 
         # Target at position a + d - 1, renormalized over the candidates.
         log_p = torch.log_softmax(target.candidate_logits(target_rows, cand), dim=-1)  # [M, K]
@@ -214,21 +221,22 @@ def drafter_loss(drafter: UBTreeDrafter, target: FrozenTarget, batch: Batch, cfg
     loss = proposer + selector
 
     with torch.no_grad():
-        correct = (head.top1 == row_labels).float()
-        count = torch.zeros(gamma, device=dev).index_add_(0, row_depth, torch.ones_like(correct))
-        top1_by_depth = torch.zeros(gamma, device=dev).index_add_(0, row_depth, correct) / count
+        correct = (head.top1 == row_labels).float() * valid_f  # [M], 0 on rows without a label
+        count = valid_f.view(num_rows, gamma).sum(0)
+        top1_by_depth = correct.view(num_rows, gamma).sum(0) / count  # NaN where a depth had no label
         sel_correct = (cand.gather(1, log_q.argmax(-1, keepdim=True)).squeeze(1) == row_labels).float()
         # Greedy chain acceptance proxy: 1 + leading correct top-1 depths, over full blocks.
-        correct_full = torch.zeros(num_rows * gamma, device=dev).index_copy(0, rows, correct).view(num_rows, gamma)
         full = row_valid.view(num_rows, gamma).all(-1)
-        leading = correct_full.cumprod(dim=1).sum(1)
+        leading = correct.view(num_rows, gamma).cumprod(dim=1).sum(1)
+        num_labels = valid_f.sum()
         metrics = {
             "loss": loss.detach(), "ce": _weighted_mean(head.ce_rows, weights), "kl": kl.detach(),
             "proposer_kl": _weighted_mean(head.kl_rows, weights), "hard_ce": hard.detach(),
-            "top1": correct.mean(), "topk_hit": in_topk.float().mean(), "selector_top1": sel_correct.mean(),
+            "top1": correct.sum() / num_labels, "topk_hit": (in_topk.float() * valid_f).sum() / num_labels,
+            "selector_top1": (sel_correct * valid_f).sum() / num_labels,
             "chain_tau": 1.0 + (leading * full).sum() / full.sum().clamp(min=1),
         }
-    return LossOutput(loss, metrics, top1_by_depth, torch.tensor(rows.numel()))
+    return LossOutput(loss, metrics, top1_by_depth, valid.sum())
 
 
 def make_generator(seed: int, step: int) -> torch.Generator:

@@ -365,6 +365,7 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, time_progress()))
     step = cursor = tokens_seen = 0
+    label_rows: torch.Tensor | int = 0  # label rows of the steps since the last read of tokens_seen
     wall_before = 0.0
     history: list[dict[str, float]] = []
     seen: set[int] = set()
@@ -446,7 +447,7 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
         scheduler.step()
         step += 1
         cursor += cfg.batch_size
-        tokens_seen += int(result.num_tokens)
+        label_rows = label_rows + result.num_tokens  # a device scalar: read at logging, no sync per step
         by_depth = {f"top1_depth{d}": result.top1_by_depth[d - 1].nan_to_num(0.0) for d in DEPTHS_LOGGED
                     if d <= drafter_cfg.block_size}
         for key, value in {**result.metrics, **by_depth, "grad_norm": grad_norm.detach()}.items():
@@ -455,6 +456,7 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
         if bar is not None:
             bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.max_steps:
+            tokens_seen, label_rows = tokens_seen + int(label_rows), 0  # SYNC: logging only
             entry = {"step": step, "lr": scheduler.get_last_lr()[0], "tokens_seen": tokens_seen,
                      "samples_seen": len(seen), **{k: float(v) / window for k, v in sums.items()}}  # SYNC: logging only
             history.append(entry)
@@ -467,9 +469,11 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
                     f"top1 {entry['top1']:.3f} topk_hit {entry['topk_hit']:.3f} tau~ {entry['chain_tau']:.2f} "
                     f"samples {len(seen)}/{len(dataset)}")
         if step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
+            tokens_seen, label_rows = tokens_seen + int(label_rows), 0
             loop_s += time.monotonic() - loop_started
             loop_started = time.monotonic()
             last_ckpt = save()
+    tokens_seen, label_rows = tokens_seen + int(label_rows), 0
     loop_s += time.monotonic() - loop_started
     loop_started = None
     if bar is not None:
