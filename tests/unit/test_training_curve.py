@@ -15,6 +15,24 @@ def test_tau_curve_follows_the_train_records_of_the_shipped_drafter():
                tau(2.0), tau(3.0, method="ubtree"), tau(5.0, budget=32), tau(7.0, drafter="runs/ablation"),
                {"kind": "train", "drafter": shipped, "tokens_seen": 50, "cumulative_label_rows": 150},
                tau(4.0)]
-    assert curve_points(records) == [{"dataset": "mt_bench", "temperature": 0.0, "label_rows": 100, "tau": 2.5},
-                                     {"dataset": "mt_bench", "temperature": 0.0, "label_rows": 150, "tau": 4.0}]
-    assert "| 0 | mt_bench | 150 | 4.00 |" in curve_section(records)
+    point = {"lineage": "first", "dataset": "mt_bench", "temperature": 0.0}
+    assert curve_points(records) == [{**point, "label_rows": 100, "tau": 2.5}, {**point, "label_rows": 150, "tau": 4.0}]
+    assert "| 0 | first | mt_bench | 150 | 4.00 |" in curve_section(records)
+
+
+def test_a_fresh_drafter_starts_a_new_lineage():
+    shipped = "checkpoints/d"
+
+    def tau(value):
+        return {**e2e("ubtree-mrv2", 1.0, value, budget=64), "drafter": shipped}
+
+    def train(rows, notes="", commit="a"):
+        return {"kind": "train", "drafter": shipped, "tokens_seen": rows, "cumulative_label_rows": rows,
+                "notes": notes, "date": "2026-12-01", "commit": commit}
+
+    records = [train(100), tau(2.0), train(300), tau(2.2),
+               train(50, "init=fresh", commit="b"), tau(2.5), train(80, "init=checkpoints/d", commit="c"), tau(2.6),
+               train(40, commit="d"), tau(1.5)]  # fewer rows than before: also a new lineage
+    got = [(p["lineage"], p["label_rows"], p["tau"]) for p in curve_points(records)]
+    assert got == [("2026-12-01 a", 100, 2.0), ("2026-12-01 a", 300, 2.2), ("2026-12-01 b", 50, 2.5),
+                   ("2026-12-01 b", 80, 2.6), ("2026-12-01 d", 40, 1.5)]

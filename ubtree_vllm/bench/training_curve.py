@@ -6,6 +6,10 @@ records from before that field); every later tree tau measurement of the same fo
 (e2e records of the tree methods at B = 64, batch 1; bench and the reference decoder's
 eval-tau alike) is a point of the curve at that training amount, until the next `train` record
 of the folder. Only folders under `checkpoints/` (the shipped drafter) are plotted.
+
+A train record of a fresh drafter (notes `init=fresh`, or fewer cumulative rows than the
+folder had) starts a new *lineage*, named by that record's date and commit: a drafter trained
+again from scratch is a new curve, not a step back on the old one.
 """
 from __future__ import annotations
 
@@ -19,21 +23,33 @@ TREE_METHODS = ("ubtree", "ubtree-mrv2")
 BUDGET = 64
 
 
+def _lineage_name(record: dict[str, Any]) -> str:
+    return " ".join(str(record[k]) for k in ("date", "commit") if record.get(k)) or "first"
+
+
 def curve_points(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """[{dataset, temperature, label_rows, tau}] averaged over the measurements at each training amount."""
+    """[{lineage, dataset, temperature, label_rows, tau}] averaged over the measurements at each
+    training amount of each lineage (module docstring)."""
     cumulative: dict[str, int] = {}
+    lineage: dict[str, str] = {}
+    order: dict[str, int] = {}  # lineage -> first appearance, to list lineages oldest first
     taus: dict[tuple, list[float]] = defaultdict(list)
     for r in records:
         drafter = r.get("drafter") or ""
         if not drafter.startswith(SHIPPED_PREFIX):
             continue
         if r["kind"] == "train":
-            cumulative[drafter] = r.get("cumulative_label_rows") or r["tokens_seen"]
+            rows = r.get("cumulative_label_rows") or r["tokens_seen"]
+            if drafter not in lineage or "init=fresh" in (r.get("notes") or "") or rows < cumulative[drafter]:
+                lineage[drafter] = _lineage_name(r)
+                order.setdefault(lineage[drafter], len(order))
+            cumulative[drafter] = rows
         elif (r["kind"] == "e2e" and drafter in cumulative and r.get("tau") and r.get("method") in TREE_METHODS
               and r.get("tree_budget") == BUDGET and r.get("concurrency") in (1, None)):
-            taus[(r["dataset"], r["temperature"], cumulative[drafter])].append(r["tau"])
-    return [{"dataset": d, "temperature": t, "label_rows": rows, "tau": sum(v) / len(v)}
-            for (d, t, rows), v in sorted(taus.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2]))]
+            taus[(lineage[drafter], r["dataset"], r["temperature"], cumulative[drafter])].append(r["tau"])
+    return [{"lineage": name, "dataset": d, "temperature": t, "label_rows": rows, "tau": sum(v) / len(v)}
+            for (name, d, t, rows), v in sorted(taus.items(),
+                                                  key=lambda kv: (kv[0][2], order[kv[0][0]], kv[0][1], kv[0][3]))]
 
 
 def curve_section(records: Sequence[dict[str, Any]]) -> list[str]:
@@ -43,9 +59,11 @@ def curve_section(records: Sequence[dict[str, Any]]) -> list[str]:
     lines = ["## Tau against cumulative training (shipped drafter)", "",
              f"Tree tau (B = {BUDGET}, batch 1) of the drafter in `{SHIPPED_PREFIX}` after each training slice, against "
              "the label rows trained on so far (every slice behind it). Mean over the tau measurements of that "
-             "drafter state (bench e2e and eval-tau).", "",
-             "| T | dataset | cumulative label rows | tau |", "|---|---|---|---|"]
-    lines += [f"| {p['temperature']:g} | {p['dataset']} | {p['label_rows']:,} | {p['tau']:.2f} |" for p in points]
+             "drafter state (bench e2e and eval-tau). A lineage is one drafter trained from scratch and continued "
+             "slice by slice, named by the date and commit of its first slice.", "",
+             "| T | lineage | dataset | cumulative label rows | tau |", "|---|---|---|---|---|"]
+    lines += [f"| {p['temperature']:g} | {p['lineage']} | {p['dataset']} | {p['label_rows']:,} | {p['tau']:.2f} |"
+              for p in points]
     return lines + [""]
 
 
@@ -62,15 +80,20 @@ def plot_training_curve(records: Sequence[dict[str, Any]], out_dir: Path) -> lis
     paths = []
     for temperature in sorted({p["temperature"] for p in points}):
         fig, ax = plt.subplots(figsize=(6, 4))
-        for dataset in sorted({p["dataset"] for p in points if p["temperature"] == temperature}):
-            row = [p for p in points if p["temperature"] == temperature and p["dataset"] == dataset]
-            ax.plot([p["label_rows"] / 1e6 for p in row], [p["tau"] for p in row], marker="o", label=dataset)
+        here = [p for p in points if p["temperature"] == temperature]
+        lineages = list(dict.fromkeys(p["lineage"] for p in here))
+        for dataset in sorted({p["dataset"] for p in here}):
+            for i, name in enumerate(lineages):
+                row = [p for p in here if p["dataset"] == dataset and p["lineage"] == name]
+                if row:
+                    ax.plot([p["label_rows"] / 1e6 for p in row], [p["tau"] for p in row], marker="o",
+                            linestyle=("-", "--", ":", "-.")[i % 4], label=f"{dataset} ({name})")
         ax.set_ylim(1.0, 1.1 * max(p["tau"] for p in points if p["temperature"] == temperature))  # tau >= 1
         ax.set_xlabel("cumulative label rows (millions)")
         ax.set_ylabel(f"tree tau (B={BUDGET})")
         ax.set_title(f"Shipped drafter: tau vs training, T={temperature:g}")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
         path = out_dir / f"tau_vs_training_T{temperature:g}.png"
         fig.tight_layout()
         fig.savefig(path, dpi=100)
