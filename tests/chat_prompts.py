@@ -10,3 +10,8 @@ CHAT_PROMPTS = [
     "What is 12 times 7?",
     "Give me a tip for staying focused.",
 ]
+
+# Prompts whose answer copies from the prompt (what the prompt-lookup branch catches).
+COPY_PROMPTS = ["Repeat exactly, word for word: The quick brown fox jumps over the lazy dog, and then the "
+                "dog sleeps under the old oak tree by the river.",
+                "Copy this list exactly: apples, pears, plums, cherries, grapes, lemons, limes, oranges."]

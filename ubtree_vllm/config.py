@@ -15,6 +15,8 @@ from typing import Any, Mapping
 MAX_TREE_BUDGET = 1024
 MAX_BLOCK_SIZE = 64
 PAPER_DEFAULTS = {"tree_budget": 64, "beam_width": 12, "top_k": 64, "block_size": 16}
+# Longest n-gram the prompt-lookup branch matches (one batched comparison per n).
+MAX_LOOKUP_N = 16
 
 
 def _require_int(name: str, value: Any, lo: int, hi: int | float) -> None:
@@ -41,12 +43,19 @@ class UBTreeConfig:
     beam_width (W): paths kept per depth by the depth-wise beam.
     top_k (K): candidates per block position kept from the unigram proposer.
     block_size (gamma): draft depths, i.e. block positions predicted by one drafter forward.
+    prompt_lookup: a copy of the context joins the tree as a branch (tree/lookup.py), found by
+    matching the last lookup_min_n..lookup_max_n tokens; its edges score at least
+    lookup_edge_logprob (<= 0; 0 keeps the branch in every tree).
     """
 
     tree_budget: int = PAPER_DEFAULTS["tree_budget"]
     beam_width: int = PAPER_DEFAULTS["beam_width"]
     top_k: int = PAPER_DEFAULTS["top_k"]
     block_size: int = PAPER_DEFAULTS["block_size"]
+    prompt_lookup: bool = False
+    lookup_min_n: int = 2
+    lookup_max_n: int = 4
+    lookup_edge_logprob: float = 0.0
 
     def __post_init__(self) -> None:
         _require_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
@@ -60,6 +69,13 @@ class UBTreeConfig:
                 f"block_size={self.block_size} (the beam yields at most {capacity} nodes), got {self.tree_budget}"
             )
         _require_int("tree_budget", self.tree_budget, 1, hi)
+        if not isinstance(self.prompt_lookup, bool):
+            raise ValueError(f"prompt_lookup must be true or false, got {self.prompt_lookup!r}")
+        _require_int("lookup_max_n", self.lookup_max_n, 1, MAX_LOOKUP_N)
+        _require_int("lookup_min_n", self.lookup_min_n, 1, self.lookup_max_n)
+        edge = self.lookup_edge_logprob
+        if isinstance(edge, bool) or not isinstance(edge, (int, float)) or not (math.isfinite(edge) and edge <= 0.0):
+            raise ValueError(f"lookup_edge_logprob must be a finite log-probability <= 0, got {edge!r}")
 
     @property
     def num_verify_tokens(self) -> int:
@@ -80,7 +96,7 @@ class UBTreeConfig:
             raise ValueError(f"unknown UBTree setting(s) {unknown}; allowed keys: {sorted(known)}")
         return cls(**dict(values))
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from chat_prompts import CHAT_PROMPTS
+from chat_prompts import CHAT_PROMPTS, COPY_PROMPTS
 from exact_distribution import distribution_pvalues, exact_joint
 from oracle_drafter import OracleDrafter
 from ubtree_vllm.config import SamplingConfig, UBTreeConfig
@@ -78,13 +78,15 @@ def tiny_target():
     return LlamaForCausalLM(cfg).float().eval()
 
 
-def spec_samples(model, sampling: SamplingConfig, decoder_cls=ReferenceDecoder, seed: int = 0) -> torch.Tensor:
+def spec_samples(model, sampling: SamplingConfig, decoder_cls=ReferenceDecoder, seed: int = 0,
+                 prompt_lookup: bool = False) -> torch.Tensor:
     torch.manual_seed(1)
     dcfg = DrafterConfig.for_target(model.config, "tiny", block_size=3, top_k=6, num_layers=1, head_dim=8,
                                     selector_rank=8)
     drafter = UBTreeDrafter(dcfg)
     drafter.bind_hf_target(model)
-    decoder = decoder_cls(model, drafter.eval(), UBTreeConfig(tree_budget=9, beam_width=3, top_k=6, block_size=3))
+    decoder = decoder_cls(model, drafter.eval(), UBTreeConfig(tree_budget=9, beam_width=3, top_k=6, block_size=3,
+                                                              prompt_lookup=prompt_lookup, lookup_min_n=1))
     outs = decoder.generate([PROMPT] * NUM_SAMPLES, HORIZON, sampling, seed=seed)
     rounds = sum(len(o.tokens_per_round) for o in outs)
     # Lossless is only meaningful if speculation actually accepted draft tokens.
@@ -102,6 +104,32 @@ def test_sampling_matches_target_distribution(tiny_target, sampling):
     joint = exact_joint(tiny_target, PROMPT, VOCAB, HORIZON, sampling)
     pvals = distribution_pvalues(spec_samples(tiny_target, sampling), joint)
     assert min(pvals) > ALPHA / len(pvals), pvals
+
+
+def test_sampling_with_the_lookup_branch_matches_target_distribution(tiny_target):
+    """The prompt-lookup branch (tree/lookup.py; 1- to 4-grams over an 8-token vocabulary match almost
+    every round) changes the trees, never the distribution."""
+    sampling = SamplingConfig(1.0)
+    joint = exact_joint(tiny_target, PROMPT, VOCAB, HORIZON, sampling)
+    pvals = distribution_pvalues(spec_samples(tiny_target, sampling, prompt_lookup=True), joint)
+    assert min(pvals) > ALPHA / len(pvals), pvals
+
+
+def test_greedy_with_the_lookup_branch_is_lossless_and_copies(smollm):
+    model, _, _ = smollm
+    tok = AutoTokenizer.from_pretrained(model.name_or_path)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                                       return_dict=False) for p in COPY_PROMPTS]
+    expected = [o.token_ids for o in ReferenceDecoder(model).generate(prompts, 40)]
+    drafter = untrained_drafter(model, block_size=8, top_k=16)
+    taus = {}
+    for lookup in (False, True):
+        cfg = UBTreeConfig(tree_budget=24, beam_width=4, top_k=16, block_size=8, prompt_lookup=lookup)
+        outs = ReferenceDecoder(model, drafter, cfg).generate(prompts, 40)
+        assert [o.token_ids for o in outs] == expected
+        taus[lookup] = sum(o.acceptance_length for o in outs) / len(outs)
+    # the untrained drafter alone accepts ~nothing (measured 1.05); copying from the prompt: 1.62
+    assert taus[False] < 1.2 and taus[True] > 1.5, taus
 
 
 class SharedNoiseDecoder(ReferenceDecoder):

@@ -37,6 +37,16 @@ def test_defaults_for_beam_width_and_top_k(tiny_drafter):
     assert cfg.tree.beam_width == 12
 
 
+def test_prompt_lookup_settings_reach_the_tree_config_and_survive_the_round_trip(tiny_drafter):
+    cfg = parse_speculative_config(spec(tiny_drafter), TINY)
+    assert not cfg.tree.prompt_lookup  # off unless asked for
+    cfg = parse_speculative_config(spec(tiny_drafter, prompt_lookup=True, prompt_lookup_max=6), TINY)
+    assert (cfg.tree.prompt_lookup, cfg.tree.lookup_min_n, cfg.tree.lookup_max_n) == (True, 2, 6)
+    assert UBTreeVllmConfig.from_additional_config(json.loads(json.dumps(cfg.to_additional_config()))) == cfg
+    cfg = parse_speculative_config(spec(tiny_drafter, prompt_lookup=True, prompt_lookup_max=1), TINY)
+    assert (cfg.tree.lookup_min_n, cfg.tree.lookup_max_n) == (1, 1)
+
+
 def test_additional_config_round_trip(tiny_drafter):
     cfg = parse_speculative_config(spec(tiny_drafter), TINY)
     values = json.loads(json.dumps(cfg.to_additional_config()))  # plain JSON, hashed by vLLM
@@ -57,6 +67,9 @@ def test_additional_config_round_trip(tiny_drafter):
     ({"top_k": 513}, r"top_k .* must be an integer in \[1, 512\]"),
     ({"num_speculative_tokens": None}, r"num_speculative_tokens \(the tree budget B\) is required"),
     ({"model": None}, r"speculative_config.model \(the UBTree drafter folder\) is required"),
+    ({"prompt_lookup": "on"}, r"speculative_config.prompt_lookup \(.*\) must be true or false, got 'on'"),
+    ({"prompt_lookup": True, "prompt_lookup_max": 17}, r"prompt_lookup_max \(.*\) must be an integer in \[1, 16\]"),
+    ({"prompt_lookup": True, "prompt_lookup_min": 5}, r"prompt_lookup_min \(.*\) must be an integer in \[1, 4\]"),
 ])
 def test_invalid_settings_name_field_and_allowed_values(tiny_drafter, overrides, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -103,7 +116,8 @@ def test_missing_or_broken_drafter_folder(tiny_drafter, tmp_path):
 
 
 def test_spec_keys_are_documented():
-    assert set(SPEC_KEYS) == {"method", "model", "num_speculative_tokens", "beam_width", "top_k"}
+    assert set(SPEC_KEYS) == {"method", "model", "num_speculative_tokens", "beam_width", "top_k", "prompt_lookup",
+                              "prompt_lookup_min", "prompt_lookup_max"}
 
 
 def test_from_vllm_config_recognises_only_the_rewritten_form(tiny_drafter):

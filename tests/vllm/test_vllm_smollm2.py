@@ -3,17 +3,18 @@
 fp32 keeps rounding differences between tree verification and one-token decoding far
 below the argmax gaps (as in tests/unit/test_reference_decoder.py); the drafter is an
 untrained export, so this checks losslessness on the real architecture (30 layers, GQA,
-tied embeddings, 49k vocabulary) rather than acceptance.
+tied embeddings, 49k vocabulary). The prompt-lookup branch is on (tree/lookup.py): on the
+copying prompts it is what gets drafts accepted, through the V1 runner's real token history.
 """
 from __future__ import annotations
 
 import pytest
-from chat_prompts import CHAT_PROMPTS
+from chat_prompts import CHAT_PROMPTS, COPY_PROMPTS
 from transformers import AutoTokenizer
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
-from vllm_engines import ENGINE_KWARGS
+from vllm_engines import ENGINE_KWARGS, spec_counts
 from vllm_models import save_untrained_drafter
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -25,7 +26,7 @@ MAX_TOKENS = 32
 def prompts(default_target_dir):
     tok = AutoTokenizer.from_pretrained(default_target_dir)
     return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
-                                    return_dict=False) for p in CHAT_PROMPTS]
+                                    return_dict=False) for p in [*CHAT_PROMPTS, *COPY_PROMPTS]]
 
 
 def generate(llm: LLM, prompts) -> list[list[int]]:
@@ -41,6 +42,12 @@ def test_smollm2_greedy_batch_is_token_identical(default_target_dir, prompts, vl
     expected = generate(plain, prompts)
     del plain
     ubtree = LLM(model=str(default_target_dir), speculative_config={
-        "method": "ubtree", "model": str(drafter), "num_speculative_tokens": 8, "beam_width": 3, "top_k": 4},
-        **kwargs)
+        "method": "ubtree", "model": str(drafter), "num_speculative_tokens": 8, "beam_width": 3, "top_k": 4,
+        "prompt_lookup": True}, **kwargs)
     assert generate(ubtree, prompts) == expected
+    drafts, accepted = spec_counts(ubtree)
+    before = (drafts, accepted)
+    generate(ubtree, prompts[-len(COPY_PROMPTS):])
+    drafts, accepted = spec_counts(ubtree)
+    # the untrained drafter accepts ~nothing alone (tests/unit/test_reference_decoder.py); copying does
+    assert (accepted - before[1]) / (drafts - before[0]) > 0.3, (drafts, accepted, before)

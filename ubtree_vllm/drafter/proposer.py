@@ -14,9 +14,23 @@ from ubtree_vllm.config import UBTreeConfig
 from ubtree_vllm.drafter.config import DrafterConfig
 from ubtree_vllm.drafter.model import DFlashBackbone
 from ubtree_vllm.selector.bigram import BigramSelector
+from ubtree_vllm.tree.lookup import inject_chain, lookup_continuation
 from ubtree_vllm.tree.search import construct_tree
 from ubtree_vllm.tree.topology import DraftTree
 from ubtree_vllm.types import DraftContext
+
+
+def context_history(ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's token history for the lookup branch: its committed context tokens, then the anchor.
+
+    ctx.tokens [N, L]: row r holds the committed tokens at positions 0 .. anchor_pos[r] - 1 (the
+    DraftContext layout; ctx.valid may cover only part of them, e.g. the feature rows kept).
+    Returns history [N, L + 1] int64 and its length [N] = anchor_pos + 1.
+    """
+    length = ctx.anchor_pos.long().clamp(max=ctx.tokens.shape[1])  # [N]
+    history = torch.cat([ctx.tokens.long(), torch.zeros_like(ctx.anchor[:, None]).long()], dim=1)
+    history.scatter_(1, length[:, None], ctx.anchor[:, None].long())
+    return history, length + 1
 
 
 @dataclass
@@ -119,11 +133,22 @@ class UBTreeDrafter(nn.Module):
             raise ValueError(f"block_size must equal the drafter's block size {self.cfg.block_size}, "
                              f"got {tree_cfg.block_size}")
         cands = self.propose(ctx.anchor, ctx.anchor_pos, ctx.features, ctx.positions, ctx.valid, tree_cfg.top_k)
-        return self.tree_from_candidates(ctx.anchor, cands, tree_cfg)
+        chain = None
+        if tree_cfg.prompt_lookup:
+            history, length = context_history(ctx)
+            chain = lookup_continuation(history, length, tree_cfg.block_size, tree_cfg.lookup_min_n,
+                                        tree_cfg.lookup_max_n)
+        return self.tree_from_candidates(ctx.anchor, cands, tree_cfg, chain)
 
-    def tree_from_candidates(self, anchor: torch.Tensor, cands: Candidates, tree_cfg: UBTreeConfig) -> DraftTree:
+    def tree_from_candidates(self, anchor: torch.Tensor, cands: Candidates, tree_cfg: UBTreeConfig,
+                             chain: tuple[torch.Tensor, torch.Tensor] | None = None) -> DraftTree:
         """Selector edge scores over the proposer's top-K, then the tree search: the drafting stage after
-        the proposer (also run by the Model Runner V2 speculator after vLLM's DFlash forward). anchor [N]."""
+        the proposer (also run by the Model Runner V2 speculator after vLLM's DFlash forward). anchor [N];
+        `chain` ([N, gamma] tokens, [N] lengths; tree/lookup.py) joins the lattice as a lookup branch."""
         root_logp, trans_logp = self.selector.score_tree_edges(anchor, cands.tokens, cands.logp, cands.hidden,
                                                                self.embed_weight)
-        return construct_tree(anchor, cands.tokens, root_logp, trans_logp, tree_cfg)
+        tokens = cands.tokens
+        if chain is not None:
+            tokens, root_logp, trans_logp = inject_chain(tokens, root_logp, trans_logp, *chain,
+                                                         edge_logprob=tree_cfg.lookup_edge_logprob)
+        return construct_tree(anchor, tokens, root_logp, trans_logp, tree_cfg)

@@ -3,7 +3,7 @@
 The user writes (``LLM(speculative_config=...)`` or ``vllm serve --speculative-config``)::
 
     {"method": "ubtree", "model": "<drafter folder>", "num_speculative_tokens": B,
-     "beam_width": W, "top_k": K}
+     "beam_width": W, "top_k": K, "prompt_lookup": false, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 B is the tree budget (draft nodes per request; the target verifies B + 1 tokens), W and
 K are optional (defaults: W = min(12, B), K = the drafter's trained top-K capped at the
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from ubtree_vllm.config import PAPER_DEFAULTS, UBTreeConfig, max_tree_nodes
+from ubtree_vllm.config import MAX_LOOKUP_N, PAPER_DEFAULTS, UBTreeConfig, max_tree_nodes
 from ubtree_vllm.drafter.config import CONFIG_FILE, WEIGHTS_FILE, DrafterConfig
 
 METHOD = "ubtree"
@@ -57,7 +57,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 MAX_TREE_BUDGET = 128
 
 # Keys accepted in the user's speculative config for method "ubtree".
-SPEC_KEYS = ("method", "model", "num_speculative_tokens", "beam_width", "top_k")
+SPEC_KEYS = ("method", "model", "num_speculative_tokens", "beam_width", "top_k", "prompt_lookup",
+             "prompt_lookup_min", "prompt_lookup_max")
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,16 @@ def parse_speculative_config(spec: Mapping[str, Any], target: TargetInfo) -> UBT
         meaning = (f"tree budget B; the beam yields {capacity} nodes for beam_width={width}, top_k={top_k}, "
                    f"gamma={drafter.block_size} and vLLM verifies at most {MAX_TREE_BUDGET} drafts")
     _require_int("num_speculative_tokens", budget, 1, budget_hi, meaning)
-    tree = UBTreeConfig(tree_budget=budget, beam_width=width, top_k=top_k, block_size=drafter.block_size)
+    lookup = spec.get("prompt_lookup", False)
+    if not isinstance(lookup, bool):
+        raise ValueError(f"speculative_config.prompt_lookup (a branch copied from the context joins each tree) "
+                         f"must be true or false, got {lookup!r}")
+    max_n = _require_int("prompt_lookup_max", spec.get("prompt_lookup_max", 4), 1, MAX_LOOKUP_N,
+                         "longest n-gram the lookup branch matches")
+    min_n = _require_int("prompt_lookup_min", spec.get("prompt_lookup_min", min(2, max_n)), 1, max_n,
+                         "shortest n-gram the lookup branch matches, at most prompt_lookup_max")
+    tree = UBTreeConfig(tree_budget=budget, beam_width=width, top_k=top_k, block_size=drafter.block_size,
+                        prompt_lookup=lookup, lookup_min_n=min_n, lookup_max_n=max_n)
     tree.check_vocab(target.vocab_size)
     return UBTreeVllmConfig(drafter_dir=str(Path(spec["model"]).expanduser().resolve()), tree=tree,
                             drafter=drafter)

@@ -38,11 +38,12 @@ def bucket(size: int, minimum: int = 1) -> int:
 class _Captured:
     # None: the same padded buffers, run eagerly (CPU, tests)
     graph: "torch.cuda.CUDAGraph | None"
-    # static inputs: anchor/anchor_pos [N], features [N, L, F], valid [N, L]
+    # static inputs: anchor/anchor_pos [N], features [N, L, F], valid [N, L], tokens [N, L]
     anchor: torch.Tensor
     anchor_pos: torch.Tensor
     features: torch.Tensor
     valid: torch.Tensor
+    tokens: torch.Tensor
     # static output of the captured call (eager buckets: the last output)
     tree: DraftTree | None
 
@@ -68,37 +69,38 @@ class DraftGraphs:
         return len(self._graphs)
 
     def _run(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, features: torch.Tensor,
-             valid: torch.Tensor) -> DraftTree:
+             valid: torch.Tensor, tokens: torch.Tensor) -> DraftTree:
         num_reqs, width = valid.shape
         positions = torch.arange(width, device=valid.device).expand(num_reqs, width)
         ctx = DraftContext(anchor=anchor, anchor_pos=anchor_pos, features=features, positions=positions,
-                           valid=valid, tokens=positions)
+                           valid=valid, tokens=tokens)
         return self.drafter.draft_tree(ctx, self.tree_cfg)
 
     def _buffers(self, num_reqs: int, width: int, features_dtype: torch.dtype,
                  num_features: int) -> tuple[torch.Tensor, ...]:
-        """Static inputs of one bucket: anchor, anchor_pos [N]; features [N, L, F]; valid [N, L]."""
+        """Static inputs of one bucket: anchor, anchor_pos [N]; features [N, L, F]; valid, tokens [N, L]."""
         device = self.device
         return (torch.zeros(num_reqs, dtype=torch.long, device=device),
                 torch.zeros(num_reqs, dtype=torch.long, device=device),
                 torch.zeros((num_reqs, width, num_features), dtype=features_dtype, device=device),
-                torch.zeros((num_reqs, width), dtype=torch.bool, device=device))
+                torch.zeros((num_reqs, width), dtype=torch.bool, device=device),
+                torch.zeros((num_reqs, width), dtype=torch.long, device=device))
 
     def _capture(self, num_reqs: int, width: int, features_dtype: torch.dtype, num_features: int) -> _Captured:
         device = self.device
-        anchor, anchor_pos, features, valid = self._buffers(num_reqs, width, features_dtype, num_features)
+        anchor, anchor_pos, features, valid, tokens = self._buffers(num_reqs, width, features_dtype, num_features)
         if not self.capture:
-            return _Captured(None, anchor, anchor_pos, features, valid, tree=None)
+            return _Captured(None, anchor, anchor_pos, features, valid, tokens, tree=None)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up outside the graph (lazy inits, autotuning)
             for _ in range(2):
-                self._run(anchor, anchor_pos, features, valid)
+                self._run(anchor, anchor_pos, features, valid, tokens)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            tree = self._run(anchor, anchor_pos, features, valid)
-        return _Captured(graph, anchor, anchor_pos, features, valid, tree)
+            tree = self._run(anchor, anchor_pos, features, valid, tokens)
+        return _Captured(graph, anchor, anchor_pos, features, valid, tokens, tree)
 
     def __call__(self, ctx: DraftContext) -> DraftTree:
         """Same contract as ``UBTreeDrafter.draft_tree(ctx, tree_cfg)`` (ctx.positions must be arange)."""
@@ -122,8 +124,11 @@ class DraftGraphs:
         captured.valid[:num_reqs, :width].copy_(ctx.valid)
         captured.valid[:num_reqs, width:].zero_()
         captured.valid[num_reqs:].zero_()
+        if self.tree_cfg.prompt_lookup:  # only the lookup branch reads the tokens
+            captured.tokens[:num_reqs, :width].copy_(ctx.tokens)
         if captured.graph is None:
-            captured.tree = self._run(captured.anchor, captured.anchor_pos, captured.features, captured.valid)
+            captured.tree = self._run(captured.anchor, captured.anchor_pos, captured.features, captured.valid,
+                                      captured.tokens)
         else:
             captured.graph.replay()
         out = captured.tree
