@@ -12,7 +12,8 @@
 #            as they land for SLICE_MINUTES (default 7), continuing the committed drafter, then exports it
 #            to checkpoints/ and appends the train record; gen-data is stopped at the end (logs in runs/).
 #            SLICE_INIT=fresh starts a fresh drafter instead of continuing the committed one.
-#            GEN_MINUTES=N instead runs gen-data alone for N minutes first and then the trainer alone: on
+#            GEN_MINUTES=N instead runs gen-data alone for N minutes of generation (after its engine is up) first
+#            and then the trainer alone: on
 #            2026-12-01 the trainer beside gen-data (the slices' train records) ran at well under half the label
 #            rows/s that scripts/gpu/profile_train_step.py measured for it alone
 #   eval     tau with the lossless reference decoder (single path vs UBTree, T=0 and T=1)
@@ -121,6 +122,8 @@ for phase in "$@"; do
       [ -n "${GEN_MINUTES:-}" ] && { kill "$gen" 2>/dev/null; wait "$gen" 2>/dev/null || true; }
       rc=0
       init=(); [ "${SLICE_INIT:-}" = fresh ] && init=(--set init_drafter=null)
+      # sequential: the shards are all there already, so a missing one is an error, not a wait
+      [ -n "${GEN_MINUTES:-}" ] && init+=(--set stream_wait_minutes=0.2)
       ubtree train --config "$CONFIG" --data-dir runs/smollm2/slice-data-$seed --set records_path="$RECORDS" \
         --set progress=false --max-minutes "${SLICE_MINUTES:-7}" "${init[@]}" || rc=$?
       kill "$gen" 2>/dev/null; wait "$gen" 2>/dev/null || true

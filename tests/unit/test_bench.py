@@ -130,6 +130,18 @@ def test_ngram_run_is_vllm_prompt_lookup_without_a_drafter(tmp_path):
     assert "k=6" in written["notes"] and "lookup window 3-5 tokens" in written["notes"]
 
 
+def test_lookup_method_is_the_v1_tree_with_the_prompt_lookup_branch(drafter_dir):
+    settings = E2ESettings(drafter="d", block_size=16, ngram_lookup_max=5, ngram_lookup_min=3)
+    run = ubtree_run(settings, 32, "ubtree-lookup")
+    assert run.speculative_config["prompt_lookup"] is True and run.env == {"UBTREE_VLLM_RUNNER": "v1"}
+    assert (run.speculative_config["prompt_lookup_min"], run.speculative_config["prompt_lookup_max"]) == (3, 5)
+    assert "prompt-lookup branch, lookup window 3-5 tokens" in run.note
+    assert "prompt_lookup" not in ubtree_run(settings, 32).speculative_config
+    with pytest.raises(BenchArgumentError, match="--ngram-lookup-max must be <= 16 with method ubtree-lookup"):
+        validate(E2ESettings(drafter=str(drafter_dir), methods=("ubtree-lookup",), tree_budgets=(8,),
+                             ngram_lookup_max=17))
+
+
 def test_fallback_chain_run_is_a_single_path_through_the_plugin():
     run = ubtree_chain_run(E2ESettings(drafter="d", block_size=16), note="why")
     assert run.method == "ubtree-chain" and run.note == "why"

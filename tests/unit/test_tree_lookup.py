@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_tree import tree_paths
 from ubtree_vllm.config import UBTreeConfig
 from ubtree_vllm.tree.lookup import inject_chain, lookup_continuation
 from ubtree_vllm.tree.search import build_tree
@@ -62,18 +63,6 @@ def random_lattice(num_reqs: int, gamma: int, top_k: int, vocab: int, gen: torch
     root = torch.log_softmax(torch.randn(num_reqs, top_k, generator=gen), -1)
     trans = torch.log_softmax(torch.randn(num_reqs, gamma - 1, top_k, top_k, generator=gen), -1)
     return cand, root, trans
-
-
-def tree_paths(tree, r: int) -> set[tuple[int, ...]]:
-    tokens, parents = tree.tokens[r].tolist(), tree.parents[r].tolist()
-    paths = set()
-    for node in range(1, len(tokens)):
-        path, cur = [], node
-        while cur > 0:
-            path.append(tokens[cur])
-            cur = parents[cur]
-        paths.add(tuple(reversed(path)))
-    return paths
 
 
 @pytest.mark.parametrize("edge_logprob", [0.0, -0.3])

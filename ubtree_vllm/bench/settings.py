@@ -21,6 +21,8 @@ every later measurement can be paired with its AR baseline as soon as it is take
                 engine per --tree-budgets value B, W = min(W, B), K.
   ubtree-mrv2   the same on Model Runner V2 (UBTREE_VLLM_RUNNER=mrv2: what a CUDA engine runs by default
                 when B >= gamma; CUDA only).
+  ubtree-lookup "ubtree" on the V1 runner with the prompt-lookup branch ("prompt_lookup": true, the
+                n-gram window of --ngram-lookup-min/--ngram-lookup-max), one engine per B.
 The tree methods pin their runner, so a method name means the same runner in every record.
 """
 from __future__ import annotations
@@ -34,13 +36,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ubtree_vllm.config import MAX_TREE_BUDGET, max_tree_nodes
+from ubtree_vllm.config import MAX_LOOKUP_N, MAX_TREE_BUDGET, max_tree_nodes
 
-METHODS = ("ar", "ngram", "dflash-chain", "ubtree", "ubtree-mrv2")
+METHODS = ("ar", "ngram", "dflash-chain", "ubtree", "ubtree-mrv2", "ubtree-lookup")
 # Methods that run without --drafter; their records carry drafter null.
 DRAFTER_FREE_METHODS = ("ar", "ngram")
 # Tree methods: one engine per tree budget, and the environment each engine is built under.
-TREE_METHODS = {"ubtree": {"UBTREE_VLLM_RUNNER": "v1"}, "ubtree-mrv2": {"UBTREE_VLLM_RUNNER": "mrv2"}}
+TREE_METHODS = {"ubtree": {"UBTREE_VLLM_RUNNER": "v1"}, "ubtree-mrv2": {"UBTREE_VLLM_RUNNER": "mrv2"},
+                "ubtree-lookup": {"UBTREE_VLLM_RUNNER": "v1"}}
+# Tree methods with the prompt-lookup branch on (ubtree_vllm/tree/lookup.py).
+LOOKUP_METHODS = ("ubtree-lookup",)
 # Dataset names of training/evaluate.py:EVAL_DATASETS (that module imports torch).
 DATASETS = ("spec_bench", "mt_bench", "humaneval")
 
@@ -53,7 +58,7 @@ class BenchArgumentError(ValueError):
 class MethodRun:
     """One vLLM engine of the benchmark and the tree fields its records carry."""
 
-    # record method: ar | ngram | dflash-chain | ubtree-chain | ubtree | ubtree-mrv2
+    # record method: ar | ngram | dflash-chain | ubtree-chain | ubtree | ubtree-mrv2 | ubtree-lookup
     method: str
     # vLLM's speculative_config, None for ar
     speculative_config: dict[str, Any] | None = None
@@ -150,6 +155,9 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
                         ("--ngram-k", settings.ngram_k), ("--ngram-lookup-min", settings.ngram_lookup_min)):
         if value < 1:
             raise BenchArgumentError(f"{flag} must be >= 1, got {value}")
+    if any(m in LOOKUP_METHODS for m in settings.methods) and settings.ngram_lookup_max > MAX_LOOKUP_N:
+        raise BenchArgumentError(f"--ngram-lookup-max must be <= {MAX_LOOKUP_N} with method ubtree-lookup (the "
+                                 f"longest n-gram its lookup branch matches), got {settings.ngram_lookup_max}")
     if settings.ngram_lookup_max < settings.ngram_lookup_min:
         raise BenchArgumentError(f"--ngram-lookup-max must be >= --ngram-lookup-min ({settings.ngram_lookup_min}), "
                                  f"got {settings.ngram_lookup_max}")
@@ -216,10 +224,15 @@ def ubtree_run(settings: E2ESettings, budget: int, method: str = "ubtree") -> Me
     """A tree method (:data:`TREE_METHODS`) at tree budget B = ``budget``."""
     width = min(settings.beam_width, budget)
     env = TREE_METHODS[method]
-    return MethodRun(method, {"method": "ubtree", "model": str(settings.drafter), "num_speculative_tokens": budget,
-                              "beam_width": width, "top_k": settings.top_k},
-                     tree_budget=budget, beam_width=width, top_k=settings.top_k, block_size=settings.block_size,
-                     note=" ".join(f"{k}={v}" for k, v in env.items()), env=dict(env))
+    spec = {"method": "ubtree", "model": str(settings.drafter), "num_speculative_tokens": budget,
+            "beam_width": width, "top_k": settings.top_k}
+    note = " ".join(f"{k}={v}" for k, v in env.items())
+    if method in LOOKUP_METHODS:
+        spec.update(prompt_lookup=True, prompt_lookup_min=settings.ngram_lookup_min,
+                    prompt_lookup_max=settings.ngram_lookup_max)
+        note += f" prompt-lookup branch, lookup window {settings.ngram_lookup_min}-{settings.ngram_lookup_max} tokens"
+    return MethodRun(method, spec, tree_budget=budget, beam_width=width, top_k=settings.top_k,
+                     block_size=settings.block_size, note=note, env=dict(env))
 
 
 def ngram_run(settings: E2ESettings) -> MethodRun:

@@ -77,7 +77,8 @@ class DataGenConfig:
     # HF backend: prompts per generate() call.  vLLM schedules a whole shard itself.
     batch_size: int = 16
     seed: int = 0
-    # Stop after the shard that crosses this wall-clock budget (None: no limit).
+    # Stop after the shard that crosses this budget of generation time, counted once the backend
+    # is ready (None: no limit).
     max_minutes: float | None = None
     # vLLM backend only: fraction of GPU memory vLLM may take.
     gpu_memory_utilization: float = 0.85
@@ -388,6 +389,9 @@ def generate_dataset(cfg: DataGenConfig, generator: GenerateFn | None = None, lo
     if generator is None and len(done) < num_shards:
         factory = hf_generator if cfg.backend == "hf" else vllm_generator
         generator = factory(target_path, cfg, eos)
+    # max_minutes counts generation time: an engine that takes minutes to start (compile, CUDA
+    # graphs on a cold machine) still writes shards
+    started = time.monotonic()
     for index in range(num_shards):
         name = shard_name(index)
         if name in done:
