@@ -532,3 +532,45 @@ def test_eval_tau_writes_one_record_per_setting(tmp_path, workspace):
         ("ubtree-single", 0.0), ("ubtree-single", 1.0), ("ubtree", 0.0), ("ubtree", 1.0)]
     assert lines[0]["tree_budget"] == 4 and lines[0]["top_k"] == 1 and lines[2]["tree_budget"] == 6
     assert all(r["kind"] == "e2e" and r["output_tokens_per_s"] is None for r in lines)
+
+
+def test_target_cache_reproduces_the_target_forward_and_skips_it(tmp_path, workspace):
+    """Two epochs over 24 samples: with the cache the second epoch runs no target forward, and every
+    step's loss equals the uncached run's (CPU, float32)."""
+    from ubtree_vllm.training import train as train_mod
+
+    calls = []
+    original = train_mod.FrozenTarget.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    losses = {}
+    for gb in (0.0, 0.01):
+        calls.clear()
+        train_mod.FrozenTarget.forward = counted
+        try:
+            result = train(train_config(workspace, tmp_path / f"run-{gb}", max_steps=12, batch_size=4,
+                                        target_cache_gb=gb), log=lambda _: None)
+        finally:
+            train_mod.FrozenTarget.forward = original
+        losses[gb] = [h["loss"] for h in result.history]
+        forwards = len(calls) - train_mod.TrainConfig().feature_stats_batches  # minus the feature statistics
+        assert forwards == (12 if gb == 0 else 6), (gb, len(calls))  # 24 samples = 6 steps per epoch
+    assert losses[0.0] == pytest.approx(losses[0.01], rel=1e-5)
+
+
+def test_target_cache_keeps_what_fits_and_refuses_a_useless_size():
+    from ubtree_vllm.training.target_cache import TargetCache
+
+    cache = TargetCache(10 * 5 * 4, feature_dim=3, hidden_dim=2, device=torch.device("cpu"), dtype=torch.float32)
+    assert cache.capacity_tokens == 10
+    feats, final = torch.randn(2, 6, 3), torch.randn(2, 6, 2)
+    cache.store([7, 8], [6, 5], feats, final)  # 6 rows fit, the second sample's 5 do not
+    assert len(cache) == 1 and cache.lookup([7, 8], 6) is None
+    got_f, got_h = cache.lookup([7, 7], 8)
+    assert torch.equal(got_f[0, :6], feats[0]) and torch.equal(got_f[1, 6:], feats[0, 5:6].expand(2, -1))
+    assert torch.equal(got_h[0, :6], final[0])
+    with pytest.raises(ValueError, match="holds no token"):
+        TargetCache(10, feature_dim=3, hidden_dim=2, device=torch.device("cpu"), dtype=torch.float32)

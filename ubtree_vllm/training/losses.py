@@ -136,6 +136,8 @@ class LossOutput:
     top1_by_depth: torch.Tensor
     # label positions scored in this batch (a device scalar: reading it syncs)
     num_tokens: torch.Tensor
+    # the target's (features [B, T, F], final hidden [B, T, H]) of this batch, no grad
+    target_outputs: tuple[torch.Tensor, torch.Tensor]
 
 
 def _weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -143,9 +145,12 @@ def _weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def drafter_loss(drafter: UBTreeDrafter, target: FrozenTarget, batch: Batch, cfg: LossConfig,
-                 generator: torch.Generator, fused_head: bool | None = None) -> LossOutput:
+                 generator: torch.Generator, fused_head: bool | None = None,
+                 target_outputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> LossOutput:
     """The training objective of one batch (module docstring). `batch` is on the drafter's device;
-    `fused_head` picks the LM-head loss path (training/head_loss.py; default: fused on CUDA)."""
+    `fused_head` picks the LM-head loss path (training/head_loss.py; default: fused on CUDA);
+    `target_outputs` (features [B, T, F], final hidden [B, T, H], e.g. from training/target_cache.py)
+    stand in for the target forward of this batch."""
     input_ids, lengths = batch.input_ids, batch.lengths
     dev = input_ids.device
     num_seqs, width = input_ids.shape
@@ -154,7 +159,10 @@ def drafter_loss(drafter: UBTreeDrafter, target: FrozenTarget, batch: Batch, cfg
     positions = torch.arange(width, device=dev).expand(num_seqs, -1)  # [B, T]
     valid_tok = positions < lengths[:, None]
     with record_function("loss.target_forward"):
-        features, final_hidden = target.forward(input_ids, valid_tok)  # [B, T, F], [B, T, H]
+        if target_outputs is None:
+            features, final_hidden = target.forward(input_ids, valid_tok)  # [B, T, F], [B, T, H]
+        else:
+            features, final_hidden = target_outputs
 
     host_lengths = batch.host_lengths if batch.host_lengths is not None else lengths.cpu()
     host_prompt_lens = batch.host_prompt_lens if batch.host_prompt_lens is not None else batch.prompt_lens.cpu()
@@ -236,7 +244,7 @@ def drafter_loss(drafter: UBTreeDrafter, target: FrozenTarget, batch: Batch, cfg
             "selector_top1": (sel_correct * valid_f).sum() / num_labels,
             "chain_tau": 1.0 + (leading * full).sum() / full.sum().clamp(min=1),
         }
-    return LossOutput(loss, metrics, top1_by_depth, valid.sum())
+    return LossOutput(loss, metrics, top1_by_depth, valid.sum(), (features, final_hidden))
 
 
 def make_generator(seed: int, step: int) -> torch.Generator:

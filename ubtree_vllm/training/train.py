@@ -50,12 +50,13 @@ from ubtree_vllm.training.data import (ShardStream, TokenDataset, epoch_permutat
 from ubtree_vllm.training.export import check_round_trip, export_drafter
 from ubtree_vllm.training.losses import LossConfig, collate, drafter_loss, make_generator
 from ubtree_vllm.training.target import FrozenTarget
+from ubtree_vllm.training.target_cache import TargetCache
 
 SCHEDULES = ("cosine", "linear", "constant")
 # Settings that may change between time slices of one run; all others must match the checkpoint.
 SLICE_SETTINGS = frozenset({"max_minutes", "log_every", "checkpoint_every", "keep_checkpoints", "progress",
                             "records_path", "export_dir", "device", "resume", "stream_wait_minutes",
-                            "stream_refresh_steps", "head_chunk_rows"})
+                            "stream_refresh_steps", "head_chunk_rows", "target_cache_gb"})
 # Block depths whose proposer top-1 accuracy the history logs.
 DEPTHS_LOGGED = (1, 2, 4, 8, 16)
 # Drafter settings an `init_drafter` fixes; an override that disagrees is an error.
@@ -87,6 +88,9 @@ class TrainConfig:
     proposer_kl: float = 1.0
     detach_selector: bool = True
     head_chunk_rows: int = 4096
+    # Device memory (GiB) for the target's outputs of each sample, reused when the sample comes
+    # again (training/target_cache.py); 0 runs the target on every batch.
+    target_cache_gb: float = 0.0
     # Initialisation of a fresh drafter (module docstring).
     standardize_features: bool = True
     feature_stats_batches: int = 4
@@ -129,6 +133,8 @@ class TrainConfig:
         self.adam_betas = tuple(self.adam_betas)  # type: ignore[assignment]
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if not self.target_cache_gb >= 0:
+            raise ValueError(f"target_cache_gb must be >= 0 (GiB; 0: no cache), got {self.target_cache_gb}")
         if not self.norm_init_scale > 0:
             raise ValueError(f"norm_init_scale must be > 0, got {self.norm_init_scale}")
         if self.schedule_by_time and not self.max_minutes:
@@ -398,6 +404,11 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
 
     start_step = step
     loss_cfg = cfg.loss_config()
+    cache = None
+    if cfg.target_cache_gb > 0:
+        cache = TargetCache(cfg.target_cache_gb * 2**30, drafter_cfg.num_features, drafter_cfg.hidden_size, device,
+                            target.head_weight.dtype)
+    cached_steps = 0
     order = DataOrder(len(dataset), cfg.seed) if stream is None else None
     params = [p for p in drafter.parameters()]
     sums: dict[str, torch.Tensor] = {}
@@ -438,8 +449,14 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
         indices = order.take(cursor, cfg.batch_size) if order is not None else stream.take(cfg.batch_size)
         seen.update(indices)
         batch = collate([dataset.sample(i) for i in indices], cfg.max_seq_len)
+        cached = cache.lookup(indices, batch.input_ids.shape[1]) if cache is not None else None
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_bf16):
-            result = drafter_loss(drafter, target, batch.to(device), loss_cfg, make_generator(cfg.seed, step))
+            result = drafter_loss(drafter, target, batch.to(device), loss_cfg, make_generator(cfg.seed, step),
+                                  target_outputs=cached)
+        if cached is not None:
+            cached_steps += 1
+        elif cache is not None:
+            cache.store(indices, batch.host_lengths.tolist(), *result.target_outputs)
         optimizer.zero_grad(set_to_none=True)
         result.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -476,6 +493,9 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
     tokens_seen, label_rows = tokens_seen + int(label_rows), 0
     loop_s += time.monotonic() - loop_started
     loop_started = None
+    if cache is not None:
+        log(f"train: {cached_steps} of {step - start_step} steps took the target's outputs from the cache "
+            f"({len(cache)} samples, {cache.used} of {cache.capacity_tokens} rows)")
     if bar is not None:
         bar.close()
     if window:  # flush a partial logging window so no step's metrics are lost
