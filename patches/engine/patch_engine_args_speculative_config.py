@@ -68,6 +68,11 @@ def _check_engine_args(args: Any, mrv2: bool = False) -> None:
     if args.logits_processors:
         raise ValueError("logits_processors cannot be used with speculative method 'ubtree': "
                          "tree verification cannot apply them exactly")
+    from ubtree_vllm.vllm.request_support import LOGPROBS_MODES
+
+    if not mrv2 and args.logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)} with speculative method 'ubtree' on the "
+                         f"V1 runner (the tree sampler reports the model's raw logits), got {args.logprobs_mode!r}")
     if args.async_scheduling and not mrv2:
         raise ValueError("async_scheduling must be off with speculative method 'ubtree' "
                          "(the tree commit runs synchronously in the V1 model runner)")

@@ -11,7 +11,7 @@ from vllm.engine.arg_utils import EngineArgs
 from ubtree_vllm import patches
 from ubtree_vllm.patches._patching import MARK, is_patched, original_attr_name
 from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, CPU_WORKER_CLASS_PATH, GPU_WORKER_CLASS_PATH,
-                                     MRV2_PROPOSERS_DIR, PROPOSER_CLASS_PATH, VLLM_METHOD,
+                                     MRV2_PROPOSERS_DIR, MRV2_VLLM_METHOD, PROPOSER_CLASS_PATH, VLLM_METHOD,
                                      is_ubtree_speculative_config)
 
 
@@ -234,8 +234,12 @@ def test_sampling_params_rejects_options_trees_cannot_serve():
     other = types.SimpleNamespace(method="ngram", model="ngram")
     SamplingParams(temperature=0.8, top_p=0.9, seed=3)._validate_spec_decode(ubtree)
     SamplingParams(presence_penalty=1.0)._validate_spec_decode(other)  # other methods: vLLM's rules only
-    with pytest.raises(VLLMValidationError, match=r"\['presence_penalty', 'logprobs'\] are not supported"):
+    with pytest.raises(VLLMValidationError, match=r"\['presence_penalty'\] are not supported"):
         SamplingParams(presence_penalty=1.0, logprobs=1)._validate_spec_decode(ubtree)
+    SamplingParams(logprobs=1)._validate_spec_decode(ubtree)  # the V1 runner's tree sampler reports them
+    mrv2 = types.SimpleNamespace(method=MRV2_VLLM_METHOD, model=f"/cache/{MRV2_PROPOSERS_DIR}/abc")
+    with pytest.raises(VLLMValidationError, match=r"\['logprobs'\] are not supported"):
+        SamplingParams(logprobs=1)._validate_spec_decode(mrv2)
     assert getattr(SamplingParams._validate_spec_decode, MARK) == "sampling_params_spec_decode"
 
 

@@ -48,6 +48,33 @@ def test_greedy_walk_emits_accepted_tokens_then_the_bonus():
     assert result.accepted_path.tolist() == [[0, 2, -1, -1], [0, -1, -1, -1], [0, 2, 3, -1]]
 
 
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits"])
+def test_logprobs_of_each_output_token_come_from_the_node_that_drew_it(mode):
+    """Slot k's logprobs are those of the accepted node at depth k: for r0 (accepts node 2) the rows of
+    nodes 0 and 2, for r1 its root, for r2 nodes 0, 2, 3; laid out like sampled_token_ids."""
+    plan = make_batch().plan
+    argmax = [12, 0, 7, 0, 0, 0] + [5] + [22, 0, 23, 9]
+    logits = peaked_logits(argmax)
+    output, _ = TreeRejectionSampler(BLOCK_SIZE, mode)(plan, plan.to_device(torch.device("cpu")), logits,
+                                                      metadata(3, max_num_logprobs=3))
+    lp = output.logprobs_tensors
+    max_nodes = output.sampled_token_ids.shape[1]
+    assert lp.logprob_token_ids.shape == (3 * max_nodes, 4) and lp.logprobs.shape == (3 * max_nodes, 4)
+    values = logits.log_softmax(-1) if mode == "raw_logprobs" else logits
+    drawn_at = {(0, 0): 0, (0, 1): 2, (1, 0): 6, (2, 0): 7, (2, 1): 9, (2, 2): 10}  # (request, slot) -> logits row
+    for (r, k), row in drawn_at.items():
+        flat = r * max_nodes + k
+        token = int(output.sampled_token_ids[r, k])
+        assert int(lp.logprob_token_ids[flat, 0]) == token  # the sampled token first, then the top-3
+        torch.testing.assert_close(lp.logprobs[flat, 0], values[row, token])
+        top = values[row].topk(3)
+        torch.testing.assert_close(lp.logprobs[flat, 1:], top.values)
+        assert lp.logprob_token_ids[flat, 1:].tolist() == top.indices.tolist()
+        assert int(lp.selected_token_ranks[flat]) == 1  # the peaked argmax
+    with pytest.raises(ValueError, match="logprobs_mode must be one of"):
+        TreeRejectionSampler(BLOCK_SIZE, "processed_logprobs")
+
+
 def test_seeded_requests_are_reproducible_and_top_k_1_is_greedy():
     plan = make_batch().plan
     trees = plan.to_device(torch.device("cpu"))
@@ -67,7 +94,7 @@ def test_seeded_requests_are_reproducible_and_top_k_1_is_greedy():
 
 def test_unsupported_batches_are_refused():
     check_supported(metadata(2))
-    for overrides in (dict(no_penalties=False), dict(max_num_logprobs=0), dict(bad_words_token_ids={0: [[1]]}),
+    for overrides in (dict(no_penalties=False), dict(logprob_token_ids={0: [1]}), dict(bad_words_token_ids={0: [[1]]}),
                       dict(allowed_token_ids_mask=torch.zeros(2, VOCAB, dtype=torch.bool))):
         with pytest.raises(RuntimeError, match="must be rejected at admission"):
             check_supported(metadata(2, **overrides))

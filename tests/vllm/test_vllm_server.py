@@ -183,6 +183,33 @@ def test_aborted_streams_leave_the_server_serving(servers):
     assert ubtree.proc.poll() is None
 
 
+def test_logprobs_match_the_plain_server(servers):
+    """Completions (logprobs=2) and chat (top_logprobs=2), greedy: the same tokens with the same logprobs."""
+    plain, ubtree = servers
+
+    def completion_steps(server):
+        response = post(server, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0,
+                                                    "logprobs": 2})
+        assert response.status_code == 200, response.text
+        lp = response.json()["choices"][0]["logprobs"]
+        return [(tok, value, top) for tok, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])]
+
+    def chat_steps(server):
+        response = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}],
+                                                         "max_tokens": 16, "temperature": 0, "logprobs": True,
+                                                         "top_logprobs": 2})
+        assert response.status_code == 200, response.text
+        return [(e["token"], e["logprob"], {t["token"]: t["logprob"] for t in e["top_logprobs"]})
+                for e in response.json()["choices"][0]["logprobs"]["content"]]
+
+    for steps in (completion_steps, chat_steps):
+        got, want = steps(ubtree), steps(plain)
+        assert [g[0] for g in got] == [w[0] for w in want] and len(got) == 16
+        for (_, value, top), (_, want_value, want_top) in zip(got, want):
+            assert abs(value - want_value) < 1e-4 and top.keys() == want_top.keys()
+            assert all(abs(top[t] - want_top[t]) < 1e-4 for t in top)
+
+
 def test_metrics_and_rejected_options(servers):
     _, ubtree = servers
     metrics = httpx.get(f"{ubtree.url}/metrics", timeout=30).text

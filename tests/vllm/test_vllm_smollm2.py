@@ -5,6 +5,7 @@ below the argmax gaps (as in tests/unit/test_reference_decoder.py); the drafter 
 untrained export, so this checks losslessness on the real architecture (30 layers, GQA,
 tied embeddings, 49k vocabulary). The prompt-lookup branch is on (tree/lookup.py): on the
 copying prompts it is what gets drafts accepted, through the V1 runner's real token history.
+Logprobs of the emitted tokens are compared with plain decoding's.
 """
 from __future__ import annotations
 
@@ -29,10 +30,25 @@ def prompts(default_target_dir):
                                     return_dict=False) for p in [*CHAT_PROMPTS, *COPY_PROMPTS]]
 
 
-def generate(llm: LLM, prompts) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+def generate(llm: LLM, prompts, logprobs: int | None = None):
+    """Greedy token ids per prompt; with `logprobs`, also each emitted token's {token id: logprob} of the top ones."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False,
+                            logprobs=logprobs)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    if logprobs is None:
+        return tokens
+    return tokens, [[{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs] for o in outs]
+
+
+def assert_same_logprobs(got, expected) -> None:
+    """The same top tokens with the same logprobs (fp32 on the CPU: tree and one-token rows differ in rounding)."""
+    for got_req, want_req in zip(got, expected, strict=True):
+        assert len(got_req) == len(want_req) == MAX_TOKENS
+        for got_step, want_step in zip(got_req, want_req):
+            assert got_step.keys() == want_step.keys()
+            for token, value in want_step.items():
+                assert abs(got_step[token] - value) < 1e-4, (token, got_step[token], value)
 
 
 def test_smollm2_greedy_batch_is_token_identical(default_target_dir, prompts, vllm_models_dir):
@@ -40,11 +56,16 @@ def test_smollm2_greedy_batch_is_token_identical(default_target_dir, prompts, vl
     kwargs = dict(ENGINE_KWARGS, kv_cache_memory_bytes=256 << 20, max_model_len=1024)
     plain = LLM(model=str(default_target_dir), **kwargs)
     expected = generate(plain, prompts)
+    expected_lp = generate(plain, prompts[-3:], logprobs=3)  # the copying prompts: rounds of several tokens
     del plain
     ubtree = LLM(model=str(default_target_dir), speculative_config={
         "method": "ubtree", "model": str(drafter), "num_speculative_tokens": 8, "beam_width": 3, "top_k": 4,
         "prompt_lookup": True}, **kwargs)
     assert generate(ubtree, prompts) == expected
+    # logprobs: each emitted token's (and the top-3's) from the tree row that drew it, as plain decoding reports
+    tokens, logprobs = generate(ubtree, prompts[-3:], logprobs=3)
+    assert tokens == expected_lp[0]
+    assert_same_logprobs(logprobs, expected_lp[1])
     drafts, accepted = spec_counts(ubtree)
     before = (drafts, accepted)
     generate(ubtree, prompts[-len(COPY_PROMPTS):])

@@ -9,14 +9,15 @@ admission (HTTP 400 in the server) instead of getting different tokens than
 non-speculative decoding:
 
 * penalties (presence, frequency, repetition) -- the context of a node is its ancestors;
-* logprobs / logprob_token_ids -- not computed for tree rows yet;
+* logprob_token_ids, and logprobs on Model Runner V2 -- not computed for tree rows there yet
+  (the V1 runner's tree sampler reports ``logprobs`` exactly, in the raw logprobs modes);
 * bad_words, allowed_token_ids, logit_bias, min_p, min_tokens, thinking_token_budget --
   vLLM logits processors that assume a chain of drafts;
 * structured outputs -- the grammar validates drafts as a chain;
 * trace replay and repetition detection -- not exercised with trees.
 
-``prompt_logprobs``, ``n``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos`` and
-``max_tokens`` are served exactly (prompt rows carry no tree; stop handling is the
+``logprobs`` (V1 runner), ``prompt_logprobs``, ``n``, ``seed``, ``stop``, ``stop_token_ids``,
+``ignore_eos`` and ``max_tokens`` are served exactly (prompt rows carry no tree; stop handling is the
 scheduler's and sees the same accepted tokens as a chain would).
 """
 from __future__ import annotations
@@ -24,15 +25,18 @@ from __future__ import annotations
 from typing import Any
 
 _EPS = 1e-6
+# vLLM logprobs modes (ModelConfig.logprobs_mode) the tree sampler reports exactly: the model's own
+# logits, before temperature and top-k/top-p, as vLLM's sampler reports them in these modes.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
 
 
-def unsupported_options(params: Any) -> list[str]:
-    """Names of the options of a vLLM ``SamplingParams`` that method 'ubtree' cannot serve."""
+def unsupported_options(params: Any, runner: str = "v1") -> list[str]:
+    """Names of the options of a vLLM ``SamplingParams`` that method 'ubtree' on ``runner`` cannot serve."""
     checks = (
         ("presence_penalty", abs(params.presence_penalty) > _EPS),
         ("frequency_penalty", abs(params.frequency_penalty) > _EPS),
         ("repetition_penalty", abs(params.repetition_penalty - 1.0) > _EPS),
-        ("logprobs", params.logprobs is not None),
+        ("logprobs", params.logprobs is not None and runner != "v1"),
         ("logprob_token_ids", bool(getattr(params, "logprob_token_ids", None))),
         ("bad_words", bool(params.bad_words)),
         ("allowed_token_ids", params.allowed_token_ids is not None),
@@ -52,4 +56,5 @@ def unsupported_message(names: list[str]) -> str:
     return (f"sampling option(s) {names} are not supported with speculative decoding method 'ubtree' "
             "(tree verification would not reproduce non-speculative decoding exactly); remove them or "
             "use a server without speculative decoding. Supported: temperature, top_k, top_p, seed, n, "
-            "stop, stop_token_ids, ignore_eos, max_tokens, prompt_logprobs.")
+            "stop, stop_token_ids, ignore_eos, max_tokens, prompt_logprobs, and logprobs on the V1 runner "
+            "(UBTREE_VLLM_RUNNER=v1).")

@@ -63,7 +63,7 @@ class UBTreeRunnerMixin:
         sorted_ids = sorted(set(aux_ids))
         # vLLM returns aux states in ascending layer order; the drafter wants its own order.
         self._aux_order = [sorted_ids.index(i) for i in aux_ids]
-        self._tree_sampler = TreeRejectionSampler(config.tree.block_size)
+        self._tree_sampler = TreeRejectionSampler(config.tree.block_size, vllm_config.model_config.logprobs_mode)
         self._tree_state = tree_forward_state()
         self._trees: dict[str, RequestTree] = {}
         self._plan: TreeStepPlan | None = None

@@ -18,26 +18,34 @@ Output contract (``vllm.v1.sample.rejection_sampler.RejectionSampler``):
 the bonus token, ``-1`` padded, so the scheduler's accounting (accepted = emitted - 1)
 and spec-decode metrics need no change. The accepted node indices (for the KV commit
 and the drafter's features) are returned alongside.
+
+Logprobs (``logprobs`` of a request): output slot k's token was drawn at the accepted node of
+depth k, so its logprobs are taken from that node's logits row, exactly the row plain decoding
+would have had at that position; laid out like ``sampled_token_ids`` ([num_reqs * max_nodes]
+rows, filtered by vLLM's ``parse_output``). The raw modes only (``raw_logprobs``, the default,
+and ``raw_logits``): the logits straight from the model, as vLLM's sampler reports them.
 """
 from __future__ import annotations
 
 import torch
-from vllm.v1.outputs import SamplerOutput
+from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.sampler import Sampler
 
 from ubtree_vllm.verify.accept import AcceptResult, walk_trees
 from ubtree_vllm.verify.sampling import SamplingTensors, processed_probs
+from ubtree_vllm.vllm.request_support import LOGPROBS_MODES
 from ubtree_vllm.vllm.tree_plan import DeviceTrees, TreeStepPlan
 
 # vLLM's threshold below which a temperature means greedy (vllm.v1.sample.sampler).
 _SAMPLING_EPS = 1e-5
 
 
+
 def check_supported(metadata: SamplingMetadata) -> None:
     """Defence in depth behind the admission check: refuse a batch the sampler cannot serve."""
     problems = [name for name, used in (
         ("penalties", not metadata.no_penalties),
-        ("logprobs", metadata.max_num_logprobs is not None),
         ("logprob_token_ids", bool(metadata.logprob_token_ids)),
         ("bad_words", bool(metadata.bad_words_token_ids)),
         ("allowed_token_ids", metadata.allowed_token_ids_mask is not None)) if used]
@@ -88,8 +96,11 @@ class TreeRejectionSampler:
     bound once; on the CPU it is ``accept_tree``'s torch ops, bounded by the step's depth.
     """
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, logprobs_mode: str = "raw_logprobs"):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES} with method 'ubtree', got {logprobs_mode!r}")
         self.block_size = block_size
+        self.logprobs_mode = logprobs_mode
 
     def __call__(self, plan: TreeStepPlan, trees: DeviceTrees, logits: torch.Tensor,
                  metadata: SamplingMetadata) -> tuple[SamplerOutput, AcceptResult]:
@@ -113,4 +124,19 @@ class TreeRejectionSampler:
         sampled = torch.full((num_reqs, max_nodes), -1, dtype=torch.int32, device=device)
         width = min(max_nodes, result.output_tokens.shape[1])
         sampled[:, :width] = result.output_tokens[:, :width].to(torch.int32)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None), result
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            logprobs = self._logprobs(logits, index, result, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs), result
+
+    def _logprobs(self, logits: torch.Tensor, index: torch.Tensor, result: AcceptResult, sampled: torch.Tensor,
+                  num_logprobs: int) -> LogprobsTensors:
+        """Logprobs of every output slot from the logits row of the node that drew it ([N * max_nodes] rows)."""
+        num_reqs, max_nodes = sampled.shape
+        path = torch.zeros((num_reqs, max_nodes), dtype=torch.long, device=logits.device)
+        width = min(max_nodes, result.accepted_path.shape[1])
+        path[:, :width] = result.accepted_path[:, :width].clamp(min=0)  # slot k: the node at depth k
+        rows = index.gather(1, path).flatten()  # [N * max_nodes]
+        row_logits = logits[rows].float()
+        values = Sampler.compute_logprobs(row_logits) if self.logprobs_mode == "raw_logprobs" else row_logits
+        return Sampler.gather_logprobs(values, num_logprobs, sampled.flatten().clamp(min=0).long())
