@@ -94,9 +94,9 @@ MANIFEST: tuple[PatchSpec, ...] = (
     PatchSpec(
         name="sampling_params_spec_decode",
         vllm_symbol="vllm.sampling_params.SamplingParams._validate_spec_decode",
-        why=("Tree verification cannot reproduce penalties, bad words, structured output and the "
-             "other chain-only logits processors exactly yet (nor logprobs on Model Runner V2); "
-             "vLLM's own spec-decode admission check only knows min_p and logit_bias."),
+        why=("Tree verification cannot reproduce bad words, structured output and the other "
+             "chain-only logits processors exactly yet (nor penalties and logprobs on Model Runner "
+             "V2); vLLM's own spec-decode admission check only knows min_p and logit_bias."),
         how=("Wraps the method: for the 'ubtree' speculative config it also raises "
              "VLLMValidationError for every option in "
              "ubtree_vllm.vllm.request_support.unsupported_options."),

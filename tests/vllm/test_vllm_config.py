@@ -148,8 +148,6 @@ def test_unsupported_request_options():
 
     assert unsupported_options(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1, n=2, stop=["x"])) == []
     cases = {
-        "presence_penalty": dict(presence_penalty=0.5), "frequency_penalty": dict(frequency_penalty=0.5),
-        "repetition_penalty": dict(repetition_penalty=1.2),
         "bad_words": dict(bad_words=["foo"]), "allowed_token_ids": dict(allowed_token_ids=[1, 2]),
         "logit_bias": dict(logit_bias={1: 1.0}), "min_p": dict(min_p=0.1), "min_tokens": dict(min_tokens=3),
         "structured_outputs": dict(structured_outputs=StructuredOutputsParams(regex="a+")),
@@ -159,3 +157,7 @@ def test_unsupported_request_options():
     # logprobs: served by the V1 runner's tree sampler, not yet on Model Runner V2
     assert unsupported_options(SamplingParams(logprobs=2)) == []
     assert unsupported_options(SamplingParams(logprobs=2), runner="mrv2") == ["logprobs"]
+    # penalties: along each node's path in the V1 runner's tree sampler, not yet on Model Runner V2
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
+    assert unsupported_options(SamplingParams(**penalties)) == []
+    assert unsupported_options(SamplingParams(**penalties), runner="mrv2") == list(penalties)

@@ -91,7 +91,7 @@ def test_stop_and_max_tokens_inside_an_accepted_path(plain_llm, ubtree_llm, refe
 
 
 def test_options_trees_cannot_serve_are_rejected(ubtree_llm):
-    with pytest.raises(VLLMValidationError, match=r"\['repetition_penalty'\] are not supported with speculative decoding "
+    with pytest.raises(VLLMValidationError, match=r"\['min_tokens'\] are not supported with speculative decoding "
                                          r"method 'ubtree'"):
-        generate(ubtree_llm, PROMPTS[:1], SamplingParams(max_tokens=4, repetition_penalty=1.3, detokenize=False))
+        generate(ubtree_llm, PROMPTS[:1], SamplingParams(max_tokens=4, min_tokens=2, detokenize=False))
     assert len(generate(ubtree_llm, PROMPTS[:1])[0]) == MAX_TOKENS  # the engine keeps serving

@@ -234,12 +234,12 @@ def test_sampling_params_rejects_options_trees_cannot_serve():
     other = types.SimpleNamespace(method="ngram", model="ngram")
     SamplingParams(temperature=0.8, top_p=0.9, seed=3)._validate_spec_decode(ubtree)
     SamplingParams(presence_penalty=1.0)._validate_spec_decode(other)  # other methods: vLLM's rules only
-    with pytest.raises(VLLMValidationError, match=r"\['presence_penalty'\] are not supported"):
-        SamplingParams(presence_penalty=1.0, logprobs=1)._validate_spec_decode(ubtree)
-    SamplingParams(logprobs=1)._validate_spec_decode(ubtree)  # the V1 runner's tree sampler reports them
+    with pytest.raises(VLLMValidationError, match=r"\['bad_words'\] are not supported"):
+        SamplingParams(presence_penalty=1.0, logprobs=1, bad_words=["x"])._validate_spec_decode(ubtree)
+    SamplingParams(presence_penalty=1.0, logprobs=1)._validate_spec_decode(ubtree)  # the V1 tree sampler serves them
     mrv2 = types.SimpleNamespace(method=MRV2_VLLM_METHOD, model=f"/cache/{MRV2_PROPOSERS_DIR}/abc")
-    with pytest.raises(VLLMValidationError, match=r"\['logprobs'\] are not supported"):
-        SamplingParams(logprobs=1)._validate_spec_decode(mrv2)
+    with pytest.raises(VLLMValidationError, match=r"\['presence_penalty', 'logprobs'\] are not supported"):
+        SamplingParams(presence_penalty=1.0, logprobs=1)._validate_spec_decode(mrv2)
     assert getattr(SamplingParams._validate_spec_decode, MARK) == "sampling_params_spec_decode"
 
 

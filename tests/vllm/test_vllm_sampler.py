@@ -4,13 +4,14 @@ Tree attention is tested against its reference in tests/triton.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 
 from ubtree_vllm.vllm.features import ContextFeatureStore
-from ubtree_vllm.vllm.sampler import TreeRejectionSampler, check_supported
+from ubtree_vllm.vllm.sampler import TreeRejectionSampler, check_supported, node_output_tokens, penalized_node_logits
 from vllm_batches import make_batch
 
 VOCAB = 32
@@ -75,6 +76,52 @@ def test_logprobs_of_each_output_token_come_from_the_node_that_drew_it(mode):
         TreeRejectionSampler(BLOCK_SIZE, "processed_logprobs")
 
 
+def test_node_output_tokens_append_each_nodes_path():
+    plan = make_batch().plan  # r0: 0 -> 1 -> {2 -> {3, 4}, 5}? (vllm_batches.make_batch), r1 root only, r2 a chain
+    lists = node_output_tokens(plan, [[7, 8], [9], []])
+    n = plan.max_nodes
+    for r, base in enumerate(([7, 8], [9], [])):
+        count = int(plan.num_nodes[r])
+        for j in range(n):
+            node, path = min(j, count - 1), []
+            while node > 0:
+                path.append(int(plan.tokens[r, node]))
+                node = int(plan.parents[r, node])
+            assert lists[r * n + j] == base + path[::-1], (r, j)
+
+
+@pytest.mark.parametrize("temperature", [None, 1.0], ids=["greedy", "random"])
+def test_penalties_apply_along_each_nodes_path(temperature):
+    """Each node's draw sees vLLM's penalties over the request's outputs plus the node's path: compared with
+    apply_all_penalties on that node's row alone, with that path appended."""
+    from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+    plan = make_batch().plan
+    torch.manual_seed(0)
+    logits = torch.randn(11, VOCAB)
+    outputs = [[11, 3], [5], [21]]
+    pen = dict(no_penalties=False, prompt_token_ids=torch.tensor([[1, 2, VOCAB], [3, VOCAB, VOCAB], [4, 5, 6]]),
+               presence_penalties=torch.tensor([0.5, 0.0, 1.0]), frequency_penalties=torch.tensor([0.3, 0.2, 0.0]),
+               repetition_penalties=torch.tensor([1.3, 1.0, 1.1]), output_token_ids=outputs)
+    temp = None if temperature is None else torch.full((3,), temperature)
+    meta = metadata(3, temp, **pen)
+    start = np.cumsum(plan.num_nodes) - plan.num_nodes
+    index = torch.tensor([[start[r] + min(j, plan.num_nodes[r] - 1) for j in range(plan.max_nodes)] for r in range(3)])
+    got = penalized_node_logits(logits, index, meta, plan)
+    lists = node_output_tokens(plan, outputs)
+    for r in range(3):
+        for j in range(plan.max_nodes):
+            row = logits[index[r, j]][None].clone()
+            want = apply_all_penalties(row, pen["prompt_token_ids"][r:r + 1], pen["presence_penalties"][r:r + 1],
+                                       pen["frequency_penalties"][r:r + 1], pen["repetition_penalties"][r:r + 1],
+                                       [lists[r * plan.max_nodes + j]])
+            torch.testing.assert_close(got[r, j], want[0])
+    assert not torch.equal(got, logits[index])  # the penalties changed something
+    if temperature is None:  # greedy: slot 0 is drawn at the root, from the penalised logits
+        output, _ = TreeRejectionSampler(BLOCK_SIZE)(plan, plan.to_device(torch.device("cpu")), logits, meta)
+        assert output.sampled_token_ids[:, 0].tolist() == got[:, 0].argmax(-1).tolist()
+
+
 def test_seeded_requests_are_reproducible_and_top_k_1_is_greedy():
     plan = make_batch().plan
     trees = plan.to_device(torch.device("cpu"))
@@ -94,7 +141,7 @@ def test_seeded_requests_are_reproducible_and_top_k_1_is_greedy():
 
 def test_unsupported_batches_are_refused():
     check_supported(metadata(2))
-    for overrides in (dict(no_penalties=False), dict(logprob_token_ids={0: [1]}), dict(bad_words_token_ids={0: [[1]]}),
+    for overrides in (dict(logprob_token_ids={0: [1]}), dict(bad_words_token_ids={0: [[1]]}),
                       dict(allowed_token_ids_mask=torch.zeros(2, VOCAB, dtype=torch.bool))):
         with pytest.raises(RuntimeError, match="must be rejected at admission"):
             check_supported(metadata(2, **overrides))

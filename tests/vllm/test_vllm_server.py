@@ -215,7 +215,7 @@ def test_metrics_and_rejected_options(servers):
     metrics = httpx.get(f"{ubtree.url}/metrics", timeout=30).text
     drafts = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_drafts_total")]
     assert drafts and float(drafts[0].split()[-1]) > 0
-    response = post(ubtree, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "presence_penalty": 0.5})
+    response = post(ubtree, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "min_tokens": 2})
     assert response.status_code == 400
     assert "not supported with speculative decoding method 'ubtree'" in response.text
 

@@ -5,7 +5,8 @@ below the argmax gaps (as in tests/unit/test_reference_decoder.py); the drafter 
 untrained export, so this checks losslessness on the real architecture (30 layers, GQA,
 tied embeddings, 49k vocabulary). The prompt-lookup branch is on (tree/lookup.py): on the
 copying prompts it is what gets drafts accepted, through the V1 runner's real token history.
-Logprobs of the emitted tokens are compared with plain decoding's.
+Logprobs of the emitted tokens, and greedy text under presence/frequency/repetition penalties,
+are compared with plain decoding's.
 """
 from __future__ import annotations
 
@@ -30,10 +31,13 @@ def prompts(default_target_dir):
                                     return_dict=False) for p in [*CHAT_PROMPTS, *COPY_PROMPTS]]
 
 
-def generate(llm: LLM, prompts, logprobs: int | None = None):
+PENALTIES = dict(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.2)
+
+
+def generate(llm: LLM, prompts, logprobs: int | None = None, **options):
     """Greedy token ids per prompt; with `logprobs`, also each emitted token's {token id: logprob} of the top ones."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False,
-                            logprobs=logprobs)
+                            logprobs=logprobs, **options)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     if logprobs is None:
@@ -57,6 +61,7 @@ def test_smollm2_greedy_batch_is_token_identical(default_target_dir, prompts, vl
     plain = LLM(model=str(default_target_dir), **kwargs)
     expected = generate(plain, prompts)
     expected_lp = generate(plain, prompts[-3:], logprobs=3)  # the copying prompts: rounds of several tokens
+    expected_pen = generate(plain, prompts[-3:], **PENALTIES)
     del plain
     ubtree = LLM(model=str(default_target_dir), speculative_config={
         "method": "ubtree", "model": str(drafter), "num_speculative_tokens": 8, "beam_width": 3, "top_k": 4,
@@ -66,6 +71,9 @@ def test_smollm2_greedy_batch_is_token_identical(default_target_dir, prompts, vl
     tokens, logprobs = generate(ubtree, prompts[-3:], logprobs=3)
     assert tokens == expected_lp[0]
     assert_same_logprobs(logprobs, expected_lp[1])
+    # penalties: each node's logits penalised over the outputs plus the node's own path
+    assert generate(ubtree, prompts[-3:], **PENALTIES) == expected_pen
+    assert expected_pen != expected_lp[0]  # the penalties changed the greedy text
     drafts, accepted = spec_counts(ubtree)
     before = (drafts, accepted)
     generate(ubtree, prompts[-len(COPY_PROMPTS):])

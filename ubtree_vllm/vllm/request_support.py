@@ -8,15 +8,16 @@ sampler does not compute, would be wrong for a tree, so such requests are reject
 admission (HTTP 400 in the server) instead of getting different tokens than
 non-speculative decoding:
 
-* penalties (presence, frequency, repetition) -- the context of a node is its ancestors;
-* logprob_token_ids, and logprobs on Model Runner V2 -- not computed for tree rows there yet
-  (the V1 runner's tree sampler reports ``logprobs`` exactly, in the raw logprobs modes);
+* on Model Runner V2: penalties (presence, frequency, repetition) and logprobs -- its tree
+  sampler does not apply or report them yet (the V1 runner's does: penalties along each
+  node's path, logprobs in the raw logprobs modes);
+* logprob_token_ids -- not computed for tree rows yet;
 * bad_words, allowed_token_ids, logit_bias, min_p, min_tokens, thinking_token_budget --
   vLLM logits processors that assume a chain of drafts;
 * structured outputs -- the grammar validates drafts as a chain;
 * trace replay and repetition detection -- not exercised with trees.
 
-``logprobs`` (V1 runner), ``prompt_logprobs``, ``n``, ``seed``, ``stop``, ``stop_token_ids``,
+penalties and ``logprobs`` (V1 runner), ``prompt_logprobs``, ``n``, ``seed``, ``stop``, ``stop_token_ids``,
 ``ignore_eos`` and ``max_tokens`` are served exactly (prompt rows carry no tree; stop handling is the
 scheduler's and sees the same accepted tokens as a chain would).
 """
@@ -33,9 +34,9 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
 def unsupported_options(params: Any, runner: str = "v1") -> list[str]:
     """Names of the options of a vLLM ``SamplingParams`` that method 'ubtree' on ``runner`` cannot serve."""
     checks = (
-        ("presence_penalty", abs(params.presence_penalty) > _EPS),
-        ("frequency_penalty", abs(params.frequency_penalty) > _EPS),
-        ("repetition_penalty", abs(params.repetition_penalty - 1.0) > _EPS),
+        ("presence_penalty", abs(params.presence_penalty) > _EPS and runner != "v1"),
+        ("frequency_penalty", abs(params.frequency_penalty) > _EPS and runner != "v1"),
+        ("repetition_penalty", abs(params.repetition_penalty - 1.0) > _EPS and runner != "v1"),
         ("logprobs", params.logprobs is not None and runner != "v1"),
         ("logprob_token_ids", bool(getattr(params, "logprob_token_ids", None))),
         ("bad_words", bool(params.bad_words)),
@@ -56,5 +57,5 @@ def unsupported_message(names: list[str]) -> str:
     return (f"sampling option(s) {names} are not supported with speculative decoding method 'ubtree' "
             "(tree verification would not reproduce non-speculative decoding exactly); remove them or "
             "use a server without speculative decoding. Supported: temperature, top_k, top_p, seed, n, "
-            "stop, stop_token_ids, ignore_eos, max_tokens, prompt_logprobs, and logprobs on the V1 runner "
-            "(UBTREE_VLLM_RUNNER=v1).")
+            "stop, stop_token_ids, ignore_eos, max_tokens, prompt_logprobs, and penalties and logprobs on the "
+            "V1 runner (UBTREE_VLLM_RUNNER=v1).")

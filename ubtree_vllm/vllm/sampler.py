@@ -9,6 +9,11 @@ Triton form, :func:`ubtree_vllm.triton_ops.tree_accept.tree_accept`): accept the
 carrying the drawn token, stop at the first node without one and emit its draw as the
 bonus token. That rule is lossless (see ``ubtree_vllm/verify/accept.py``).
 
+Penalties (presence, frequency, repetition): at a node of depth d, plain decoding would have
+generated the request's output tokens and then the tokens of the node's path (depths 1..d),
+so each node's logits get vLLM's penalties over exactly those (:func:`node_output_tokens`,
+host lists built from the step's host-side trees; no device read) before the draw.
+
 Randomness: one exponential race per node (argmax p / E, E ~ Exp(1)), with the
 request's own ``torch.Generator`` when it has a seed (vLLM's
 ``SamplingMetadata.generators``), else the process RNG that vLLM seeds at start-up.
@@ -30,6 +35,7 @@ from __future__ import annotations
 import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.ops.penalties import apply_all_penalties
 from vllm.v1.sample.sampler import Sampler
 
 from ubtree_vllm.verify.accept import AcceptResult, walk_trees
@@ -45,7 +51,6 @@ _SAMPLING_EPS = 1e-5
 def check_supported(metadata: SamplingMetadata) -> None:
     """Defence in depth behind the admission check: refuse a batch the sampler cannot serve."""
     problems = [name for name, used in (
-        ("penalties", not metadata.no_penalties),
         ("logprob_token_ids", bool(metadata.logprob_token_ids)),
         ("bad_words", bool(metadata.bad_words_token_ids)),
         ("allowed_token_ids", metadata.allowed_token_ids_mask is not None)) if used]
@@ -68,16 +73,56 @@ def sampling_tensors(metadata: SamplingMetadata, num_reqs: int, device: torch.de
     return SamplingTensors(temperature=temperature, top_k=top_k, top_p=top_p)
 
 
+def node_output_tokens(plan: TreeStepPlan, output_token_ids: list[list[int]]) -> list[list[int]]:
+    """What plain decoding would have generated before each node's draw: the request's output tokens,
+    then the node's path tokens (depths 1..d; the root is the last output token already).
+
+    Returns [num_reqs * max_nodes] lists, request-major; padding nodes repeat their request's last node."""
+    lists: list[list[int]] = []
+    for r in range(plan.num_reqs):
+        base = list(output_token_ids[r])
+        count = int(plan.num_nodes[r])
+        paths: list[list[int]] = [[]]
+        for j in range(1, count):
+            paths.append(paths[int(plan.parents[r, j])] + [int(plan.tokens[r, j])])
+        lists += [base + paths[min(j, count - 1)] for j in range(plan.max_nodes)]
+    return lists
+
+
+def penalized_node_logits(logits: torch.Tensor, index: torch.Tensor, metadata: SamplingMetadata,
+                          plan: TreeStepPlan) -> torch.Tensor:
+    """[N, n, V] float32 node logits with vLLM's presence/frequency/repetition penalties along each node's path."""
+    num_reqs, num_nodes = index.shape
+    rows = logits[index.flatten()].float()  # [N * n, V]
+
+    def per_node(values: torch.Tensor) -> torch.Tensor:
+        return values[:num_reqs].repeat_interleave(num_nodes, dim=0)
+
+    rows = apply_all_penalties(rows, per_node(metadata.prompt_token_ids), per_node(metadata.presence_penalties),
+                               per_node(metadata.frequency_penalties), per_node(metadata.repetition_penalties),
+                               node_output_tokens(plan, metadata.output_token_ids))
+    return rows.view(num_reqs, num_nodes, -1)
+
+
 def draw_node_tokens(logits: torch.Tensor, index: torch.Tensor, metadata: SamplingMetadata,
-                     params: SamplingTensors) -> torch.Tensor:
+                     params: SamplingTensors, plan: TreeStepPlan | None = None) -> torch.Tensor:
     """The target's draw at every node: logits [T, V], index [N, n] (logits row of each node) -> [N, n] int64.
 
-    All-greedy batches take the argmax of the T rows and never gather [N, n, V] logits.
+    All-greedy batches without penalties take the argmax of the T rows and never gather [N, n, V]
+    logits. Penalties need the step's host-side trees (`plan`).
     """
-    if metadata.all_greedy:
+    penalized = not metadata.no_penalties
+    if metadata.all_greedy and not penalized:
         return logits.argmax(dim=-1)[index]
-    node_logits = logits[index]  # [N, n, V]
+    if penalized:
+        if plan is None:
+            raise ValueError("penalties need the step's trees (plan)")
+        node_logits = penalized_node_logits(logits, index, metadata, plan)
+    else:
+        node_logits = logits[index]  # [N, n, V]
     greedy = node_logits.argmax(dim=-1)
+    if metadata.all_greedy:
+        return greedy
     probs = processed_probs(node_logits, params)  # [N, n, V] float32
     noise = torch.empty_like(probs).exponential_(1.0)
     # SYNC: host loop over the requests with their own seed only (a torch.Generator each; no device read).
@@ -117,7 +162,7 @@ class TreeRejectionSampler:
         node = torch.arange(max_nodes, device=device)
         index = start[:, None] + torch.minimum(node[None, :], last[:, None])  # [num_reqs, max_nodes]
         params = sampling_tensors(metadata, num_reqs, device)
-        draws = draw_node_tokens(logits, index, metadata, params)
+        draws = draw_node_tokens(logits, index, metadata, params, plan)
         # the kernel is compiled per depth bound: a static one on CUDA, the step's own on the CPU
         bound = max(self.block_size, plan.max_depth) if logits.is_cuda else plan.max_depth
         result = walk_trees(trees.parents, trees.tokens, trees.depth, draws, bound)
