@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -27,6 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from http_servers import free_port, wait_healthy
+from http_servers import streamed as http_streamed
 from podman_helpers import REPO_ROOT, podman, record_time
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -43,12 +44,6 @@ STOP_TIMEOUT_S = 60
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
          "Write a Python function that returns the n-th Fibonacci number."]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Container:
@@ -74,17 +69,12 @@ class Container:
         return self.logs()[-4000:]
 
     def wait_ready(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
+        def exited() -> str | None:
             status, code = self.state()
-            if status != "running":
-                raise RuntimeError(f"container {self.name} is {status} (exit code {code}):\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        raise TimeoutError(f"container {self.name} not ready within {START_TIMEOUT_S} s:\n{self.log_tail()}")
+            return None if status == "running" else f"container {self.name} is {status} (exit code {code})"
+
+        wait_healthy(self.url, deadline, exited, f"container {self.name} not ready within {START_TIMEOUT_S} s",
+                     self.log_tail, poll_s=2)
 
     def stop(self) -> int:
         podman(self.env, "stop", "-t", str(STOP_TIMEOUT_S), self.name, timeout=STOP_TIMEOUT_S + 60)
@@ -121,17 +111,7 @@ def post(server: Container, path: str, body: dict) -> dict:
 
 def streamed(server: Container, path: str, body: dict) -> tuple[str, str | None]:
     """(text, finish_reason) of a streamed answer, joined from its server-sent events."""
-    parts, finish = [], None
-    with httpx.stream("POST", f"{server.url}{path}", json={"model": MODEL, "stream": True, **body},
-                      timeout=300) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choice = json.loads(line[len("data: "):])["choices"][0]
-            parts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
-            finish = choice.get("finish_reason") or finish
-    return "".join(parts), finish
+    return http_streamed(server.url, path, {"model": MODEL, **body}, timeout=300)
 
 
 def answer(server: Container, path: str, body: dict) -> dict:

@@ -14,7 +14,6 @@ import importlib.metadata
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from http_servers import free_port, streamed, wait_healthy
 from vllm_engines import REPO_ROOT, subprocess_env
 
 VLLM = str(Path(sys.executable).parent / "vllm")
@@ -45,12 +45,6 @@ TREE_ARGS = ["--budget", "8", "--beam-width", "3", "--top-k", "4"]
 START_TIMEOUT_S = 420
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Server:
     def __init__(self, name: str, command: list[str], port: int, log_dir: Path) -> None:
         self.name, self.url = name, f"http://127.0.0.1:{port}"
@@ -64,16 +58,11 @@ class Server:
         return self.log_path.read_text()[-4000:]
 
     def wait_ready(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"{self.name} server not ready by its start-up deadline:\n{self.log_tail()}")
+        def exited() -> str | None:
+            return None if self.proc.poll() is None else f"{self.name} server exited with {self.proc.returncode}"
+
+        wait_healthy(self.url, deadline, exited, f"{self.name} server not ready by its start-up deadline",
+                     self.log_tail, poll_s=1)
 
     def shutdown(self) -> int:
         if self.proc.poll() is None:
@@ -123,16 +112,7 @@ def chat_text(server: Server, body: dict) -> str:
 
 def streamed_text(server: Server, path: str, body: dict, model: str = "tiny") -> str:
     """The text of a streamed completion or chat answer, joined from its server-sent events."""
-    parts = []
-    with httpx.stream("POST", f"{server.url}{path}", json={"model": model, "stream": True, **body},
-                      timeout=120) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choice = json.loads(line[len("data: "):])["choices"][0]
-            parts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
-    return "".join(parts)
+    return streamed(server.url, path, {"model": model, **body}, timeout=120)[0]
 
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]

@@ -265,10 +265,11 @@ def hf_generator(target_path: Path, cfg: DataGenConfig, eos: list[int], device: 
     @torch.no_grad()
     def generate(prompts: Sequence[Sequence[int]], seed: int, temperatures: Sequence[float]) -> list[list[int]]:
         torch.manual_seed(seed)
-        # Group by temperature, sort by length so each generate() call pads little; results go back in order.
-        order = sorted(range(len(prompts)), key=lambda i: (temperatures[i], len(prompts[i])))
-        batches = [order[s:s + cfg.batch_size] for s in range(0, len(order), cfg.batch_size)]
-        batches = [[i for i in b if temperatures[i] == t] for b in batches for t in sorted({temperatures[i] for i in b})]
+        # One temperature per generate() call, sorted by length so each pads little; results go back in order.
+        batches = []
+        for t in sorted(set(temperatures)):
+            group = sorted((i for i, ti in enumerate(temperatures) if ti == t), key=lambda i: len(prompts[i]))
+            batches += [group[s:s + cfg.batch_size] for s in range(0, len(group), cfg.batch_size)]
         results: list[list[int]] = [[] for _ in prompts]
         for chunk in batches:
             temperature = temperatures[chunk[0]]

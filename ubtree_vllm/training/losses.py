@@ -87,11 +87,14 @@ class Batch:
     host_lengths: torch.Tensor | None = None
     host_prompt_lens: torch.Tensor | None = None
 
+    def host(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lengths, prompt_lens) on the CPU: the host copies, or (a sync) the tensors themselves."""
+        return (self.host_lengths if self.host_lengths is not None else self.lengths.cpu(),
+                self.host_prompt_lens if self.host_prompt_lens is not None else self.prompt_lens.cpu())
+
     def to(self, device: torch.device) -> Batch:
-        host = self.host_lengths if self.host_lengths is not None else self.lengths.cpu()
-        host_prompt = self.host_prompt_lens if self.host_prompt_lens is not None else self.prompt_lens.cpu()
         return Batch(self.input_ids.to(device, non_blocking=True), self.lengths.to(device, non_blocking=True),
-                     self.prompt_lens.to(device, non_blocking=True), host, host_prompt)
+                     self.prompt_lens.to(device, non_blocking=True), *self.host())
 
 
 def collate(samples: Sequence[tuple[torch.Tensor, int]], max_seq_len: int) -> Batch:
@@ -164,9 +167,7 @@ def drafter_loss(drafter: UBTreeDrafter, target: FrozenTarget, batch: Batch, cfg
         else:
             features, final_hidden = target_outputs
 
-    host_lengths = batch.host_lengths if batch.host_lengths is not None else lengths.cpu()
-    host_prompt_lens = batch.host_prompt_lens if batch.host_prompt_lens is not None else batch.prompt_lens.cpu()
-    anchor_pos, block_valid = sample_anchors(host_lengths, host_prompt_lens, width, cfg.blocks_per_seq, generator)
+    anchor_pos, block_valid = sample_anchors(*batch.host(), width, cfg.blocks_per_seq, generator)
     anchor_pos, block_valid = anchor_pos.to(dev), block_valid.to(dev)  # [B, nb]
     num_blocks = anchor_pos.shape[1]
     anchor = input_ids.gather(1, anchor_pos)

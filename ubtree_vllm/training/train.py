@@ -554,7 +554,8 @@ def _finish(cfg: TrainConfig, drafter: UBTreeDrafter, dataset: TokenDataset, his
                       f"proposer_kl={cfg.proposer_kl} detach_selector={cfg.detach_selector} "
                       f"blocks_per_seq={cfg.blocks_per_seq} init={cfg.init_drafter or 'fresh'} "
                       f"stream_data={cfg.stream_data} samples={len(dataset)} "
-                      f"T_train={gen['temperature']} greedy_samples={gen.get('greedy_samples', 0)} final top1={final.get('top1', float('nan')):.3f} "
+                      f"T_train={gen['temperature']} greedy_samples={gen.get('greedy_samples', 0)} "
+                      f"final top1={final.get('top1', float('nan')):.3f} "
                       f"topk_hit={final.get('topk_hit', float('nan')):.3f} "
                       f"chain_tau_proxy={final.get('chain_tau', float('nan')):.2f}"),
         }, path=cfg.records_path)

@@ -47,7 +47,6 @@ from ubtree_vllm.vllm.tree_plan import DeviceTrees, TreeStepPlan
 _SAMPLING_EPS = 1e-5
 
 
-
 def check_supported(metadata: SamplingMetadata) -> None:
     """Defence in depth behind the admission check: refuse a batch the sampler cannot serve."""
     problems = [name for name, used in (
@@ -105,21 +104,16 @@ def penalized_node_logits(logits: torch.Tensor, index: torch.Tensor, metadata: S
 
 
 def draw_node_tokens(logits: torch.Tensor, index: torch.Tensor, metadata: SamplingMetadata,
-                     params: SamplingTensors, plan: TreeStepPlan | None = None) -> torch.Tensor:
+                     params: SamplingTensors, plan: TreeStepPlan) -> torch.Tensor:
     """The target's draw at every node: logits [T, V], index [N, n] (logits row of each node) -> [N, n] int64.
 
     All-greedy batches without penalties take the argmax of the T rows and never gather [N, n, V]
-    logits. Penalties need the step's host-side trees (`plan`).
+    logits. Penalties read the step's host-side trees (`plan`).
     """
     penalized = not metadata.no_penalties
     if metadata.all_greedy and not penalized:
         return logits.argmax(dim=-1)[index]
-    if penalized:
-        if plan is None:
-            raise ValueError("penalties need the step's trees (plan)")
-        node_logits = penalized_node_logits(logits, index, metadata, plan)
-    else:
-        node_logits = logits[index]  # [N, n, V]
+    node_logits = penalized_node_logits(logits, index, metadata, plan) if penalized else logits[index]  # [N, n, V]
     greedy = node_logits.argmax(dim=-1)
     if metadata.all_greedy:
         return greedy
@@ -143,7 +137,8 @@ class TreeRejectionSampler:
 
     def __init__(self, block_size: int, logprobs_mode: str = "raw_logprobs"):
         if logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES} with method 'ubtree', got {logprobs_mode!r}")
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES} with method 'ubtree', "
+                             f"got {logprobs_mode!r}")
         self.block_size = block_size
         self.logprobs_mode = logprobs_mode
 
