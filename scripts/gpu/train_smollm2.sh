@@ -40,8 +40,9 @@
 #            each call stays < 10 minutes
 #   sweep    `ubtree bench e2e` concurrency 1,4,16,32 on MT-Bench (SWEEP_PROMPTS, default 64), T=0;
 #            SWEEP_METHODS (default ar,ubtree-mrv2) and SWEEP_BUDGETS (default 64) select the runs
-#   stages   `ubtree bench e2e --stage-timing`: mean time per engine step of each UBTree runner stage
-#            (ar for the step wall time; same selectors as bench, default mt_bench, T=0, 4 prompts, B=16,64)
+#   stages   `ubtree bench e2e --stage-timing`: mean time per engine step of each UBTree runner stage, V1 and MRV2
+#            (ar for the step wall time; same selectors as bench, default mt_bench, T=0, 4 prompts, B=16,64;
+#            STAGE_CONCURRENCY, default 1, e.g. 1,32 with BENCH_PROMPTS >= 32)
 #   pair     two phase lists side by side on a two-GPU machine: GPU0_PHASES on GPU 0 and the first quarter
 #            of the cores (GPU0_CORES_PCT, default 25; put the timing runs here), GPU1_PHASES on GPU 1 and the
 #            other cores (tests);
@@ -182,8 +183,8 @@ for phase in "$@"; do
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization 0.25 --stage-timing \
         --datasets "${BENCH_DATASETS:-mt_bench}" --temperatures "${BENCH_TEMPS:-0}" --num-prompts "${BENCH_PROMPTS:-4}" \
-        --max-new-tokens 256 --methods "${METHODS:-ar,ubtree}" --tree-budgets "${BUDGETS:-16,64}" \
-        --beam-width 12 --top-k 64 --concurrency 1 ;;
+        --max-new-tokens 256 --methods "${METHODS:-ar,ubtree,ubtree-mrv2}" --tree-budgets "${BUDGETS:-16,64}" \
+        --beam-width 12 --top-k 64 --concurrency "${STAGE_CONCURRENCY:-1}" ;;
     pair)
       mkdir -p runs; n=$(nproc); q=$(( n * ${GPU0_CORES_PCT:-25} / 100 ))
       run_list() {  # GPU CORES PHASES...

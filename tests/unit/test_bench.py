@@ -187,12 +187,12 @@ def test_mrv2_runs_build_their_engine_under_the_runner_switch(monkeypatch):
     assert run.method == "ubtree-mrv2" and run.env == {"UBTREE_VLLM_RUNNER": "mrv2"}
     assert run.speculative_config["method"] == "ubtree" and "UBTREE_VLLM_RUNNER=mrv2" in run.note
     assert ubtree_run(E2ESettings(drafter="d", block_size=16), 32).env == {"UBTREE_VLLM_RUNNER": "v1"}
-    # the stage clock is the V1 runner's: ubtree and its single-path fallback, not MRV2 or ar
+    # both UBTree runners own a stage clock (ubtree, its single-path fallback, ubtree-mrv2); ar and ngram do not
     from ubtree_vllm.bench.stage_timing import uses_runner_clock
 
     settings = E2ESettings(drafter="d", block_size=16)
     assert uses_runner_clock(ubtree_run(settings, 32)) and uses_runner_clock(ubtree_chain_run(settings))
-    assert not uses_runner_clock(run) and not uses_runner_clock(MethodRun("ar"))
+    assert uses_runner_clock(run) and not uses_runner_clock(MethodRun("ar")) and not uses_runner_clock(MethodRun("ngram"))
     monkeypatch.setenv("UBTREE_VLLM_RUNNER", "v1")
     with e2e.environment(run.env):
         assert os.environ["UBTREE_VLLM_RUNNER"] == "mrv2"

@@ -170,6 +170,58 @@ def test_gen_data_greedy_samples_answer_first_samples_at_t0(tmp_path, workspace)
         DataGenConfig(samples_per_prompt=3, greedy_samples=4)
 
 
+class FakeEngine:
+    """vLLM's LLMEngine calls as engine_stream uses them; finishes a random subset of requests per step."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.requests: dict[str, list[int]] = {}
+        self.rng = torch.Generator().manual_seed(seed)
+        self.most_in_flight = 0
+
+    def add_request(self, request_id, prompt, params):
+        self.requests[request_id] = list(prompt["prompt_token_ids"])
+        self.most_in_flight = max(self.most_in_flight, len(self.requests))
+
+    def get_num_unfinished_requests(self):
+        return len(self.requests)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        from types import SimpleNamespace
+
+        outs = []
+        for rid in list(self.requests):
+            if float(torch.rand(1, generator=self.rng)) < 0.4:
+                tokens = count_up([self.requests.pop(rid)], 0)[0]
+                completion = SimpleNamespace(token_ids=tokens[:-1], stop_reason=2, finish_reason="stop")
+                outs.append(SimpleNamespace(request_id=rid, finished=True, outputs=[completion]))
+        return outs
+
+
+def test_gen_data_engine_stream_keeps_shards_in_flight_and_completes_each(tmp_path, workspace, monkeypatch):
+    cfg = DataGenConfig(target=str(workspace["target"]), out_dir=str(tmp_path / "d"),
+                        data_root=str(workspace["prompts"]), num_prompts=10, shard_size=3, max_new_tokens=30,
+                        samples_per_prompt=2, inflight_samples=7)
+    engine = FakeEngine()
+    manifest = generate_dataset(cfg, stream=data_mod.engine_stream(engine, cfg, [2]), log=lambda _: None)
+    assert manifest["complete"] and len(manifest["shards"]) == 4 and manifest["num_samples"] == 20
+    assert 7 <= engine.most_in_flight < 7 + 6  # several shards at once, never a shard more than the cap
+    ds = TokenDataset.load(tmp_path / "d")
+    for i in range(len(ds)):  # every answer is its own prompt's (the stop token put back), in prompt order
+        ids, prompt_len = ds.sample(i)
+        assert ids[prompt_len:].tolist() == count_up([ids[:prompt_len].tolist()], 0)[0]
+    # the time budget stops pulling shards; the ones in flight still finish and are written
+    cfg2 = DataGenConfig(**{**cfg.__dict__, "out_dir": str(tmp_path / "e"), "max_minutes": 1.0})
+    clock = iter(range(0, 10**6, 40))  # every clock read 40 s later: the second shard's pull is past the minute
+    monkeypatch.setattr(data_mod.time, "monotonic", lambda: float(next(clock)))
+    manifest = generate_dataset(cfg2, stream=data_mod.engine_stream(FakeEngine(1), cfg2, [2]), log=lambda _: None)
+    assert not manifest["complete"] and [s["file"] for s in manifest["shards"]] == ["shard-00000.safetensors"]
+    with pytest.raises(ValueError, match="inflight_samples must be >= 1"):
+        DataGenConfig(inflight_samples=0)
+
+
 def test_gen_data_hf_backend_mixes_greedy_and_sampled_answers(tmp_path, workspace):
     cfg = DataGenConfig(target=str(workspace["target"]), out_dir=str(tmp_path / "d"),
                         data_root=str(workspace["prompts"]), num_prompts=3, shard_size=3, max_new_tokens=5,

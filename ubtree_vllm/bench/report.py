@@ -174,7 +174,8 @@ def _step_section(micro: Sequence[dict[str, Any]]) -> list[str]:
              "Records of `ubtree bench e2e --stage-timing`: mean ms per engine step of each UBTree runner stage "
              "(the device is synchronized at stage boundaries, so the stages add up to the runner's share of "
              "`step_wall`, and a timed step is slower than an untimed one). Nested stages: `execute_model` holds "
-             "`prepare_inputs_vllm`, `tree_plan` and `forward`; `sample_tokens` holds the rest.", ""]
+             "`prepare_inputs_vllm`, `tree_plan` and `forward` (V1), or `prepare_inputs_vllm`, `tree_layout` and "
+             "the forward, which is not timed on its own (MRV2); `sample_tokens` holds the rest.", ""]
     header = ["method", "B", "W", "K", "dataset", "T", "conc", "tau"] + [m[len(STEP_PREFIX):].removesuffix("_ms")
                                                                         for m in metrics]
     rows = []

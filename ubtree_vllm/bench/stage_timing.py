@@ -25,11 +25,12 @@ from ubtree_vllm.bench.settings import MethodRun, environment
 
 ENV = "UBTREE_STAGE_TIMING"
 RPC = "ubtree_stage_times"
-# The runner's stages in call order (nested ones indented in the docstring of vllm/runner.py):
-# execute_model > (prepare_inputs_vllm, tree_plan, forward); sample_tokens > (accept, kv_commit,
-# feature_commit, draft_context, draft, drafts_to_host).
-STAGES = ("execute_model", "prepare_inputs_vllm", "tree_plan", "forward", "sample_tokens", "accept", "kv_commit",
-          "feature_commit", "draft_context", "draft", "drafts_to_host")
+# The runners' stages in call order. V1 (vllm/runner.py): execute_model > (prepare_inputs_vllm,
+# tree_plan, forward); sample_tokens > (accept, kv_commit, feature_commit, draft_context, draft,
+# drafts_to_host). MRV2 (vllm/mrv2/model_runner.py): execute_model > (prepare_inputs_vllm,
+# tree_layout; the rest is the forward); sample_tokens > (accept, kv_commit, draft_context, draft).
+STAGES = ("execute_model", "prepare_inputs_vllm", "tree_plan", "tree_layout", "forward", "sample_tokens", "accept",
+          "kv_commit", "feature_commit", "draft_context", "draft", "drafts_to_host")
 WALL = "step_wall_ms"
 
 
@@ -46,9 +47,9 @@ def stage_timing_env(enabled: bool) -> contextlib.AbstractContextManager[None]:
 
 
 def uses_runner_clock(run: MethodRun) -> bool:
-    """Whether the engine runs the V1 UBTree runner (its pinned runner switch), which owns the stage clock
-    (the MRV2 runner has none)."""
-    return run.env.get("UBTREE_VLLM_RUNNER") == "v1"
+    """Whether the engine runs a UBTree runner (V1 or MRV2, pinned by its runner switch), which owns the
+    stage clock; the other methods get the step wall time only."""
+    return run.env.get("UBTREE_VLLM_RUNNER") in ("v1", "mrv2")
 
 
 def read_stage_times(llm: Any, reset: bool) -> dict[str, tuple[int, float]]:

@@ -28,7 +28,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -74,7 +74,7 @@ class DataGenConfig:
     greedy_samples: int = 0
     backend: str = "hf"
     shard_size: int = 1024
-    # HF backend: prompts per generate() call.  vLLM schedules a whole shard itself.
+    # HF backend: prompts per generate() call.  vLLM schedules its in-flight requests itself.
     batch_size: int = 16
     seed: int = 0
     # Stop after the shard that crosses this budget of generation time, counted once the backend
@@ -82,6 +82,10 @@ class DataGenConfig:
     max_minutes: float | None = None
     # vLLM backend only: fraction of GPU memory vLLM may take.
     gpu_memory_utilization: float = 0.85
+    # vLLM backend only: requests kept in the engine across shards (continuous batching), and
+    # vLLM's max_num_seqs (None: vLLM's default). Neither changes the dataset's content.
+    inflight_samples: int = 4096
+    max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
         self.sources = tuple(self.sources)
@@ -93,9 +97,11 @@ class DataGenConfig:
         if not (self.temperature >= 0.0):
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         for name in ("num_prompts", "max_prompt_tokens", "max_new_tokens", "shard_size", "batch_size",
-                     "samples_per_prompt"):
+                     "samples_per_prompt", "inflight_samples"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_seqs is not None and int(self.max_num_seqs) < 1:
+            raise ValueError(f"max_num_seqs must be >= 1 or null, got {self.max_num_seqs}")
         if not 0 <= int(self.greedy_samples) <= int(self.samples_per_prompt):
             raise ValueError(f"greedy_samples must be in [0, samples_per_prompt = {self.samples_per_prompt}], "
                              f"got {self.greedy_samples}")
@@ -241,6 +247,20 @@ def select_prompts(texts: Sequence[str], tokenizer: Any, num_prompts: int, max_p
 # one per prompt, in order, prompt i answered at temperatures[i] (generate_dataset repeats each
 # prompt samples_per_prompt times).
 GenerateFn = Callable[[Sequence[Sequence[int]], int, Sequence[float]], list[list[int]]]
+# One shard's work: (shard index, prompts, seed, temperatures), as for a GenerateFn.
+ShardJob = tuple[int, list[list[int]], int, list[float]]
+# Jobs in (pulled lazily, so the caller's time budget decides when to stop), (shard index,
+# responses) out as each shard completes, in any order; every pulled job is completed.
+StreamFn = Callable[[Iterator[ShardJob]], Iterator[tuple[int, list[list[int]]]]]
+
+
+def sequential_stream(generate: GenerateFn) -> StreamFn:
+    """One job at a time through a GenerateFn (the HF backend, tests)."""
+    def stream(jobs: Iterator[ShardJob]) -> Iterator[tuple[int, list[list[int]]]]:
+        for index, prompts, seed, temperatures in jobs:
+            yield index, generate(prompts, seed, temperatures)
+
+    return stream
 
 
 def truncate_at_eos(tokens: Iterable[int], eos: set[int]) -> list[int]:
@@ -290,35 +310,78 @@ def hf_generator(target_path: Path, cfg: DataGenConfig, eos: list[int], device: 
     return generate
 
 
-def vllm_generator(target_path: Path, cfg: DataGenConfig, eos: list[int]) -> GenerateFn:
-    """vLLM offline engine (GPU). Token ids in, token ids out; no detokenization."""
-    from vllm import LLM, SamplingParams  # lazy: vLLM is only needed for this backend
+def _vllm_engine(target_path: Path, cfg: DataGenConfig) -> Any:
+    from vllm import LLM  # lazy: vLLM is only needed for this backend
+
+    extra = {} if cfg.max_num_seqs is None else {"max_num_seqs": cfg.max_num_seqs}
+    return LLM(model=str(target_path), tokenizer=str(target_path), dtype="bfloat16", seed=cfg.seed,
+               max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,
+               gpu_memory_utilization=cfg.gpu_memory_utilization, generation_config="vllm", **extra)
+
+
+def _vllm_response(completion: Any, eos_set: set[int]) -> list[int]:
+    tokens = list(completion.token_ids)
+    stop = completion.stop_reason
+    # vLLM may drop the stop token id from token_ids; keep EOS-terminated responses uniform.
+    if completion.finish_reason == "stop" and isinstance(stop, int) and (not tokens or tokens[-1] != stop):
+        tokens.append(stop)
+    return truncate_at_eos(tokens, eos_set)
+
+
+def vllm_stream(target_path: Path, cfg: DataGenConfig, eos: list[int]) -> StreamFn:
+    """vLLM's offline engine fed continuously across shards: up to `inflight_samples` requests are in
+    the engine at once, so a shard's long answers finish beside the next shards' short ones instead
+    of draining the batch at every shard's end (one `LLM.generate` per shard spent most of its
+    time in that tail). Token ids in, token ids out; no detokenization.
+
+    One engine-level seed per run; per-request seeds would force vLLM's slow per-request sampling
+    path, so reproducibility is up to vLLM's batch schedule.
+    """
+    return engine_stream(_vllm_engine(target_path, cfg).llm_engine, cfg, eos)
+
+
+def engine_stream(engine: Any, cfg: DataGenConfig, eos: list[int]) -> StreamFn:
+    """`vllm_stream` over an engine with vLLM's `LLMEngine` calls (add_request, step,
+    get_num_unfinished_requests, has_unfinished_requests)."""
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(target_path), tokenizer=str(target_path), dtype="bfloat16", seed=cfg.seed,
-              max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,
-              gpu_memory_utilization=cfg.gpu_memory_utilization, generation_config="vllm")
     eos_set = set(eos)
+    params: dict[float, Any] = {}
 
-    def generate(prompts: Sequence[Sequence[int]], seed: int, temperatures: Sequence[float]) -> list[list[int]]:
-        # One engine-level seed per run; per-request seeds would force vLLM's slow
-        # per-request sampling path. Reproducibility is up to vLLM's batch schedule.
-        params = {t: SamplingParams(temperature=t, top_p=1.0, top_k=0, max_tokens=cfg.max_new_tokens,
-                                    stop_token_ids=eos, detokenize=False) for t in set(temperatures)}
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                               [params[t] for t in temperatures], use_tqdm=True)
-        results = []
-        for out in outputs:
-            completion = out.outputs[0]
-            tokens = list(completion.token_ids)
-            stop = completion.stop_reason
-            # vLLM may drop the stop token id from token_ids; keep EOS-terminated responses uniform.
-            if completion.finish_reason == "stop" and isinstance(stop, int) and (not tokens or tokens[-1] != stop):
-                tokens.append(stop)
-            results.append(truncate_at_eos(tokens, eos_set))
-        return results
+    def stream(jobs: Iterator[ShardJob]) -> Iterator[tuple[int, list[list[int]]]]:
+        responses: dict[int, list[list[int]]] = {}
+        remaining: dict[int, int] = {}
+        exhausted = False
+        while True:
+            while not exhausted and engine.get_num_unfinished_requests() < cfg.inflight_samples:
+                job = next(jobs, None)
+                if job is None:
+                    exhausted = True
+                    break
+                index, prompts, _seed, temperatures = job
+                responses[index], remaining[index] = [[] for _ in prompts], len(prompts)
+                for j, (prompt, t) in enumerate(zip(prompts, temperatures)):
+                    if t not in params:
+                        params[t] = SamplingParams(temperature=t, top_p=1.0, top_k=0, max_tokens=cfg.max_new_tokens,
+                                                   stop_token_ids=eos, detokenize=False)
+                    engine.add_request(f"{index}:{j}", TokensPrompt(prompt_token_ids=list(prompt)), params[t])
+                if not prompts:
+                    del remaining[index]
+                    yield index, responses.pop(index)
+            if not engine.has_unfinished_requests():
+                return
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                index, j = (int(x) for x in out.request_id.split(":"))
+                responses[index][j] = _vllm_response(out.outputs[0], eos_set)
+                remaining[index] -= 1
+                if remaining[index] == 0:
+                    del remaining[index]
+                    yield index, responses.pop(index)
 
-    return generate
+    return stream
 
 
 # ---- shards and manifest ---------------------------------------------------------------
@@ -350,11 +413,11 @@ def _write_json_atomic(path: Path, value: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def generate_dataset(cfg: DataGenConfig, generator: GenerateFn | None = None, log: Callable[[str], None] = print
-                     ) -> dict[str, Any]:
+def generate_dataset(cfg: DataGenConfig, generator: GenerateFn | None = None, log: Callable[[str], None] = print,
+                     stream: StreamFn | None = None) -> dict[str, Any]:
     """Generate (or resume) the dataset in `cfg.out_dir`; returns the manifest.
 
-    `generator` overrides the backend (tests). Raises ValueError if `out_dir` holds a
+    `generator` (one shard at a time) or `stream` overrides the backend (tests). Raises ValueError if `out_dir` holds a
     dataset made with other settings or for another tokenizer.
     """
     started = time.monotonic()
@@ -387,25 +450,37 @@ def generate_dataset(cfg: DataGenConfig, generator: GenerateFn | None = None, lo
     prompts = select_prompts(texts, tokenizer, cfg.num_prompts, cfg.max_prompt_tokens, cfg.seed)
     num_shards = -(-cfg.num_prompts // cfg.shard_size)
     done = {s["file"] for s in manifest["shards"]}
-    if generator is None and len(done) < num_shards:
-        factory = hf_generator if cfg.backend == "hf" else vllm_generator
-        generator = factory(target_path, cfg, eos)
+    todo = [i for i in range(num_shards) if shard_name(i) not in done]
+    if stream is not None:
+        pass
+    elif generator is not None:
+        stream = sequential_stream(generator)
+    elif not todo:
+        stream = sequential_stream(lambda prompts, seed, temperatures: [])  # nothing left: no engine
+    elif cfg.backend == "hf":
+        stream = sequential_stream(hf_generator(target_path, cfg, eos))
+    else:
+        stream = vllm_stream(target_path, cfg, eos)
     # max_minutes counts generation time: an engine that takes minutes to start (compile, CUDA
     # graphs on a cold machine) still writes shards
     started = time.monotonic()
-    for index in range(num_shards):
-        name = shard_name(index)
-        if name in done:
-            continue
-        if cfg.max_minutes is not None and time.monotonic() - started > cfg.max_minutes * 60:
-            log(f"gen-data: stopping at the time budget ({cfg.max_minutes} min) after {len(done)} of "
-                f"{num_shards} shards; run again to resume")
-            break
+
+    def jobs() -> Iterator[ShardJob]:
+        for index in todo:
+            if cfg.max_minutes is not None and time.monotonic() - started > cfg.max_minutes * 60:
+                log(f"gen-data: stopping at the time budget ({cfg.max_minutes} min) after {len(done)} of "
+                    f"{num_shards} shards (the shards already in flight finish); run again to resume")
+                return
+            shard_prompts = prompts[index * cfg.shard_size:(index + 1) * cfg.shard_size]
+            chunk = [list(p) for p in shard_prompts for _ in range(cfg.samples_per_prompt)]
+            temperatures = [0.0 if j < cfg.greedy_samples else cfg.temperature
+                            for _ in shard_prompts for j in range(cfg.samples_per_prompt)]
+            yield index, chunk, cfg.seed * 100003 + index, temperatures
+
+    for index, responses in stream(jobs()):
         shard_prompts = prompts[index * cfg.shard_size:(index + 1) * cfg.shard_size]
         chunk = [p for p in shard_prompts for _ in range(cfg.samples_per_prompt)]
-        temperatures = [0.0 if j < cfg.greedy_samples else cfg.temperature
-                        for _ in shard_prompts for j in range(cfg.samples_per_prompt)]
-        responses = generator(chunk, cfg.seed * 100003 + index, temperatures)
+        name = shard_name(index)
         counts = write_shard(out / name, list(zip(chunk, responses)))
         manifest["shards"].append({"file": name, **counts})
         done.add(name)

@@ -18,6 +18,10 @@ through a method MRV2 already calls:
    accepted paths are handed to the speculator, which linearises the rows it drafts from.
 
 Everything on the decode path is fixed-shape device work; shapes depend on host-known sizes.
+With ``UBTREE_STAGE_TIMING=1`` the stages of a step are timed (:mod:`ubtree_vllm.vllm.stage_clock`):
+``execute_model`` > (``prepare_inputs_vllm``, ``tree_layout``; the rest is the target forward),
+``sample_tokens`` > (``accept``: logits + tree acceptance, ``kv_commit``: vLLM's bookkeeping + the
+KV move, ``draft_context``: linearising the target rows, ``draft``: the block forward + tree).
 """
 from __future__ import annotations
 
@@ -26,12 +30,14 @@ from typing import Any
 import torch
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
+from ubtree_vllm import envs
 from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers, kv_path_commit
 from ubtree_vllm.vllm.attention.state import RowBuffers, bind_tree_layers, tree_forward_state
 from ubtree_vllm.vllm.config import from_vllm_config
 from ubtree_vllm.vllm.mrv2.rejection_sampler import UBTreeRejectionSampler
 from ubtree_vllm.vllm.mrv2.speculator import UBTreeSpeculator
 from ubtree_vllm.vllm.mrv2.tree_layout import commit_pairs, lay_out_tree_rows
+from ubtree_vllm.vllm.stage_clock import StageClock
 
 
 class UBTreeModelRunnerV2(GPUModelRunner):
@@ -44,13 +50,32 @@ class UBTreeModelRunnerV2(GPUModelRunner):
             raise NotImplementedError("ubtree on Model Runner V2 does not support pipeline parallelism")
         self.ubtree_config = config
         self.gamma = config.tree.block_size
+        self.ubtree_stage_clock = StageClock(device, envs.UBTREE_STAGE_TIMING)
         self.speculator = UBTreeSpeculator(vllm_config, device)  # replaces MRV2's DFlashSpeculator
+        self.speculator.stage_clock = self.ubtree_stage_clock
         self._row_buffers = RowBuffers.empty(self.max_num_tokens, self.gamma + 1, device)
         self._kv_cache_ptrs: torch.Tensor | None = None  # [L] target layers' caches, at the first commit
         self._target_layers: list[Any] = []
         self._target_group = 0
         # (input_batch, slot_mappings [groups, T_pad]) of the step being verified, for the commit
         self._step: tuple[Any, torch.Tensor] | None = None
+
+    # ---- the two calls of one vLLM step and vLLM's stages inside them (timed in stage-timing mode) ------
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        with self.ubtree_stage_clock.stage("execute_model"):
+            return super().execute_model(*args, **kwargs)
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        with self.ubtree_stage_clock.stage("sample_tokens"):
+            return super().sample_tokens(*args, **kwargs)
+
+    def prepare_inputs(self, *args: Any, **kwargs: Any) -> Any:
+        with self.ubtree_stage_clock.stage("prepare_inputs_vllm"):
+            return super().prepare_inputs(*args, **kwargs)
+
+    def sample(self, *args: Any, **kwargs: Any) -> Any:
+        with self.ubtree_stage_clock.stage("accept"):
+            return super().sample(*args, **kwargs)
 
     # ---- 2. sampler swap, layer binding -----------------------------------------------------
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
@@ -83,6 +108,10 @@ class UBTreeModelRunnerV2(GPUModelRunner):
 
     # ---- 3. tree positions and attention rows --------------------------------------------------
     def prepare_attn(self, input_batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        with self.ubtree_stage_clock.stage("tree_layout"):
+            return self._prepare_tree_attn(input_batch)
+
+    def _prepare_tree_attn(self, input_batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         block_tables, slot_mappings = super().prepare_attn(input_batch)  # linear slots: node j at root + j
         buffers = self._row_buffers
         if input_batch.num_draft_tokens > 0:
@@ -106,6 +135,12 @@ class UBTreeModelRunnerV2(GPUModelRunner):
     # ---- 4. KV commit, hand-over to the drafter ---------------------------------------------------
     def postprocess_sampled(self, idx_mapping: torch.Tensor, sampled_tokens: torch.Tensor, num_sampled: torch.Tensor,
                             num_rejected: torch.Tensor, query_start_loc: torch.Tensor | None = None) -> None:
+        with self.ubtree_stage_clock.stage("kv_commit"):
+            self._postprocess_and_commit(idx_mapping, sampled_tokens, num_sampled, num_rejected, query_start_loc)
+
+    def _postprocess_and_commit(self, idx_mapping: torch.Tensor, sampled_tokens: torch.Tensor,
+                                num_sampled: torch.Tensor, num_rejected: torch.Tensor,
+                                query_start_loc: torch.Tensor | None) -> None:
         super().postprocess_sampled(idx_mapping, sampled_tokens, num_sampled, num_rejected, query_start_loc)
         tree_forward_state().end_forward()
         accept, self.rejection_sampler.last_accept = self.rejection_sampler.last_accept, None

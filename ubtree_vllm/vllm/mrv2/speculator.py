@@ -57,10 +57,12 @@ from ubtree_vllm.drafter.proposer import UBTreeDrafter
 from ubtree_vllm.vllm.config import ADDITIONAL_CONFIG_KEY, UBTreeVllmConfig, from_vllm_config
 from ubtree_vllm.vllm.mrv2.rejection_sampler import TreeTopology
 from ubtree_vllm.vllm.mrv2.tree_layout import linearise_rows, root_rows_of
+from ubtree_vllm.vllm.stage_clock import StageClock
 
 logger = init_logger(__name__)
 
 ROOT_PARENT = -1  # parents[:, 0]
+_UNTIMED = StageClock(torch.device("cpu"), enabled=False)
 NO_NODE = -2  # parents of absent nodes
 
 
@@ -179,6 +181,7 @@ class UBTreeSpeculator(DFlashSpeculator):
     """DFlash's block forward, then one UBTree tree of B nodes per request (see the module docstring)."""
 
     _speculator_name = "UBTree"
+    stage_clock: StageClock = _UNTIMED  # the runner hands over its own (timed in stage-timing mode)
 
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
         settings = ubtree_settings(vllm_config)
@@ -339,18 +342,21 @@ class UBTreeSpeculator(DFlashSpeculator):
         runs (profiling, capture warm-up, DP padding) neither consume ``pending_accept`` nor
         touch ``self.topology``: their ``idx_mapping`` names stale request slots.
         """
-        if not dummy_run and self.pending_accept is not None:
-            accept, self.pending_accept = self.pending_accept, None
-            aux_hidden_states, last_hidden_states = linearise_target_rows(
-                input_batch, aux_hidden_states, last_hidden_states, accept.accepted_path, accept.num_accepted,
-                self.gamma)
-        draft_tokens = super().propose(
-            input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled,
-            num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, dp_sync_state=dp_sync_state,
-            dummy_run=dummy_run, skip_attn_for_dummy_run=skip_attn_for_dummy_run, mm_inputs=mm_inputs,
-            is_profile=is_profile, num_speculative_tokens=num_speculative_tokens)
-        if not dummy_run:
-            self._commit_topology(input_batch.idx_mapping, input_batch.num_reqs)
+        clock = _UNTIMED if dummy_run else self.stage_clock
+        with clock.stage("draft_context"):
+            if not dummy_run and self.pending_accept is not None:
+                accept, self.pending_accept = self.pending_accept, None
+                aux_hidden_states, last_hidden_states = linearise_target_rows(
+                    input_batch, aux_hidden_states, last_hidden_states, accept.accepted_path, accept.num_accepted,
+                    self.gamma)
+        with clock.stage("draft"):
+            draft_tokens = super().propose(
+                input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled,
+                num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, dp_sync_state=dp_sync_state,
+                dummy_run=dummy_run, skip_attn_for_dummy_run=skip_attn_for_dummy_run, mm_inputs=mm_inputs,
+                is_profile=is_profile, num_speculative_tokens=num_speculative_tokens)
+            if not dummy_run:
+                self._commit_topology(input_batch.idx_mapping, input_batch.num_reqs)
         return draft_tokens
 
     def _commit_topology(self, idx_mapping: torch.Tensor, num_reqs: int) -> None:
