@@ -122,12 +122,10 @@ def _runs_on_mrv2(runner: str, spec: Any) -> bool:
     """The CUDA runner for ``spec`` (a parsed ``UBTreeVllmConfig``) under ``UBTREE_VLLM_RUNNER=runner``.
 
     ``auto`` takes Model Runner V2 unless it cannot serve the engine -- a tree budget below the
-    drafter's block size (vLLM reserves B lookahead KV slots, the drafter writes gamma),
-    ``VLLM_USE_V2_MODEL_RUNNER=0`` or ``prompt_lookup`` -- and then the V1 runner, saying why.
-    ``mrv2`` with ``prompt_lookup`` is an error naming both."""
-    if runner == "mrv2" and spec.tree.prompt_lookup:
-        raise ValueError("speculative_config.prompt_lookup is not available on Model Runner V2 yet "
-                         "(UBTREE_VLLM_RUNNER=mrv2); use UBTREE_VLLM_RUNNER=auto or v1, or prompt_lookup: false")
+    drafter's block size (vLLM reserves B lookahead KV slots, the drafter writes gamma) or
+    ``VLLM_USE_V2_MODEL_RUNNER=0`` -- or ``prompt_lookup`` is on (MRV2's lookup branch has unit
+    tests but no H200 run yet; ``UBTREE_VLLM_RUNNER=mrv2`` selects it), and then the V1 runner,
+    saying why."""
     if runner != "auto":
         return runner == "mrv2"
     from vllm import envs as vllm_envs
@@ -136,7 +134,8 @@ def _runs_on_mrv2(runner: str, spec: Any) -> bool:
     budget, gamma = spec.tree.tree_budget, spec.tree.block_size
     reason = ("VLLM_USE_V2_MODEL_RUNNER=0" if vllm_envs.VLLM_USE_V2_MODEL_RUNNER is False else
               f"num_speculative_tokens ({budget}) < the drafter's block size ({gamma})" if budget < gamma else
-              "prompt_lookup (the lookup branch is built on the V1 runner only so far)" if spec.tree.prompt_lookup
+              "prompt_lookup (the MRV2 lookup branch is not yet verified on the GPU; UBTREE_VLLM_RUNNER=mrv2 "
+              "selects it)" if spec.tree.prompt_lookup
               else None)
     if reason:
         init_logger(__name__).info("ubtree runs on the V1 model runner: %s (Model Runner V2 needs neither)", reason)

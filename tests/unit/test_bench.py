@@ -137,7 +137,10 @@ def test_lookup_method_is_the_v1_tree_with_the_prompt_lookup_branch(drafter_dir)
     assert (run.speculative_config["prompt_lookup_min"], run.speculative_config["prompt_lookup_max"]) == (3, 5)
     assert "prompt-lookup branch, lookup window 3-5 tokens" in run.note
     assert "prompt_lookup" not in ubtree_run(settings, 32).speculative_config
-    with pytest.raises(BenchArgumentError, match="--ngram-lookup-max must be <= 16 with method ubtree-lookup"):
+    mrv2 = ubtree_run(settings, 32, "ubtree-mrv2-lookup")  # the same branch on Model Runner V2
+    assert mrv2.speculative_config == run.speculative_config and mrv2.env == {"UBTREE_VLLM_RUNNER": "mrv2"}
+    with pytest.raises(BenchArgumentError, match="--ngram-lookup-max must be <= 16 with the lookup methods "
+                                                 r"\(ubtree-lookup, ubtree-mrv2-lookup"):
         validate(E2ESettings(drafter=str(drafter_dir), methods=("ubtree-lookup",), tree_budgets=(8,),
                              ngram_lookup_max=17))
 

@@ -330,3 +330,86 @@ def test_module_has_no_host_sync_in_drafting():
         for call in (".item()", ".tolist()", ".cpu()", "nonzero", ".numpy()"):
             assert call not in source, (fn.__name__, call)
     assert spec_mod.ROOT_PARENT == -1 and spec_mod.NO_NODE == -2
+
+
+# ---- the prompt-lookup branch on MRV2 ------------------------------------------------------------
+
+LOOKUP_TREE = UBTreeConfig(tree_budget=B, beam_width=4, top_k=6, block_size=GAMMA, prompt_lookup=True,
+                           lookup_min_n=1, lookup_max_n=3)
+
+
+def request_states(histories: dict[int, list[int]], width: int = 24) -> SimpleNamespace:
+    """MRV2's RequestState as the lookup reads it: all_token_ids [slots, L] int32 with stale tails, total_len."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (MAX_REQS, width), generator=gen, dtype=torch.int32)  # stale everywhere
+    total = torch.zeros(MAX_REQS, dtype=torch.int32)
+    for slot, tokens in histories.items():
+        ids[slot, :len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+        total[slot] = len(tokens)
+    return SimpleNamespace(all_token_ids=SimpleNamespace(gpu=ids), total_len=SimpleNamespace(gpu=total))
+
+
+HISTORIES = {4: [10, 11, 12, 13, 14, 10, 11], 0: [20, 21, 22, 23], 2: [30, 31, 32, 30, 31, 32, 30, 31]}
+
+
+def test_lookup_chain_matches_each_requests_history_as_the_v1_branch_does():
+    states = request_states(HISTORIES)
+    slots = torch.tensor([4, 0, 2])
+    chain, chain_len = spec_mod.lookup_chain(states.all_token_ids.gpu, states.total_len.gpu, slots, LOOKUP_TREE)
+    for b, slot in enumerate(slots.tolist()):  # the same history alone: prompt + output ending at the anchor
+        history = torch.tensor([HISTORIES[slot]])
+        want, want_len = spec_mod.lookup_continuation(history, torch.tensor([history.shape[1]]), GAMMA, 1, 3)
+        assert torch.equal(chain[b], want[0]) and int(chain_len[b]) == int(want_len[0])
+    assert chain[0].tolist() == [12, 13, 14, 10] and chain_len[0] == 4  # "10 11" at 0, then 12 13 14 10
+    assert chain_len[1] == 0  # no earlier occurrence of any suffix
+    assert chain[2, :3].tolist() == [32, 30, 31] and chain_len[2] == 3  # "32 30 31" at 2; the history ends after 3
+
+
+def test_generate_draft_with_lookup_injects_each_rows_chain():
+    drafter = make_drafter()
+    num_reqs = 3
+    last_hidden = torch.randn(num_reqs * (GAMMA + 1), HIDDEN)
+    spec = stub_speculator(drafter, last_hidden)
+    spec.tree_cfg = LOOKUP_TREE
+    spec.req_states = request_states(HISTORIES)
+    anchors = torch.tensor([HISTORIES[s][-1] for s in (4, 0, 2)])
+    fill_like_prepare_kernel(spec, anchors)
+    spec._lookup_slots[:num_reqs] = torch.tensor([4, 0, 2])
+    spec._generate_draft(num_reqs, last_hidden.shape[0], None, None, None)
+    rows = torch.tensor([[r * (GAMMA + 1) + d for d in range(1, GAMMA + 1)] for r in range(num_reqs)])
+    chain = spec_mod.lookup_chain(spec.req_states.all_token_ids.gpu, spec.req_states.total_len.gpu,
+                                  torch.tensor([4, 0, 2]), LOOKUP_TREE)
+    with torch.no_grad():
+        tokens, parents, depth = tree_rows_from_hidden(drafter, LOOKUP_TREE, last_hidden[rows], anchors, chain)
+        plain, _, _ = tree_rows_from_hidden(drafter, LOOKUP_TREE, last_hidden[rows], anchors)
+    assert torch.equal(spec.draft_tokens[:num_reqs], tokens) and torch.equal(spec._stage_parents[:num_reqs], parents)
+    assert not torch.equal(tokens, plain)  # the chains changed the trees
+    # with edge log-prob 0 the whole chain is a root path of the tree: depth-1 node = chain[0], and so on
+    for b in (0, 2):
+        node, path = 0, []
+        for d in range(int(chain[1][b])):
+            kids = [j for j in range(1, B + 1) if int(parents[b, j]) == node and int(tokens[b, j - 1]) == int(chain[0][b, d])]
+            assert kids, (b, d)
+            node = kids[0]
+            path.append(int(tokens[b, node - 1]))
+        assert path == chain[0][b, :len(path)].tolist()
+
+
+def test_propose_hands_the_batch_slots_to_the_lookup(monkeypatch):
+    spec = stub_speculator(make_drafter(), torch.zeros(3 * (GAMMA + 1), HIDDEN))
+    spec.tree_cfg = LOOKUP_TREE
+    spec.req_states = request_states(HISTORIES)
+    batch = SimpleNamespace(num_reqs=3, idx_mapping=torch.tensor([4, 0, 2], dtype=torch.int32))
+    seen = {}
+
+    def dflash_propose(self, input_batch, *args, dummy_run=False, **kwargs):
+        seen["slots"] = self._lookup_slots[:input_batch.num_reqs].clone()
+        return self.draft_tokens[:input_batch.num_reqs]
+
+    monkeypatch.setattr(DFlashSpeculator, "propose", dflash_propose)
+    monkeypatch.setattr(UBTreeSpeculator, "_commit_topology", lambda self, idx, n: None)
+    zeros = torch.zeros(3, dtype=torch.int32)
+    spec.propose(batch, {}, {}, torch.zeros(15, 3), None, zeros, zeros, zeros, zeros, zeros, zeros, dummy_run=True)
+    assert seen["slots"].tolist() == [0, 0, 0]  # dummy runs leave the slots alone
+    spec.propose(batch, {}, {}, torch.zeros(15, 3), None, zeros, zeros, zeros, zeros, zeros, zeros)
+    assert seen["slots"].tolist() == [4, 0, 2]

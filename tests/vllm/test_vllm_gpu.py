@@ -80,8 +80,8 @@ def assert_greedy_equal_up_to_near_ties(spec: list[list[int]], plain_outputs) ->
             f"divergence at {pos}: reference logits {first} vs {second} differ by {ulps:g} bf16 ulps (not a near-tie)")
 
 
-def run_pair(target, drafter, num_prompts=8, inspect_ubtree_engine=None, **engine_kwargs):
-    """Greedy equality of ``num_prompts`` prompts, UBTree vs no speculation. ``inspect_ubtree_engine(llm)``
+def run_pair(target, drafter, num_prompts=8, inspect_ubtree_engine=None, tree=None, **engine_kwargs):
+    """Greedy equality of ``num_prompts`` prompts, UBTree (speculative keys ``tree``, default TREE) vs no speculation. ``inspect_ubtree_engine(llm)``
     runs before the UBTree engine shuts down and only collects facts (the caller asserts on them
     afterwards, so no traceback keeps the engine alive). Returns (plain tok/s, ubtree tok/s, tau) at batch 1."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
@@ -97,7 +97,8 @@ def run_pair(target, drafter, num_prompts=8, inspect_ubtree_engine=None, **engin
     plain_s = time.perf_counter() - start
     del plain
     gc.collect()  # the engine core process exits and frees its GPU memory before the next engine
-    ubtree = engine(target, {"method": "ubtree", "model": str(drafter), **TREE}, **engine_kwargs)
+    ubtree = engine(target, {"method": "ubtree", "model": str(drafter), **(TREE if tree is None else tree)},
+                    **engine_kwargs)
     spec = [list(o.outputs[0].token_ids) for o in ubtree.generate(prompts, params, use_tqdm=False)]
     start = time.perf_counter()
     ubtree.generate(prompts[:1], params, use_tqdm=False)

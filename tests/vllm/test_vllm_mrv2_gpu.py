@@ -36,6 +36,18 @@ def test_mrv2_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path):
         assert tau > 1.5, tau               # drafter's linearised context rows are exercised
 
 
+def test_mrv2_lookup_branch_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path):
+    """The prompt-lookup branch on MRV2 (histories from vLLM's request states, inside the draft graph)."""
+    from test_vllm_gpu import TREE
+
+    plain_tps, ubtree_tps, tau = run_pair(default_target_dir, smollm2_drafter(default_target_dir, tmp_path),
+                                          tree={**TREE, "prompt_lookup": True})
+    print(f"MRV2 lookup SmolLM2 batch 1: no speculation {plain_tps:.1f} tok/s, ubtree {ubtree_tps:.1f} tok/s, "
+          f"tau {tau:.2f}")
+    if os.environ.get("GPU_TEST_DRAFTER"):
+        assert tau > 1.5, tau
+
+
 def test_mrv2_sampling_distribution_cuda_graphs(mrv2, tmp_path):
     check_sampling_distribution(tmp_path)
 

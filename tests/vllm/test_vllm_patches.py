@@ -308,3 +308,16 @@ def test_flash_attention_resolves_to_the_tree_backend_on_cuda():
 
     importlib.import_module("ubtree_vllm.patches.worker.patch_attention_backends").apply()
     assert AttentionBackendEnum.FLASH_ATTN.get_class() is TreeFlashAttentionBackend
+
+
+def test_runner_choice_for_the_lookup_branch(monkeypatch):
+    """auto keeps the lookup branch on V1 until MRV2's has run on a GPU; a pinned mrv2 runs MRV2's branch."""
+    from types import SimpleNamespace
+
+    from ubtree_vllm.patches.engine import patch_engine_args_speculative_config as patch
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    lookup = SimpleNamespace(tree=SimpleNamespace(prompt_lookup=True, tree_budget=64, block_size=16))
+    plain = SimpleNamespace(tree=SimpleNamespace(prompt_lookup=False, tree_budget=64, block_size=16))
+    assert patch._runs_on_mrv2("mrv2", lookup) and patch._runs_on_mrv2("auto", plain)
+    assert not patch._runs_on_mrv2("auto", lookup) and not patch._runs_on_mrv2("v1", plain)

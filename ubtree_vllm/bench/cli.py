@@ -32,7 +32,8 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
                              "drafter; see --ngram-*), dflash-chain (vLLM 'dflash' with the drafter's proposer), "
                              "ubtree (one engine per --tree-budgets value, V1 model runner), "
                              "ubtree-mrv2 (the same on Model Runner V2, the default CUDA runner; CUDA, B >= gamma), "
-                             "ubtree-lookup (ubtree with the prompt-lookup branch, V1 runner)")
+                             "ubtree-lookup (ubtree with the prompt-lookup branch, V1 runner), "
+                             "ubtree-mrv2-lookup (the same branch on Model Runner V2; CUDA)")
     parser.add_argument("--tree-budgets", default="16,32,64", help="comma-separated tree budgets B for ubtree")
     parser.add_argument("--beam-width", type=int, default=12, help="W (capped at B)")
     parser.add_argument("--top-k", type=int, default=64, help="K")

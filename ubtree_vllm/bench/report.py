@@ -46,7 +46,7 @@ ABLATION_BUDGET = 64
 SHIPPED_PREFIX = "checkpoints/"
 # Row order of the speed table within one (hardware, target, dataset, T, concurrency) group.
 METHOD_ORDER = ("ar", NGRAM_METHOD, "dflash-chain", "ubtree-chain", "ubtree-single", "ubtree", "ubtree-mrv2",
-                "ubtree-lookup")
+                "ubtree-lookup", "ubtree-mrv2-lookup")
 _IDENTITY = ("kind", "method", "target", "drafter", "dataset", "temperature", "tree_budget", "beam_width", "top_k",
              "block_size", "batch_size", "concurrency", "tp", "cuda_graphs", "num_prompts", "max_new_tokens",
              "hardware", "metric")
@@ -225,7 +225,8 @@ def _cell_goal_rows(key: tuple, cell: Sequence[dict[str, Any]]) -> list[list[Any
     where = f"{target}, {dataset}, T={_fmt(temperature, 1)}, conc {concurrency}"
     rows: list[list[Any]] = []
     for tree in trees:
-        runner = {"ubtree-mrv2": " (MRV2)", "ubtree-lookup": " (lookup branch)"}.get(tree["method"], "")
+        runner = {"ubtree-mrv2": " (MRV2)", "ubtree-lookup": " (lookup branch)",
+                  "ubtree-mrv2-lookup": " (MRV2, lookup branch)"}.get(tree["method"], "")
         label = f"{where}, B={tree['tree_budget']}{runner}"
         if temperature == 0 and concurrency == 1 and single is not None and tree["speedup_vs_ar"]:
             rows.append(_over_baseline(f"UBTree speedup >= {GOAL_TREE_OVER_SINGLE}x the single path's (T=0)", label,

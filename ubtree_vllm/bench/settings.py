@@ -23,6 +23,7 @@ every later measurement can be paired with its AR baseline as soon as it is take
                 when B >= gamma; CUDA only).
   ubtree-lookup "ubtree" on the V1 runner with the prompt-lookup branch ("prompt_lookup": true, the
                 n-gram window of --ngram-lookup-min/--ngram-lookup-max), one engine per B.
+  ubtree-mrv2-lookup  the same branch on Model Runner V2 (CUDA only).
 The tree methods pin their runner, so a method name means the same runner in every record.
 """
 from __future__ import annotations
@@ -38,14 +39,14 @@ from typing import Any
 
 from ubtree_vllm.config import MAX_LOOKUP_N, MAX_TREE_BUDGET, max_tree_nodes
 
-METHODS = ("ar", "ngram", "dflash-chain", "ubtree", "ubtree-mrv2", "ubtree-lookup")
+METHODS = ("ar", "ngram", "dflash-chain", "ubtree", "ubtree-mrv2", "ubtree-lookup", "ubtree-mrv2-lookup")
 # Methods that run without --drafter; their records carry drafter null.
 DRAFTER_FREE_METHODS = ("ar", "ngram")
 # Tree methods: one engine per tree budget, and the environment each engine is built under.
 TREE_METHODS = {"ubtree": {"UBTREE_VLLM_RUNNER": "v1"}, "ubtree-mrv2": {"UBTREE_VLLM_RUNNER": "mrv2"},
-                "ubtree-lookup": {"UBTREE_VLLM_RUNNER": "v1"}}
+                "ubtree-lookup": {"UBTREE_VLLM_RUNNER": "v1"}, "ubtree-mrv2-lookup": {"UBTREE_VLLM_RUNNER": "mrv2"}}
 # Tree methods with the prompt-lookup branch on (ubtree_vllm/tree/lookup.py).
-LOOKUP_METHODS = ("ubtree-lookup",)
+LOOKUP_METHODS = ("ubtree-lookup", "ubtree-mrv2-lookup")
 # Dataset names of training/evaluate.py:EVAL_DATASETS (that module imports torch).
 DATASETS = ("spec_bench", "mt_bench", "humaneval")
 
@@ -58,7 +59,8 @@ class BenchArgumentError(ValueError):
 class MethodRun:
     """One vLLM engine of the benchmark and the tree fields its records carry."""
 
-    # record method: ar | ngram | dflash-chain | ubtree-chain | ubtree | ubtree-mrv2 | ubtree-lookup
+    # record method: ar | ngram | dflash-chain | ubtree-chain | ubtree | ubtree-mrv2 | ubtree-lookup |
+    # ubtree-mrv2-lookup
     method: str
     # vLLM's speculative_config, None for ar
     speculative_config: dict[str, Any] | None = None
@@ -156,8 +158,9 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
         if value < 1:
             raise BenchArgumentError(f"{flag} must be >= 1, got {value}")
     if any(m in LOOKUP_METHODS for m in settings.methods) and settings.ngram_lookup_max > MAX_LOOKUP_N:
-        raise BenchArgumentError(f"--ngram-lookup-max must be <= {MAX_LOOKUP_N} with method ubtree-lookup (the "
-                                 f"longest n-gram its lookup branch matches), got {settings.ngram_lookup_max}")
+        raise BenchArgumentError(f"--ngram-lookup-max must be <= {MAX_LOOKUP_N} with the lookup methods "
+                                 f"({', '.join(LOOKUP_METHODS)}: the longest n-gram their branch matches), "
+                                 f"got {settings.ngram_lookup_max}")
     if settings.ngram_lookup_max < settings.ngram_lookup_min:
         raise BenchArgumentError(f"--ngram-lookup-max must be >= --ngram-lookup-min ({settings.ngram_lookup_min}), "
                                  f"got {settings.ngram_lookup_max}")

@@ -53,6 +53,7 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         self.ubtree_stage_clock = StageClock(device, envs.UBTREE_STAGE_TIMING)
         self.speculator = UBTreeSpeculator(vllm_config, device)  # replaces MRV2's DFlashSpeculator
         self.speculator.stage_clock = self.ubtree_stage_clock
+        self.speculator.req_states = self.req_states  # the lookup branch's histories (prompt_lookup)
         self._row_buffers = RowBuffers.empty(self.max_num_tokens, self.gamma + 1, device)
         self._kv_cache_ptrs: torch.Tensor | None = None  # [L] target layers' caches, at the first commit
         self._target_layers: list[Any] = []

@@ -36,6 +36,12 @@ the step's ``AcceptResult`` (``accepted_path [R, gamma + 1]``, ``num_accepted [R
 MRV2 calls :meth:`propose`, so the drafter's context rows are linearised (target rows of the
 accepted path moved to ``root + 1 .. root + k``, linear positions restored).
 
+With ``prompt_lookup`` the runner also hands over its ``req_states`` (MRV2's ``RequestState``):
+after vLLM's ``post_update`` its ``all_token_ids[slot, :total_len[slot]]`` is the request's
+prompt + output ending at the anchor, the history ``tree/lookup.py`` matches (the same history
+as the V1 runner's ``drafter/proposer.py:context_history``). :meth:`propose` copies the step's
+request slots into a static buffer, and the draft graph gathers the histories from it.
+
 Everything inside :meth:`UBTreeSpeculator._generate_draft` is fixed-shape device work (it is
 captured in the draft's FULL CUDA graph); :meth:`propose` adds only fixed-shape launches.
 """
@@ -54,6 +60,7 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from ubtree_vllm.config import UBTreeConfig
 from ubtree_vllm.drafter.io import load_drafter
 from ubtree_vllm.drafter.proposer import UBTreeDrafter
+from ubtree_vllm.tree.lookup import lookup_continuation
 from ubtree_vllm.vllm.config import ADDITIONAL_CONFIG_KEY, UBTreeVllmConfig, from_vllm_config
 from ubtree_vllm.vllm.mrv2.rejection_sampler import TreeTopology
 from ubtree_vllm.vllm.mrv2.tree_layout import linearise_rows, root_rows_of
@@ -90,7 +97,9 @@ def tree_rows_from_hidden(
         # [R, gamma, H] proposer hidden states at the block's mask rows (depth 1..gamma)
         hidden: torch.Tensor,
         # [R] root tokens (any integer dtype)
-        anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        anchor: torch.Tensor,
+        # the lookup branch (tree/lookup.py): chain [R, gamma] int64, chain_len [R] int64
+        chain: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draft one tree per request: ``(tokens [R, B] int64, parents [R, B + 1] int32, depth [R, B + 1] int32)``.
 
     The chain of ``UBTreeDrafter.draft_tree`` after its backbone forward: target LM head +
@@ -100,8 +109,22 @@ def tree_rows_from_hidden(
     safe to capture in a CUDA graph once the selector's tables exist (eval mode, bound).
     """
     cands = drafter.top_k_candidates(hidden, tree_cfg.top_k)  # [R, gamma, K]
-    tree = drafter.tree_from_candidates(anchor.long(), cands, tree_cfg)  # [R, B + 1]
+    tree = drafter.tree_from_candidates(anchor.long(), cands, tree_cfg, chain)  # [R, B + 1]
     return tree.tokens[:, 1:], tree.parents.to(torch.int32), tree.depth.to(torch.int32)
+
+
+def lookup_chain(
+        # [max_num_reqs, L] int32: MRV2's RequestState.all_token_ids (device or UVA view)
+        all_token_ids: torch.Tensor,
+        # [max_num_reqs] int32: its total_len (prompt + output, the anchor included)
+        total_len: torch.Tensor,
+        # [R] int64 request state slots of the batch rows
+        slots: torch.Tensor, tree_cfg: UBTreeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lookup branch of each batch row: ``lookup_continuation`` over its request's history
+    (one gather of the rows, then fixed-shape device work). Returns chain [R, gamma] int64, chain_len [R]."""
+    history = all_token_ids[slots].long()  # [R, L]
+    length = total_len[slots].long().clamp(0, history.shape[1])  # [R]
+    return lookup_continuation(history, length, tree_cfg.block_size, tree_cfg.lookup_min_n, tree_cfg.lookup_max_n)
 
 
 def linearise_target_rows(
@@ -203,6 +226,7 @@ class UBTreeSpeculator(DFlashSpeculator):
         self.ubtree_drafter: UBTreeDrafter | None = None  # selector + bound LM head, set by load_draft_model
         # Set by the runner after verification, consumed by the next propose (see the module docstring).
         self.pending_accept: Any | None = None
+        self.req_states: Any | None = None  # MRV2's RequestState, handed over by the runner (prompt_lookup)
 
     @staticmethod
     def _check_settings(vllm_config: Any, settings: UBTreeVllmConfig) -> None:
@@ -241,6 +265,8 @@ class UBTreeSpeculator(DFlashSpeculator):
         self._stage_parents = torch.empty(shape, dtype=torch.int32, device=self.device)
         self._stage_depth = torch.empty(shape, dtype=torch.int32, device=self.device)
         root_only_(self._stage_parents, self._stage_depth)
+        # Request state slot of each batch row, read by the draft graph's lookup branch (prompt_lookup).
+        self._lookup_slots = torch.zeros(self.max_num_reqs, dtype=torch.int64, device=self.device)
 
     @torch.inference_mode()
     def reset_request(self, req_state_idx: int) -> None:
@@ -302,7 +328,12 @@ class UBTreeSpeculator(DFlashSpeculator):
         # Query row r * (1 + gamma) is request r's anchor: the bonus (or next prefill) token.
         anchor = self.input_buffers.input_ids[:num_reqs * step:step]  # [R] int32
         assert self.ubtree_drafter is not None, "load_model() must run before drafting"
-        tokens, parents, depth = tree_rows_from_hidden(self.ubtree_drafter, self.tree_cfg, hidden, anchor)
+        chain = None
+        if self.tree_cfg.prompt_lookup:
+            assert self.req_states is not None, "prompt_lookup needs the runner's req_states"
+            chain = lookup_chain(self.req_states.all_token_ids.gpu, self.req_states.total_len.gpu,
+                                 self._lookup_slots[:num_reqs], self.tree_cfg)
+        tokens, parents, depth = tree_rows_from_hidden(self.ubtree_drafter, self.tree_cfg, hidden, anchor, chain)
         self.draft_tokens[:num_reqs] = tokens  # [R, B]
         self._stage_parents[:num_reqs] = parents  # [R, B + 1]
         self._stage_depth[:num_reqs] = depth
@@ -344,6 +375,9 @@ class UBTreeSpeculator(DFlashSpeculator):
         """
         clock = _UNTIMED if dummy_run else self.stage_clock
         with clock.stage("draft_context"):
+            if not dummy_run and self.tree_cfg.prompt_lookup:  # padded graph rows keep stale (valid) slots
+                num_reqs = input_batch.num_reqs
+                self._lookup_slots[:num_reqs].copy_(input_batch.idx_mapping[:num_reqs].clamp(min=0))
             if not dummy_run and self.pending_accept is not None:
                 accept, self.pending_accept = self.pending_accept, None
                 aux_hidden_states, last_hidden_states = linearise_target_rows(
