@@ -94,14 +94,16 @@ MANIFEST: tuple[PatchSpec, ...] = (
     PatchSpec(
         name="sampling_params_spec_decode",
         vllm_symbol="vllm.sampling_params.SamplingParams._validate_spec_decode",
-        why=("Tree verification cannot reproduce bad words, structured output and the other "
-             "chain-only logits processors exactly yet (nor penalties and logprobs on Model Runner "
-             "V2); vLLM's own spec-decode admission check only knows min_p and logit_bias."),
-        how=("Wraps the method: for the 'ubtree' speculative config it also raises "
+        why=("Tree verification cannot reproduce structured output and the other chain-only options "
+             "exactly yet (nor penalties, logprobs, bad words, min_tokens, min_p, logit_bias on Model "
+             "Runner V2), while vLLM's own spec-decode check rejects min_p and logit_bias, which the V1 "
+             "tree sampler applies at every node."),
+        how=("Wraps the method: for the 'ubtree' speculative config vLLM's check is replaced by "
              "VLLMValidationError for every option in "
-             "ubtree_vllm.vllm.request_support.unsupported_options."),
-        removal_condition=("The tree sampler implements those options, or vLLM lets a proposer "
-                           "declare its supported sampling options."),
+             "ubtree_vllm.vllm.request_support.unsupported_options (so min_p and logit_bias pass on "
+             "the V1 runner); other methods keep vLLM's check."),
+        removal_condition=("The tree sampler implements those options on both runners and vLLM lets a "
+                           "proposer declare its supported sampling options."),
     ),
     PatchSpec(
         name="cpu_worker_model_runner",

@@ -9,7 +9,7 @@ adjacent-pair joints of the samples are compared with Pearson chi-square tests.
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from scipy import stats
@@ -20,12 +20,22 @@ from ubtree_vllm.verify.sampling import SamplingTensors, processed_probs
 
 @torch.no_grad()
 def exact_joint(model: torch.nn.Module, prompt: Sequence[int], vocab_size: int, horizon: int,
-                sampling: SamplingConfig) -> torch.Tensor:
-    """p(x_1..x_H | prompt) for all vocab**horizon continuations. -> [vocab] * horizon float64."""
+                sampling: SamplingConfig, process: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                min_p: float = 0.0) -> torch.Tensor:
+    """p(x_1..x_H | prompt) for all vocab**horizon continuations. -> [vocab] * horizon float64.
+
+    ``process(logits [S, H, V], seqs [S, H])`` stands for vLLM's logits processing before temperature
+    (position t's row may depend on ``seqs[:, :t]``, the output so far); ``min_p`` is applied after
+    temperature, as vLLM does."""
     seqs = torch.tensor(list(itertools.product(range(vocab_size), repeat=horizon)))
     ids = torch.cat([torch.tensor(list(prompt)).expand(len(seqs), -1), seqs], dim=1)
-    logits = model(input_ids=ids).logits[:, len(prompt) - 1: -1]  # [S, H, V]
-    probs = processed_probs(logits, SamplingTensors.from_configs([sampling] * len(seqs), "cpu"))
+    logits = model(input_ids=ids).logits[:, len(prompt) - 1: -1].float()  # [S, H, V]
+    if process is not None:
+        logits = process(logits, seqs)
+    params = SamplingTensors.from_configs([sampling] * len(seqs), "cpu")
+    if min_p:
+        params.min_p = torch.full((len(seqs),), float(min_p))
+    probs = processed_probs(logits, params)
     p = probs.double().gather(2, seqs[:, :, None]).squeeze(2).prod(dim=1)
     return p.view([vocab_size] * horizon)
 

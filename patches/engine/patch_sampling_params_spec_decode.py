@@ -1,12 +1,14 @@
 """Reject, at admission, sampling options that tree verification cannot serve exactly.
 
 ``SamplingParams._validate_spec_decode(speculative_config)`` is vLLM's own per-request
-check for speculative decoding (it rejects ``min_p`` and ``logit_bias``); it runs in
-``InputProcessor`` for every request, in the process that accepts it (``LLM`` or the
-API server), so a ``VLLMValidationError`` raised here becomes an exception from
-``LLM.generate`` or an HTTP 400 from the server -- never different tokens. The wrapper
-adds :func:`ubtree_vllm.vllm.request_support.unsupported_options` when the engine's
-speculative config is the rewritten ``ubtree`` one.
+check for speculative decoding (in 0.32 it rejects exactly ``min_p`` and ``logit_bias``, which
+vLLM's chain rejection sampler does not apply to drafts); it runs in ``InputProcessor`` for
+every request, in the process that accepts it (``LLM`` or the API server), so a
+``VLLMValidationError`` raised here becomes an exception from ``LLM.generate`` or an HTTP 400
+from the server -- never different tokens. For the rewritten ``ubtree`` speculative config the
+wrapper replaces vLLM's check by :func:`ubtree_vllm.vllm.request_support.unsupported_options`:
+the V1 tree sampler applies min_p and logit_bias at every node (so vLLM's rejection is lifted
+there), Model Runner V2's still rejects them (by that list); every other method keeps vLLM's check.
 """
 from __future__ import annotations
 
@@ -27,11 +29,11 @@ def apply() -> None:
     original = SamplingParams._validate_spec_decode
 
     def _validate_spec_decode(self: Any, speculative_config: Any) -> None:
-        original(self, speculative_config)
-        if is_ubtree_speculative_config(speculative_config):
-            runner = "mrv2" if getattr(speculative_config, "method", None) == MRV2_VLLM_METHOD else "v1"
-            names = unsupported_options(self, runner)
-            if names:
-                raise VLLMValidationError(unsupported_message(names), parameter=names[0])
+        if not is_ubtree_speculative_config(speculative_config):
+            return original(self, speculative_config)
+        runner = "mrv2" if getattr(speculative_config, "method", None) == MRV2_VLLM_METHOD else "v1"
+        names = unsupported_options(self, runner)
+        if names:
+            raise VLLMValidationError(unsupported_message(names), parameter=names[0])
 
     replace_attr(SamplingParams, "_validate_spec_decode", _validate_spec_decode, NAME)

@@ -228,18 +228,29 @@ def test_rewritten_form_without_ubtree_settings_is_refused(tiny_target):
 def test_sampling_params_rejects_options_trees_cannot_serve():
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import StructuredOutputsParams
 
     patches.apply("engine")
     ubtree = types.SimpleNamespace(method=VLLM_METHOD, model=PROPOSER_CLASS_PATH)
     other = types.SimpleNamespace(method="ngram", model="ngram")
     SamplingParams(temperature=0.8, top_p=0.9, seed=3)._validate_spec_decode(ubtree)
     SamplingParams(presence_penalty=1.0)._validate_spec_decode(other)  # other methods: vLLM's rules only
-    with pytest.raises(VLLMValidationError, match=r"\['bad_words'\] are not supported"):
-        SamplingParams(presence_penalty=1.0, logprobs=1, bad_words=["x"])._validate_spec_decode(ubtree)
-    SamplingParams(presence_penalty=1.0, logprobs=1)._validate_spec_decode(ubtree)  # the V1 tree sampler serves them
+    with pytest.raises(VLLMValidationError, match=r"\['structured_outputs'\] are not supported"):
+        SamplingParams(presence_penalty=1.0, logprobs=1, structured_outputs=StructuredOutputsParams(json_object=True)
+                       )._validate_spec_decode(ubtree)
+    # the V1 tree sampler serves these, min_p and logit_bias included (vLLM's own check, lifted for ubtree)
+    served = dict(presence_penalty=1.0, logprobs=1, bad_words=["x"], allowed_token_ids=[1, 2], logit_bias={1: 2.0},
+                  min_p=0.1, min_tokens=3)
+    SamplingParams(**served)._validate_spec_decode(ubtree)
+    with pytest.raises(VLLMValidationError, match="min_p and logit_bias"):  # other methods: vLLM's rules
+        SamplingParams(min_p=0.1)._validate_spec_decode(other)
     mrv2 = types.SimpleNamespace(method=MRV2_VLLM_METHOD, model=f"/cache/{MRV2_PROPOSERS_DIR}/abc")
     with pytest.raises(VLLMValidationError, match=r"\['presence_penalty', 'logprobs'\] are not supported"):
         SamplingParams(presence_penalty=1.0, logprobs=1)._validate_spec_decode(mrv2)
+    with pytest.raises(VLLMValidationError, match=r"\['bad_words', 'allowed_token_ids', 'logit_bias', 'min_p', "
+                                                  r"'min_tokens'\] are not supported"):
+        SamplingParams(bad_words=["x"], allowed_token_ids=[1, 2], logit_bias={1: 2.0}, min_p=0.1, min_tokens=3
+                       )._validate_spec_decode(mrv2)
     assert getattr(SamplingParams._validate_spec_decode, MARK) == "sampling_params_spec_decode"
 
 

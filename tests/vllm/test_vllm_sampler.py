@@ -7,11 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.logits_processor import LogitsProcessor, LogitsProcessors
+from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor, MinPLogitsProcessor,
+                                                     MinTokensLogitsProcessor)
 from vllm.v1.sample.metadata import SamplingMetadata
 
 from ubtree_vllm.vllm.features import ContextFeatureStore
-from ubtree_vllm.vllm.sampler import TreeRejectionSampler, check_supported, node_output_tokens, penalized_node_logits
+from ubtree_vllm.vllm.sampler import (TreeRejectionSampler, check_supported, node_output_tokens, processed_node_logits,
+                                      sampling_tensors)
 from vllm_batches import make_batch
 
 VOCAB = 32
@@ -107,7 +110,7 @@ def test_penalties_apply_along_each_nodes_path(temperature):
     meta = metadata(3, temp, **pen)
     start = np.cumsum(plan.num_nodes) - plan.num_nodes
     index = torch.tensor([[start[r] + min(j, plan.num_nodes[r] - 1) for j in range(plan.max_nodes)] for r in range(3)])
-    got = penalized_node_logits(logits, index, meta, plan)
+    got = processed_node_logits(logits, index, meta, plan)
     lists = node_output_tokens(plan, outputs)
     for r in range(3):
         for j in range(plan.max_nodes):
@@ -141,10 +144,25 @@ def test_seeded_requests_are_reproducible_and_top_k_1_is_greedy():
 
 def test_unsupported_batches_are_refused():
     check_supported(metadata(2))
-    for overrides in (dict(logprob_token_ids={0: [1]}), dict(bad_words_token_ids={0: [[1]]}),
-                      dict(allowed_token_ids_mask=torch.zeros(2, VOCAB, dtype=torch.bool))):
-        with pytest.raises(RuntimeError, match="must be rejected at admission"):
-            check_supported(metadata(2, **overrides))
+    check_supported(metadata(2, bad_words_token_ids={0: [[1]]}, allowed_token_ids_mask=torch.zeros(2, VOCAB).bool()))
+    with pytest.raises(RuntimeError, match="must be rejected at admission"):
+        check_supported(metadata(2, logprob_token_ids={0: [1]}))
+
+    class Custom(LogitsProcessor):  # a user's processor sees a flat batch: it cannot follow a tree's paths
+        def __init__(self, *args):
+            pass
+
+        def is_argmax_invariant(self):
+            return False
+
+        def update_state(self, batch_update):
+            pass
+
+        def apply(self, logits):
+            return logits
+
+    with pytest.raises(RuntimeError, match=r"\['Custom'\].*custom logits processors"):
+        check_supported(metadata(2, logitsprocs=LogitsProcessors([Custom()])))
 
 
 def test_feature_store_positions_validity_and_rewrites():
@@ -161,3 +179,80 @@ def test_feature_store_positions_validity_and_rewrites():
     assert valid.tolist() == [[True, True, True, False, False, False]]
     store.drop("a")
     assert "a" not in store and "b" in store
+
+
+def node_index(plan) -> torch.Tensor:
+    start = np.cumsum(plan.num_nodes) - plan.num_nodes
+    return torch.tensor([[start[r] + min(j, plan.num_nodes[r] - 1) for j in range(plan.max_nodes)]
+                         for r in range(plan.num_reqs)])
+
+
+@pytest.mark.parametrize("temperature", [None, 1.0], ids=["greedy", "random"])
+def test_allowed_tokens_bad_words_min_tokens_and_logit_bias_apply_along_each_nodes_path(temperature):
+    """Each node's row gets what plain decoding's Sampler.apply_logits_processors would give it had the node's
+    path been generated: the allowed mask, bad words over outputs + path, min_tokens while len(outputs) + depth
+    < min_tokens, logit bias; checked row by row against vLLM's own ops on that row alone."""
+    from vllm.v1.sample.ops.bad_words import apply_bad_words
+
+    plan = make_batch().plan  # r0: a tree over tokens 11..15 (depths 1..), r1: root only, r2: chain 21, 22, 23
+    torch.manual_seed(0)
+    logits = torch.randn(11, VOCAB)
+    outputs = [[11, 3], [5], [21]]
+    allowed = torch.zeros(3, VOCAB, dtype=torch.bool)
+    allowed[1, 20:] = True  # r1 may not draw tokens 20..31
+    bad_words = {0: [[3, 11, 9], [12, 8], [4]], 2: [[21, 22, 7]]}  # r2: bans 7 right after the path 21 22
+    min_tokens = MinTokensLogitsProcessor.__new__(MinTokensLogitsProcessor)
+    min_tokens.min_toks = {0: (4, outputs[0], {2, 6}, False), 2: (2, outputs[2], {9}, False)}
+    bias = LogitBiasLogitsProcessor.__new__(LogitBiasLogitsProcessor)
+    bias.biases = {1: {4: 3.0, 5: -2.0}, 2: {22: 1.5}}
+    meta = metadata(3, None if temperature is None else torch.full((3,), temperature), output_token_ids=outputs,
+                    allowed_token_ids_mask=allowed, bad_words_token_ids=bad_words,
+                    logitsprocs=LogitsProcessors([min_tokens, bias]))
+    index = node_index(plan)
+    got = processed_node_logits(logits, index, meta, plan)
+    lists = node_output_tokens(plan, outputs)
+    for r in range(3):
+        for j in range(plan.max_nodes):
+            row = logits[index[r, j]].clone()[None]
+            past = lists[r * plan.max_nodes + j]
+            row[0].masked_fill_(allowed[r], float("-inf"))
+            if r in bad_words:
+                apply_bad_words(row, {0: bad_words[r]}, [past])
+            if r in min_tokens.min_toks:
+                need, _, stops, _ = min_tokens.min_toks[r]
+                if len(past) < need:  # past = outputs + the node's path
+                    row[0, sorted(stops)] = float("-inf")
+            for tok, value in bias.biases.get(r, {}).items():
+                row[0, tok] += value
+            torch.testing.assert_close(got[r, j], row[0], msg=f"request {r} node {j}")
+    # the cases are live: r2's node 2 (path 22 after the output 21) bans 7, its sibling node 1 (path 21) does not;
+    # min_tokens bans r0's stop tokens at nodes 0-2 (outputs + path shorter than 4) only, r2's at its root only
+    assert got[2, 2, 7] == float("-inf") and got[2, 1, 7] > float("-inf") and got[2, 0, 7] > float("-inf")
+    assert all(got[0, j, 2] == float("-inf") for j in (0, 1, 2)) and got[0, 3, 2] > float("-inf")
+    assert got[2, 0, 9] == float("-inf") and got[2, 1, 9] > float("-inf")
+    output, _ = TreeRejectionSampler(BLOCK_SIZE)(plan, plan.to_device(torch.device("cpu")), logits, meta)
+    if temperature is None:  # the root's draw is the argmax of the processed row
+        assert output.sampled_token_ids[:, 0].tolist() == got[:, 0].argmax(-1).tolist()
+
+
+def test_min_p_reaches_the_node_draws_after_temperature():
+    """min_p (argmax invariant, vLLM's MinPLogitsProcessor state) masks tokens below min_p x the top probability of the
+    temperature-scaled row, before top-k/top-p; 0 leaves a request alone; greedy never sees it."""
+    from ubtree_vllm.verify.sampling import SamplingTensors, processed_probs
+
+    min_p = MinPLogitsProcessor.__new__(MinPLogitsProcessor)
+    min_p.min_p_count, min_p.min_p = 1, torch.tensor([[0.2], [0.0]])
+    meta = metadata(2, torch.tensor([0.7, 0.7]), logitsprocs=LogitsProcessors([min_p]))
+    params = sampling_tensors(meta, 2, torch.device("cpu"))
+    assert params.min_p.tolist() == pytest.approx([0.2, 0.0])
+    torch.manual_seed(1)
+    logits = torch.randn(2, 3, VOCAB) * 2
+    probs = processed_probs(logits, params)
+    scaled = (logits / 0.7).softmax(-1)
+    kept = scaled >= 0.2 * scaled.amax(-1, keepdim=True)
+    assert torch.equal(probs[0] > 0, kept[0]) and kept[0].sum() < kept[0].numel()
+    want = torch.where(kept[0], scaled[0], 0.0)
+    torch.testing.assert_close(probs[0], want / want.sum(-1, keepdim=True))
+    torch.testing.assert_close(probs[1], processed_probs(logits, SamplingTensors(
+        params.temperature, params.top_k, params.top_p))[1])  # min_p 0: unchanged
+    assert sampling_tensors(metadata(2, torch.tensor([0.7, 0.7])), 2, torch.device("cpu")).min_p is None

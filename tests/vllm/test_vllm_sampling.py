@@ -59,3 +59,42 @@ def test_samples_follow_the_target_distribution(llm, hf_target, sampling):
     assert samples.shape == (NUM_SAMPLES, HORIZON)
     pvals = distribution_pvalues(samples, exact_joint(hf_target, PROMPT, VOCAB, HORIZON, sampling))
     assert min(pvals) > ALPHA / len(pvals), pvals
+
+
+def test_samples_follow_the_target_distribution_under_vllms_logits_processing(llm, hf_target):
+    """Penalties, logit bias, allowed token ids, min_tokens and min_p at T = 1, each applied at every tree node along
+    its own path: the samples follow the law of plain decoding with the same processing (vLLM's order: allowed
+    mask, min_tokens, logit bias, penalties, then temperature and min_p)."""
+    from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+    options = dict(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.3, logit_bias={3: 1.5, 6: -1.0},
+                   allowed_token_ids=[0, 1, 2, 3, 4, 5, 6], stop_token_ids=[5], min_tokens=HORIZON, min_p=0.08)
+    params = SamplingParams(temperature=1.0, max_tokens=HORIZON, ignore_eos=True, detokenize=False, **options)
+
+    # vLLM's min_tokens bans all of a request's stop tokens, the model's EOS included even with ignore_eos
+    stops = sorted({5, hf_target.config.eos_token_id})
+
+    def process(logits: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:
+        logits = logits.clone()
+        logits[..., 7] = float("-inf")  # allowed_token_ids
+        logits[..., stops] = float("-inf")  # the stop tokens (EOS too), before min_tokens (= the horizon)
+        logits[..., 3] += 1.5
+        logits[..., 6] -= 1.0
+        num = len(seqs)
+        prompt = torch.tensor(PROMPT).expand(num, -1)
+        for t in range(HORIZON):  # penalties over the prompt and the output so far
+            logits[:, t] = apply_all_penalties(logits[:, t], prompt, torch.full((num,), 0.4), torch.full((num,), 0.3),
+                                               torch.full((num,), 1.3), seqs[:, :t].tolist())
+        return logits
+
+    drafts_before, accepted_before = spec_counts(llm)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)] * NUM_SAMPLES, params, use_tqdm=False)
+    drafts, accepted = spec_counts(llm)
+    assert (accepted - accepted_before) > 0.3 * (drafts - drafts_before), (accepted, drafts)
+    samples = torch.tensor([list(o.outputs[0].token_ids) for o in outs])
+    assert samples.shape == (NUM_SAMPLES, HORIZON) and not any((samples == t).any() for t in [*stops, 7])
+    joint = exact_joint(hf_target, PROMPT, VOCAB, HORIZON, SamplingConfig(1.0), process=process, min_p=0.08)
+    pvals = distribution_pvalues(samples, joint)
+    assert min(pvals) > ALPHA / len(pvals), pvals
+    plain = exact_joint(hf_target, PROMPT, VOCAB, HORIZON, SamplingConfig(1.0))
+    assert min(distribution_pvalues(samples, plain)) < ALPHA  # the processing changes the law: the test can fail

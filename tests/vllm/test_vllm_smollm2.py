@@ -6,6 +6,7 @@ untrained export, so this checks losslessness on the real architecture (30 layer
 tied embeddings, 49k vocabulary). The prompt-lookup branch is on (tree/lookup.py): on the
 copying prompts it is what gets drafts accepted, through the V1 runner's real token history.
 Logprobs of the emitted tokens, and greedy text under presence/frequency/repetition penalties,
+bad words, logit bias, allowed token ids and min_tokens (each applied along every node's path),
 are compared with plain decoding's.
 """
 from __future__ import annotations
@@ -55,13 +56,32 @@ def assert_same_logprobs(got, expected) -> None:
                 assert abs(got_step[token] - value) < 1e-4, (token, got_step[token], value)
 
 
+def processor_cases(greedy: list[list[int]], tokenizer) -> dict[str, dict]:
+    """Options that each change the greedy text of these prompts: ban/boost/forbid tokens that plain decoding emits."""
+    from collections import Counter
+
+    counts = Counter(t for tokens in greedy for t in tokens)
+    frequent = [t for t, _ in counts.most_common(3)]
+    words = [w for w in (tokenizer.decode(greedy[0][1:3]).strip(), tokenizer.decode(greedy[1][4:5]).strip()) if w]
+    return {
+        "bad_words": {"bad_words": words},  # vLLM tokenizes each with and without a leading space
+        "logit_bias": {"logit_bias": {frequent[1]: 6.0, frequent[2]: -100.0}},
+        "allowed_token_ids": {"allowed_token_ids": sorted(set(counts) - {frequent[0]})},
+        # the stop token may not be drawn before min_tokens: the most frequent token, banned for the whole answer
+        "min_tokens": {"stop_token_ids": [frequent[0]], "min_tokens": MAX_TOKENS},
+    }
+
+
 def test_smollm2_greedy_batch_is_token_identical(default_target_dir, prompts, vllm_models_dir):
     drafter = save_untrained_drafter(default_target_dir, vllm_models_dir / "smollm2-drafter", block_size=4, top_k=8)
-    kwargs = dict(ENGINE_KWARGS, kv_cache_memory_bytes=256 << 20, max_model_len=1024)
+    # the tokenizer on: vLLM tokenizes bad words with it
+    kwargs = dict(ENGINE_KWARGS, kv_cache_memory_bytes=256 << 20, max_model_len=1024, skip_tokenizer_init=False)
     plain = LLM(model=str(default_target_dir), **kwargs)
     expected = generate(plain, prompts)
     expected_lp = generate(plain, prompts[-3:], logprobs=3)  # the copying prompts: rounds of several tokens
     expected_pen = generate(plain, prompts[-3:], **PENALTIES)
+    processors = processor_cases(expected[-3:], AutoTokenizer.from_pretrained(default_target_dir))
+    expected_proc = {name: generate(plain, prompts[-3:], **options) for name, options in processors.items()}
     del plain
     ubtree = LLM(model=str(default_target_dir), speculative_config={
         "method": "ubtree", "model": str(drafter), "num_speculative_tokens": 8, "beam_width": 3, "top_k": 4,
@@ -74,6 +94,10 @@ def test_smollm2_greedy_batch_is_token_identical(default_target_dir, prompts, vl
     # penalties: each node's logits penalised over the outputs plus the node's own path
     assert generate(ubtree, prompts[-3:], **PENALTIES) == expected_pen
     assert expected_pen != expected_lp[0]  # the penalties changed the greedy text
+    # vLLM's logits processors (bad words, logit bias, allowed tokens, min_tokens), each along every node's path
+    for name, options in processors.items():
+        assert generate(ubtree, prompts[-3:], **options) == expected_proc[name], name
+        assert expected_proc[name] != expected[-3:], f"{name} did not change the greedy text"
     drafts, accepted = spec_counts(ubtree)
     before = (drafts, accepted)
     generate(ubtree, prompts[-len(COPY_PROMPTS):])

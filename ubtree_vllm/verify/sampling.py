@@ -2,7 +2,7 @@
 
 Tree acceptance draws the target's token at every tree node with this function, and the
 non-speculative baseline uses the same function, so both emit tokens from one and the same
-distribution. Semantics follow vLLM's sampler: temperature scaling, then top-k, then top-p
+distribution. Semantics follow vLLM's sampler: temperature scaling, then min_p, then top-k, then top-p
 (keep the smallest most-probable set with mass >= top_p), then one categorical draw;
 temperature 0 is argmax of the raw logits.
 """
@@ -25,6 +25,8 @@ class SamplingTensors:
     top_k: torch.Tensor
     # [N] float32 in (0, 1]
     top_p: torch.Tensor
+    # [N] float32 in [0, 1] (0 disables), or None: no request uses min_p
+    min_p: torch.Tensor | None = None
 
     @classmethod
     def from_configs(cls, configs: list[SamplingConfig], device: torch.device | str) -> "SamplingTensors":
@@ -44,6 +46,10 @@ def processed_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tens
     vocab = logits.shape[-1]
     temp = torch.where(params.temperature > 0, params.temperature, torch.ones_like(params.temperature))
     scaled = logits.float() / temp[:, None, None]
+    if params.min_p is not None:  # vLLM's min_p after temperature: tokens below min_p x the top probability
+        probs = scaled.softmax(dim=-1)
+        floor = probs.amax(dim=-1, keepdim=True) * params.min_p[:, None, None]
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=logits.device)
     k = torch.where(params.top_k > 0, params.top_k.clamp(max=vocab), vocab)

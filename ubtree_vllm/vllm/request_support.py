@@ -8,18 +8,20 @@ sampler does not compute, would be wrong for a tree, so such requests are reject
 admission (HTTP 400 in the server) instead of getting different tokens than
 non-speculative decoding:
 
-* on Model Runner V2: penalties (presence, frequency, repetition) and logprobs -- its tree
-  sampler does not apply or report them yet (the V1 runner's does: penalties along each
-  node's path, logprobs in the raw logprobs modes);
+* on Model Runner V2: penalties (presence, frequency, repetition), logprobs, bad_words,
+  allowed_token_ids, logit_bias, min_p and min_tokens -- its tree sampler does not apply or
+  report them yet (the V1 runner's does, each along every node's own path; logprobs in the raw
+  logprobs modes);
 * logprob_token_ids -- not computed for tree rows yet;
-* bad_words, allowed_token_ids, logit_bias, min_p, min_tokens, thinking_token_budget --
-  vLLM logits processors that assume a chain of drafts;
+* thinking_token_budget -- a vLLM state machine that assumes a chain of drafts;
 * structured outputs -- the grammar validates drafts as a chain;
 * trace replay and repetition detection -- not exercised with trees.
 
-penalties and ``logprobs`` (V1 runner), ``prompt_logprobs``, ``n``, ``seed``, ``stop``, ``stop_token_ids``,
-``ignore_eos`` and ``max_tokens`` are served exactly (prompt rows carry no tree; stop handling is the
-scheduler's and sees the same accepted tokens as a chain would).
+On the V1 runner penalties, ``logprobs``, ``bad_words``, ``allowed_token_ids``, ``logit_bias``,
+``min_p`` and ``min_tokens`` are served exactly (``ubtree_vllm/vllm/sampler.py``), and on both
+runners ``prompt_logprobs``, ``n``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos`` and
+``max_tokens`` (prompt rows carry no tree; stop handling is the scheduler's and sees the same
+accepted tokens as a chain would).
 """
 from __future__ import annotations
 
@@ -39,11 +41,11 @@ def unsupported_options(params: Any, runner: str = "v1") -> list[str]:
         ("repetition_penalty", abs(params.repetition_penalty - 1.0) > _EPS and runner != "v1"),
         ("logprobs", params.logprobs is not None and runner != "v1"),
         ("logprob_token_ids", bool(getattr(params, "logprob_token_ids", None))),
-        ("bad_words", bool(params.bad_words)),
-        ("allowed_token_ids", params.allowed_token_ids is not None),
-        ("logit_bias", bool(params.logit_bias)),
-        ("min_p", params.min_p > _EPS),
-        ("min_tokens", params.min_tokens > 0),
+        ("bad_words", bool(params.bad_words) and runner != "v1"),
+        ("allowed_token_ids", params.allowed_token_ids is not None and runner != "v1"),
+        ("logit_bias", bool(params.logit_bias) and runner != "v1"),
+        ("min_p", params.min_p > _EPS and runner != "v1"),
+        ("min_tokens", params.min_tokens > 0 and runner != "v1"),
         ("thinking_token_budget", getattr(params, "thinking_token_budget", None) is not None),
         ("structured_outputs", params.structured_outputs is not None),
         ("trace_decode_token_ids", bool(getattr(params, "trace_decode_token_ids", None))),
@@ -57,5 +59,6 @@ def unsupported_message(names: list[str]) -> str:
     return (f"sampling option(s) {names} are not supported with speculative decoding method 'ubtree' "
             "(tree verification would not reproduce non-speculative decoding exactly); remove them or "
             "use a server without speculative decoding. Supported: temperature, top_k, top_p, seed, n, "
-            "stop, stop_token_ids, ignore_eos, max_tokens, prompt_logprobs, and penalties and logprobs on the "
-            "V1 runner (UBTREE_VLLM_RUNNER=v1).")
+            "stop, stop_token_ids, ignore_eos, max_tokens, prompt_logprobs, and on the V1 runner "
+            "(UBTREE_VLLM_RUNNER=v1) also penalties, logprobs, bad_words, allowed_token_ids, logit_bias, min_p "
+            "and min_tokens.")

@@ -73,6 +73,21 @@ class UBTreeRunnerMixin:
         # entry per token; paths hold the root and at most gamma nodes.
         self._row_buffers = RowBuffers.empty(self.max_num_tokens, config.tree.block_size + 1, self.device)
         self.ubtree_stage_clock = StageClock(self.device, envs.UBTREE_STAGE_TIMING)
+        self._use_builtin_logits_processors()
+
+    def _use_builtin_logits_processors(self) -> None:
+        """All of vLLM's built-in logits processors (min_tokens, logit_bias, min_p), as plain decoding has them.
+
+        With a speculative config vLLM builds only min_tokens' (its chain sampler cannot apply the
+        others to drafts, and admission rejects them); the tree sampler applies each along every
+        node's path (vllm/sampler.py), so their per-request state must exist. Replaced before any
+        request is added; vLLM's later InputBatch rebuilds reuse ``input_batch.logitsprocs``.
+        """
+        from vllm.utils.torch_utils import PIN_MEMORY
+        from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsProcessors
+
+        self.input_batch.logitsprocs = LogitsProcessors(
+            ctor(self.vllm_config, self.device, PIN_MEMORY) for ctor in BUILTIN_LOGITS_PROCESSORS)
 
     # ---- the two calls of one vLLM step (timed as wholes in stage-timing mode) --------------
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:

@@ -9,10 +9,15 @@ Triton form, :func:`ubtree_vllm.triton_ops.tree_accept.tree_accept`): accept the
 carrying the drawn token, stop at the first node without one and emit its draw as the
 bonus token. That rule is lossless (see ``ubtree_vllm/verify/accept.py``).
 
-Penalties (presence, frequency, repetition): at a node of depth d, plain decoding would have
-generated the request's output tokens and then the tokens of the node's path (depths 1..d),
-so each node's logits get vLLM's penalties over exactly those (:func:`node_output_tokens`,
-host lists built from the step's host-side trees; no device read) before the draw.
+Logits processing (:func:`processed_node_logits`), in the order of vLLM's
+``Sampler.apply_logits_processors``: at a node of depth d, plain decoding would have generated
+the request's output tokens and then the tokens of the node's path (depths 1..d), so each
+node's row gets, over exactly those (:func:`node_output_tokens`, host lists built from the
+step's host-side trees; no device read): the allowed-token mask, bad words (a bad word's last
+token is banned where the path ends in its prefix), min_tokens (the stop tokens are banned
+while len(output) + d < min_tokens), logit bias, then the presence/frequency/repetition
+penalties. min_p (argmax invariant) is applied after temperature, before top-k/top-p, as
+vLLM's sampler does (``verify/sampling.py:processed_probs``).
 
 Randomness: one exponential race per node (argmax p / E, E ~ Exp(1)), with the
 request's own ``torch.Generator`` when it has a seed (vLLM's
@@ -34,7 +39,10 @@ from __future__ import annotations
 
 import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
+from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor, MinPLogitsProcessor,
+                                                     MinTokensLogitsProcessor)
 from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.ops.bad_words import apply_bad_words
 from vllm.v1.sample.ops.penalties import apply_all_penalties
 from vllm.v1.sample.sampler import Sampler
 
@@ -47,15 +55,22 @@ from ubtree_vllm.vllm.tree_plan import DeviceTrees, TreeStepPlan
 _SAMPLING_EPS = 1e-5
 
 
+# vLLM's built-in logits processors, each applied per node below; any other (a user's custom
+# processor) sees only a flat batch and cannot be applied along a tree's paths.
+NODE_PROCESSORS = (MinTokensLogitsProcessor, LogitBiasLogitsProcessor)
+ARGMAX_INVARIANT_PROCESSORS = (MinPLogitsProcessor,)
+
+
 def check_supported(metadata: SamplingMetadata) -> None:
     """Defence in depth behind the admission check: refuse a batch the sampler cannot serve."""
-    problems = [name for name, used in (
-        ("logprob_token_ids", bool(metadata.logprob_token_ids)),
-        ("bad_words", bool(metadata.bad_words_token_ids)),
-        ("allowed_token_ids", metadata.allowed_token_ids_mask is not None)) if used]
+    problems = [name for name, used in (("logprob_token_ids", bool(metadata.logprob_token_ids)),) if used]
+    procs = metadata.logitsprocs
+    problems += [type(p).__name__ for p in procs.non_argmax_invariant if not isinstance(p, NODE_PROCESSORS)]
+    problems += [type(p).__name__ for p in procs.argmax_invariant if not isinstance(p, ARGMAX_INVARIANT_PROCESSORS)]
     if problems:
         raise RuntimeError(f"ubtree tree sampler got a batch using {problems}; such requests must be "
-                           "rejected at admission (ubtree_vllm.patches sampling_params_spec_decode)")
+                           "rejected at admission (ubtree_vllm.patches sampling_params_spec_decode), and "
+                           "custom logits processors cannot be applied along a tree's paths")
 
 
 def sampling_tensors(metadata: SamplingMetadata, num_reqs: int, device: torch.device) -> SamplingTensors:
@@ -69,7 +84,11 @@ def sampling_tensors(metadata: SamplingMetadata, num_reqs: int, device: torch.de
              else torch.zeros(num_reqs, dtype=torch.long, device=device))
     top_p = (metadata.top_p[:num_reqs].float() if metadata.top_p is not None
              else torch.ones(num_reqs, dtype=torch.float32, device=device))
-    return SamplingTensors(temperature=temperature, top_k=top_k, top_p=top_p)
+    min_p = None
+    for processor in metadata.logitsprocs.argmax_invariant:
+        if isinstance(processor, MinPLogitsProcessor) and processor.min_p_count:
+            min_p = processor.min_p[:num_reqs, 0].float()  # [N], 0 = off (vLLM's per-row state)
+    return SamplingTensors(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
 
 
 def node_output_tokens(plan: TreeStepPlan, output_token_ids: list[list[int]]) -> list[list[int]]:
@@ -88,18 +107,73 @@ def node_output_tokens(plan: TreeStepPlan, output_token_ids: list[list[int]]) ->
     return lists
 
 
-def penalized_node_logits(logits: torch.Tensor, index: torch.Tensor, metadata: SamplingMetadata,
+def _node_rows(plan: TreeStepPlan, num_nodes: int, per_request: dict[int, object]) -> list[tuple[int, int, object]]:
+    """(flat node row, depth, value) for every node of every request in ``per_request`` (batch index -> value)."""
+    return [(r * num_nodes + j, int(plan.depth[r, min(j, int(plan.num_nodes[r]) - 1)]), value)
+            for r, value in per_request.items() if r < plan.num_reqs for j in range(num_nodes)]
+
+
+def _fill(rows: torch.Tensor, row_idx: list[int], tok_idx: list[int], values: list[float] | float,
+          add: bool = False) -> None:
+    if not row_idx:
+        return
+    device = rows.device
+    where = (torch.tensor(row_idx, device=device), torch.tensor(tok_idx, device=device))
+    if add:
+        rows.index_put_(where, torch.tensor(values, dtype=rows.dtype, device=device), accumulate=True)
+    else:
+        rows[where] = values
+
+
+def node_processing_needed(metadata: SamplingMetadata) -> bool:
+    """Whether any node's row differs from the raw logits before temperature (no processing: argmax of raw rows)."""
+    procs = metadata.logitsprocs.non_argmax_invariant
+    return (not metadata.no_penalties or metadata.allowed_token_ids_mask is not None
+            or bool(metadata.bad_words_token_ids)
+            or any(isinstance(p, MinTokensLogitsProcessor) and p.min_toks for p in procs)
+            or any(isinstance(p, LogitBiasLogitsProcessor) and p.biases for p in procs))
+
+
+def processed_node_logits(logits: torch.Tensor, index: torch.Tensor, metadata: SamplingMetadata,
                           plan: TreeStepPlan) -> torch.Tensor:
-    """[N, n, V] float32 node logits with vLLM's presence/frequency/repetition penalties along each node's path."""
+    """[N, n, V] float32 node logits after vLLM's logits processing along each node's path (module docstring).
+
+    logits [T, V]; index [N, n] logits row of each node (padding nodes repeat the request's last node).
+    Host-side lists only (the step's trees and vLLM's processor states); no device read.
+    """
     num_reqs, num_nodes = index.shape
     rows = logits[index.flatten()].float()  # [N * n, V]
+    paths: list[list[int]] | None = None
+
+    def node_paths() -> list[list[int]]:
+        nonlocal paths
+        if paths is None:
+            paths = node_output_tokens(plan, metadata.output_token_ids)
+        return paths
 
     def per_node(values: torch.Tensor) -> torch.Tensor:
         return values[:num_reqs].repeat_interleave(num_nodes, dim=0)
 
-    rows = apply_all_penalties(rows, per_node(metadata.prompt_token_ids), per_node(metadata.presence_penalties),
-                               per_node(metadata.frequency_penalties), per_node(metadata.repetition_penalties),
-                               node_output_tokens(plan, metadata.output_token_ids))
+    if metadata.allowed_token_ids_mask is not None:
+        rows.masked_fill_(per_node(metadata.allowed_token_ids_mask), float("-inf"))
+    if metadata.bad_words_token_ids:
+        by_row = {row: words for row, _, words in _node_rows(plan, num_nodes, metadata.bad_words_token_ids)}
+        apply_bad_words(rows, by_row, node_paths())
+    for processor in metadata.logitsprocs.non_argmax_invariant:
+        if isinstance(processor, MinTokensLogitsProcessor) and processor.min_toks:
+            # stop tokens banned while the output before the node's draw, len(outputs) + depth, is short
+            banned = [(row, tok) for row, depth, (min_toks, outputs, stops, _) in
+                      _node_rows(plan, num_nodes, processor.min_toks) if len(outputs) + depth < min_toks
+                      for tok in stops]
+            _fill(rows, [b[0] for b in banned], [b[1] for b in banned], float("-inf"))
+        elif isinstance(processor, LogitBiasLogitsProcessor) and processor.biases:
+            biased = [(row, tok, bias) for row, _, lb in _node_rows(plan, num_nodes, processor.biases)
+                      for tok, bias in lb.items()]
+            _fill(rows, [b[0] for b in biased], [b[1] for b in biased], [b[2] for b in biased], add=True)
+    if not metadata.no_penalties:
+        rows = apply_all_penalties(rows, per_node(metadata.prompt_token_ids), per_node(metadata.presence_penalties),
+                                   per_node(metadata.frequency_penalties), per_node(metadata.repetition_penalties),
+                                   node_paths())
     return rows.view(num_reqs, num_nodes, -1)
 
 
@@ -107,13 +181,13 @@ def draw_node_tokens(logits: torch.Tensor, index: torch.Tensor, metadata: Sampli
                      params: SamplingTensors, plan: TreeStepPlan) -> torch.Tensor:
     """The target's draw at every node: logits [T, V], index [N, n] (logits row of each node) -> [N, n] int64.
 
-    All-greedy batches without penalties take the argmax of the T rows and never gather [N, n, V]
-    logits. Penalties read the step's host-side trees (`plan`).
+    All-greedy batches without logits processing take the argmax of the T rows and never gather
+    [N, n, V] logits. Processing reads the step's host-side trees (`plan`).
     """
-    penalized = not metadata.no_penalties
-    if metadata.all_greedy and not penalized:
+    processed = node_processing_needed(metadata)
+    if metadata.all_greedy and not processed:
         return logits.argmax(dim=-1)[index]
-    node_logits = penalized_node_logits(logits, index, metadata, plan) if penalized else logits[index]  # [N, n, V]
+    node_logits = processed_node_logits(logits, index, metadata, plan) if processed else logits[index]  # [N, n, V]
     greedy = node_logits.argmax(dim=-1)
     if metadata.all_greedy:
         return greedy
