@@ -43,6 +43,8 @@
 #   stages   `ubtree bench e2e --stage-timing`: mean time per engine step of each UBTree runner stage, V1 and MRV2
 #            (ar for the step wall time; same selectors as bench, default mt_bench, T=0, 4 prompts, B=16,64;
 #            STAGE_CONCURRENCY, default 1, e.g. 1,32 with BENCH_PROMPTS >= 32)
+#   agreement  `ubtree bench e2e --agreement`: greedy divergence from ar of ngram, dflash-chain and ubtree-mrv2
+#            (B=64) on AGREE_PROMPTS (default 48) prompts per set x 256 tokens, bf16 (issue 19's rate)
 #   pair     two phase lists side by side on a two-GPU machine: GPU0_PHASES on GPU 0 and the first quarter
 #            of the cores (GPU0_CORES_PCT, default 25; put the timing runs here), GPU1_PHASES on GPU 1 and the
 #            other cores (tests);
@@ -185,6 +187,12 @@ for phase in "$@"; do
         --datasets "${BENCH_DATASETS:-mt_bench}" --temperatures "${BENCH_TEMPS:-0}" --num-prompts "${BENCH_PROMPTS:-4}" \
         --max-new-tokens 256 --methods "${METHODS:-ar,ubtree,ubtree-mrv2}" --tree-budgets "${BUDGETS:-16,64}" \
         --beam-width 12 --top-k 64 --concurrency "${STAGE_CONCURRENCY:-1}" ;;
+    agreement)
+      ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
+        --gpu-memory-utilization 0.25 --agreement \
+        --datasets "${BENCH_DATASETS:-spec_bench,mt_bench,humaneval}" --temperatures 0 \
+        --num-prompts "${AGREE_PROMPTS:-48}" --max-new-tokens 256 --methods "${METHODS:-ar,ngram,dflash-chain,ubtree-mrv2}" \
+        --tree-budgets "${BUDGETS:-64}" --beam-width 12 --top-k 64 --concurrency 1 ;;
     pair)
       mkdir -p runs; n=$(nproc); q=$(( n * ${GPU0_CORES_PCT:-25} / 100 ))
       run_list() {  # GPU CORES PHASES...

@@ -315,3 +315,31 @@ def test_microbench_without_records_and_its_errors(drafter_dir):
                                                                       tree_budget=64, top_k=2, iters=1))
     with pytest.raises(BenchArgumentError, match="--iters must be >= 1"):
         run_microbenches(("draft-postprocess",), MicrobenchSettings(drafter=str(drafter_dir), iters=0))
+
+
+def test_agreement_counts_prompts_whose_greedy_output_differs(drafter_dir):
+    from types import SimpleNamespace
+
+    from ubtree_vllm.bench.agreement import agreement_record, first_divergence, tokens_in_prompt_order
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None and first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2, 3], [1, 2]) == 2 and first_divergence([], [4]) == 0
+    prompts = [(7, 8), (9,), (7, 8)]
+    outs = [SimpleNamespace(prompt_token_ids=list(p), outputs=[SimpleNamespace(token_ids=t)])
+            for p, t in (((9,), [3]), ((7, 8), [1]), ((7, 8), [2]))]  # completion order, a repeated prompt
+    assert tokens_in_prompt_order(outs, prompts) == [[1], [3], [2]]
+    with pytest.raises(ValueError, match=r"no output for prompt\(s\) \[2\]"):
+        tokens_in_prompt_order(outs[:2], prompts)
+    run = ubtree_run(E2ESettings(drafter="d", block_size=16), 32, "ubtree-mrv2")
+    record = agreement_record(run, [[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 9], [7]], target="t", drafter="d",
+                              dataset="toy", concurrency=1, max_new_tokens=3, cuda_graphs=True, tau=2.5)
+    assert (record["metric"], record["value"], record["unit"]) == ("greedy_divergence_rate", 0.66667, "fraction")
+    assert "2 of 3 greedy outputs differ" in record["notes"] and "token 0.5" in record["notes"]
+    assert record["tree_budget"] == 32 and record["method"] == "ubtree-mrv2" and record["tau"] == 2.5
+    with pytest.raises(BenchArgumentError, match="add ar to --methods"):
+        settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree", tree_budgets="4", top_k=4,
+                                    temperatures="0", agreement=True))
+    with pytest.raises(BenchArgumentError, match="--temperatures must be 0"):
+        settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ar,ubtree", tree_budgets="4", top_k=4,
+                                    temperatures="0,1", agreement=True))
+    assert settings_from_args(e2e_args(methods="ar,ngram", temperatures="0", agreement=True)).agreement

@@ -91,7 +91,7 @@ def test_summary_and_report_show_the_speed_rows(bench):
 
 
 def test_stage_timing_writes_step_records_that_add_up(tiny_target, tiny_drafter, tmp_path):
-    from ubtree_vllm.bench.stage_timing import METRICS, STAGES, WALL, metric_of
+    from ubtree_vllm.bench.stage_timing import METRICS, MRV2_ONLY, STAGES, WALL, metric_of
 
     path = tmp_path / "records.jsonl"
     settings = validate(E2ESettings(target=str(tiny_target), drafter=str(tiny_drafter), datasets=("toy",),
@@ -102,8 +102,8 @@ def test_stage_timing_writes_step_records_that_add_up(tiny_target, tiny_drafter,
     assert rec.read_records(path) == rows  # stage records only: no e2e (speed) record
     values = {r["metric"]: r["value"] for r in rows}
     assert all(r["kind"] == "microbench" and r["unit"] == "ms" and r["tree_budget"] == 4 for r in rows)
-    assert set(values) == set(METRICS) and all(v > 0 for v in values.values())
-    step = {s: values[metric_of(s)] for s in STAGES}
+    assert set(values) == set(METRICS) - {metric_of(s) for s in MRV2_ONLY} and all(v > 0 for v in values.values())
+    step = {s: values[metric_of(s)] for s in STAGES if s not in MRV2_ONLY}
     # Stages nest, and the runner's two calls lie inside the engine step.
     assert step["execute_model"] >= step["prepare_inputs_vllm"] + step["tree_plan"] + step["forward"]
     assert step["sample_tokens"] >= sum(step[s] for s in ("accept", "kv_commit", "feature_commit",
@@ -163,3 +163,22 @@ def test_ngram_then_ubtree_in_engine_core_processes(tiny_target, tiny_drafter, t
     assert 1.0 <= ngram["tau"] <= 1.0 + 3 and ngram["output_tokens_per_s"] > 0
     assert "accepted /" in ngram["notes"] and "k=3" in ngram["notes"] and "window 1-2 tokens" in ngram["notes"]
     assert 1.0 <= ubtree["tau"] <= 1.0 + 4 and ubtree["drafter"] == str(tiny_drafter)
+
+
+def test_agreement_mode_compares_greedy_outputs_with_ar(tiny_target, tiny_drafter, tmp_path):
+    """fp32 on the CPU: the tree's greedy outputs equal ar's, so every divergence rate is 0; no e2e records."""
+    from ubtree_vllm.bench.agreement import METRIC
+
+    path = tmp_path / "records.jsonl"
+    settings = validate(E2ESettings(target=str(tiny_target), drafter=str(tiny_drafter), datasets=("toy",),
+                                    temperatures=(0.0,), num_prompts=2, max_new_tokens=12, methods=("ar", "ubtree"),
+                                    tree_budgets=(4, 8), beam_width=2, top_k=4, concurrency=(1, 2), agreement=True),
+                        check_datasets=False)
+    rows = run_e2e(settings, [PROMPTS], tiny_target, ENGINE, records_path=path, log=lambda line: None)
+    assert rec.read_records(path) == rows
+    assert [(r["method"], r["tree_budget"], r["concurrency"]) for r in rows] == [
+        ("ubtree", b, c) for b in (4, 8) for c in (1, 2)]
+    for r in rows:
+        assert r["kind"] == "microbench" and r["metric"] == METRIC and r["unit"] == "fraction"
+        assert r["value"] == 0.0 and r["num_prompts"] == 2 and "0 of 2 greedy outputs differ" in r["notes"]
+        assert list(r) == list(rec.FIELDS)

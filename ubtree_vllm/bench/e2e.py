@@ -18,7 +18,8 @@ carry no per-request seed (that would put vLLM's sampler on its per-request gene
 path, which is not what serving measures). How tau, tok/s, TPOT and the speedup are
 computed: bench/measurement.py. Each speculative run also appends its round cost in plain
 decode steps against the ar run of the same cell (bench/round_cost.py). With `--stage-timing`
-the runs append stage-time records instead of e2e records (bench/stage_timing.py).
+the runs append stage-time records instead of e2e records (bench/stage_timing.py); with
+`--agreement`, greedy-divergence records against ar (bench/agreement.py).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ubtree_vllm.bench.agreement import agreement_record, tokens_in_prompt_order
 from ubtree_vllm.bench.measurement import RunResult, SpeedupTable, e2e_record, spec_counters, summarize_run
 from ubtree_vllm.bench.prompts import PromptSet, dataset_prompt_sets
 from ubtree_vllm.bench.round_cost import round_cost_records
@@ -104,14 +106,18 @@ def run_requests(llm: Any, prompts: Sequence[Sequence[int]], params: Any,
     return outputs, time.perf_counter() - started, steps
 
 
-def measure(llm: Any, prompt_set: PromptSet, temperature: float, concurrency: int, max_new_tokens: int) -> RunResult:
-    """One measured run of a prompt set (counters read around it, see bench/measurement.py)."""
+def measure(llm: Any, prompt_set: PromptSet, temperature: float, concurrency: int, max_new_tokens: int,
+            outputs_to: list[Any] | None = None) -> RunResult:
+    """One measured run of a prompt set (counters read around it, see bench/measurement.py); the finished
+    RequestOutputs are appended to `outputs_to` when given."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, ignore_eos=False, detokenize=False,
                             stop_token_ids=list(prompt_set.stop_token_ids) or None)
     before = spec_counters(llm.get_metrics())
     outputs, wall_s, steps = run_requests(llm, prompt_set.prompts, params, concurrency)
+    if outputs_to is not None:
+        outputs_to.extend(outputs)
     return summarize_run(outputs, wall_s, before, spec_counters(llm.get_metrics()), steps)
 
 
@@ -159,6 +165,7 @@ def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path
     speedups = SpeedupTable()
     warmup = dataclasses.replace(prompt_sets[0], prompts=prompt_sets[0].prompts[:1])
     rows: list[dict[str, Any]] = []
+    greedy_ar: dict[tuple[str, int], list[list[int]]] = {}  # --agreement: ar's outputs per (dataset, concurrency)
     with tempfile.TemporaryDirectory(prefix="ubtree-bench-") as scratch:
         for label in planned_methods(settings):
             log(f"bench e2e: starting engine for {label}")
@@ -172,7 +179,9 @@ def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path
                         for temperature in settings.temperatures:
                             if clocked:
                                 read_stage_times(llm, reset=True)
-                            result = measure(llm, prompt_set, temperature, concurrency, settings.max_new_tokens)
+                            outputs: list[Any] = []
+                            result = measure(llm, prompt_set, temperature, concurrency, settings.max_new_tokens,
+                                             outputs)
                             speedup = speedups.speedup(run.method, prompt_set.dataset, temperature, concurrency,
                                                        result.tokens_per_s)
                             where = dict(target=target, drafter=settings.drafter, dataset=prompt_set.dataset,
@@ -180,7 +189,17 @@ def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path
                                          max_new_tokens=settings.max_new_tokens, cuda_graphs=cuda_graphs)
                             record = e2e_record(run, result, speedup=speedup, **where)
                             log(f"bench e2e: {summary_line(record)}")
-                            if settings.stage_timing:  # timed steps are slower: stage records only
+                            if settings.agreement:  # greedy outputs against ar's: agreement records only
+                                tokens = tokens_in_prompt_order(outputs, prompt_set.prompts)
+                                cell = (prompt_set.dataset, concurrency)
+                                if run.method == "ar":
+                                    greedy_ar[cell] = tokens
+                                new = [] if run.method == "ar" else [agreement_record(
+                                    run, greedy_ar[cell], tokens, target=target, drafter=settings.drafter,
+                                    dataset=prompt_set.dataset, concurrency=concurrency,
+                                    max_new_tokens=settings.max_new_tokens, cuda_graphs=cuda_graphs,
+                                    tau=result.tau)]
+                            elif settings.stage_timing:  # timed steps are slower: stage records only
                                 times = read_stage_times(llm, reset=True) if clocked else None
                                 new = stage_records(run, result, times, **where)
                             else:  # + its round cost in plain steps against this invocation's ar cell
@@ -236,7 +255,11 @@ def run_cli(args: argparse.Namespace) -> int:
         engine_kwargs["max_model_len"] = args.max_model_len
     records_path = None if args.no_record else args.records
     rows = run_e2e(settings, prompt_sets, target_path, engine_kwargs, records_path)
-    if settings.stage_timing:
+    if settings.agreement:
+        for r in rows:
+            print(f"{r['method']:<12} B={r['tree_budget']} {r['dataset']} c={r['concurrency']} "
+                  f"{r['metric']} {r['value']:.3f} ({r['notes'].split(': ', 1)[1]})")
+    elif settings.stage_timing:
         for r in rows:
             print(f"{r['method']:<12} B={r['tree_budget']} {r['dataset']} T={r['temperature']} "
                   f"{r['metric']:<28} {r['value']:9.3f} ms")

@@ -114,6 +114,7 @@ class E2ESettings:
     concurrency: tuple[int, ...] = (1,)
     seed: int = 0
     stage_timing: bool = False
+    agreement: bool = False
     # Drafter facts read from its config.json (None without a drafter).
     block_size: int | None = field(default=None, compare=False)
     vocab_size: int | None = field(default=None, compare=False)
@@ -167,6 +168,14 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
     bad = [c for c in settings.concurrency if c < 1]
     if bad:
         raise BenchArgumentError(f"--concurrency: each value must be >= 1, got {bad[0]}")
+    if settings.agreement:
+        if "ar" not in settings.methods:
+            raise BenchArgumentError("--agreement compares every method with ar: add ar to --methods")
+        if settings.temperatures != (0.0,):
+            raise BenchArgumentError(f"--agreement compares greedy outputs: --temperatures must be 0, got "
+                                     f"{','.join(str(t) for t in settings.temperatures)}")
+        if settings.stage_timing:
+            raise BenchArgumentError("--agreement and --stage-timing are separate modes; pass one")
 
     if all(m in DRAFTER_FREE_METHODS for m in settings.methods):
         return settings
@@ -220,6 +229,7 @@ def settings_from_args(args: argparse.Namespace, check_datasets: bool = True) ->
         concurrency=parse_list("--concurrency", args.concurrency, int, "integers"),
         seed=args.seed,
         stage_timing=args.stage_timing,
+        agreement=getattr(args, "agreement", False),
     ), check_datasets=check_datasets)
 
 

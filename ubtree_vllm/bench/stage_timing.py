@@ -31,6 +31,9 @@ RPC = "ubtree_stage_times"
 # tree_layout; the rest is the forward); sample_tokens > (accept, kv_commit, draft_context, draft).
 STAGES = ("execute_model", "prepare_inputs_vllm", "tree_plan", "tree_layout", "forward", "sample_tokens", "accept",
           "kv_commit", "feature_commit", "draft_context", "draft", "drafts_to_host")
+# The stages only one runner has.
+V1_ONLY = ("tree_plan", "forward", "feature_commit", "drafts_to_host")
+MRV2_ONLY = ("tree_layout",)
 WALL = "step_wall_ms"
 
 
