@@ -13,6 +13,7 @@
 #            to checkpoints/ and appends the train record; gen-data is stopped at the end (logs in runs/).
 #            SLICE_INIT=fresh starts a fresh drafter instead of continuing the committed one.
 #            GEN_MINUTES=N instead runs gen-data alone for N minutes of generation (after its engine is up) first
+#            (GEN_WORKERS engines side by side, each its own shards of the folder)
 #            and then the trainer alone: on
 #            2026-12-01 the trainer beside gen-data (the slices' train records) ran at well under half the label
 #            rows/s that scripts/gpu/profile_train_step.py measured for it alone
@@ -116,20 +117,30 @@ for phase in "$@"; do
       mkdir -p runs
       seed=${SLICE_SEED:-$(( $(date +%s) / 86400 ))}
       if [ -n "${GEN_MINUTES:-}" ]; then  # sequential: gen-data alone on the GPU first, then the trainer alone
-        ubtree gen-data --config "$CONFIG" --data-root .gpudata --set seed="$seed" --set gpu_memory_utilization=0.85 \
-          --set out_dir=runs/smollm2/slice-data-$seed --max-minutes "$GEN_MINUTES" > runs/gen-data.log 2>&1 || true
+        # GEN_WORKERS engines side by side (one engine's host work bounds its tokens/s), starts staggered
+        # by GEN_STAGGER_S (vLLM 0.32 asserts when another process frees GPU memory while it profiles)
+        workers=${GEN_WORKERS:-1}; share=$(python3 -c "print(round(0.85 / $workers, 3))")
+        for w in $(seq 0 $(( workers - 1 ))); do
+          [ "$w" -gt 0 ] && sleep "${GEN_STAGGER_S:-30}"
+          ubtree gen-data --config "$CONFIG" --data-root .gpudata --set seed="$seed" \
+            --set gpu_memory_utilization="$share" --set worker="$w" --set num_workers="$workers" \
+            --set out_dir=runs/smollm2/slice-data-$seed --max-minutes "$GEN_MINUTES" > runs/gen-data-$w.log 2>&1 &
+        done
+        wait
+        cat runs/gen-data-*.log > runs/gen-data.log
+        gen=""
+      else  # beside the trainer, which trains on the shards as they land
+        ubtree gen-data --config "$CONFIG" --data-root .gpudata --set seed="$seed" \
+          --set out_dir=runs/smollm2/slice-data-$seed > runs/gen-data.log 2>&1 &
+        gen=$!
       fi
-      ubtree gen-data --config "$CONFIG" --data-root .gpudata --set seed="$seed" \
-        --set out_dir=runs/smollm2/slice-data-$seed > runs/gen-data.log 2>&1 &
-      gen=$!
-      [ -n "${GEN_MINUTES:-}" ] && { kill "$gen" 2>/dev/null; wait "$gen" 2>/dev/null || true; }
       rc=0
       init=(); [ "${SLICE_INIT:-}" = fresh ] && init=(--set init_drafter=null)
       # sequential: the shards are all there already, so a missing one is an error, not a wait
       [ -n "${GEN_MINUTES:-}" ] && init+=(--set stream_wait_minutes=0.2)
       ubtree train --config "$CONFIG" --data-dir runs/smollm2/slice-data-$seed --set records_path="$RECORDS" \
         --set progress=false --max-minutes "${SLICE_MINUTES:-7}" "${init[@]}" || rc=$?
-      kill "$gen" 2>/dev/null; wait "$gen" 2>/dev/null || true
+      [ -n "$gen" ] && { kill "$gen" 2>/dev/null; wait "$gen" 2>/dev/null || true; }
       grep -E "wrote shard|Error|error" runs/gen-data.log | tail -n 5 || true
       python3 -c "import json,sys; m=json.load(open(sys.argv[1])); print('generated', m['num_samples'], 'samples,', m['num_response_tokens'], 'response tokens')" \
         runs/smollm2/slice-data-$seed/manifest.json || true

@@ -626,3 +626,23 @@ def test_target_cache_keeps_what_fits_and_refuses_a_useless_size():
     assert torch.equal(got_h[0, :6], final[0])
     with pytest.raises(ValueError, match="holds no token"):
         TargetCache(10, feature_dim=3, hidden_dim=2, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def test_gen_data_workers_fill_one_folder_each_its_own_shards(tmp_path, workspace):
+    """worker w of num_workers writes the shards with index = w (mod num_workers); their manifest merges."""
+    base = dict(target=str(workspace["target"]), out_dir=str(tmp_path / "d"), data_root=str(workspace["prompts"]),
+                num_prompts=10, shard_size=2, max_new_tokens=4, num_workers=2)
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    for worker in (1, 0):
+        cfg = DataGenConfig(**base, worker=worker)
+
+        def recorder(prompts, seed, temperatures, worker=worker):
+            seen[worker].append(seed - cfg.seed * 100003)
+            return count_up(prompts, seed)
+
+        manifest = generate_dataset(cfg, generator=recorder, log=lambda _: None)
+    assert seen == {1: [1, 3], 0: [0, 2, 4]}
+    assert manifest["complete"] and [s["file"] for s in manifest["shards"]] == [data_mod.shard_name(i) for i in range(5)]
+    assert len(TokenDataset.load(tmp_path / "d")) == 10
+    with pytest.raises(ValueError, match=r"worker must be in \[0, num_workers = 2\)"):
+        DataGenConfig(worker=2, num_workers=2)

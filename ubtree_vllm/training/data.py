@@ -86,6 +86,11 @@ class DataGenConfig:
     # vLLM's max_num_seqs (None: vLLM's default). Neither changes the dataset's content.
     inflight_samples: int = 4096
     max_num_seqs: int | None = None
+    # Several gen-data processes may fill one folder (e.g. several vLLM engines on one GPU when one
+    # engine's host work bounds its throughput): worker w of num_workers generates the shards with
+    # index = w (mod num_workers). Not part of the dataset's identity.
+    worker: int = 0
+    num_workers: int = 1
 
     def __post_init__(self) -> None:
         self.sources = tuple(self.sources)
@@ -100,6 +105,8 @@ class DataGenConfig:
                      "samples_per_prompt", "inflight_samples"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if int(self.num_workers) < 1 or not 0 <= int(self.worker) < int(self.num_workers):
+            raise ValueError(f"worker must be in [0, num_workers = {self.num_workers}), got {self.worker}")
         if self.max_num_seqs is not None and int(self.max_num_seqs) < 1:
             raise ValueError(f"max_num_seqs must be >= 1 or null, got {self.max_num_seqs}")
         if not 0 <= int(self.greedy_samples) <= int(self.samples_per_prompt):
@@ -438,19 +445,12 @@ def generate_dataset(cfg: DataGenConfig, generator: GenerateFn | None = None, lo
         "shards": [], "num_samples": 0, "num_tokens": 0, "num_response_tokens": 0, "complete": False,
     }
     manifest_path = out / MANIFEST_FILE
-    if manifest_path.is_file():
-        old = json.loads(manifest_path.read_text())
-        for section, keys in (("generation", None), ("target", ("tokenizer_sha256", "vocab_size"))):
-            mine, theirs = manifest[section], old.get(section, {})
-            diff = [k for k in (keys or set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
-            if diff:
-                raise ValueError(f"{out} holds a dataset with different {section} settings {diff}; "
-                                 f"use another out_dir or delete it")
-        manifest["shards"] = old["shards"]
     prompts = select_prompts(texts, tokenizer, cfg.num_prompts, cfg.max_prompt_tokens, cfg.seed)
     num_shards = -(-cfg.num_prompts // cfg.shard_size)
+    manifest = _merge_shards(manifest_path, manifest, [], num_shards)  # checks an existing dataset's settings
     done = {s["file"] for s in manifest["shards"]}
-    todo = [i for i in range(num_shards) if shard_name(i) not in done]
+    # this worker's shards: index = worker (mod num_workers)
+    todo = [i for i in range(cfg.worker, num_shards, cfg.num_workers) if shard_name(i) not in done]
     if stream is not None:
         pass
     elif generator is not None:
@@ -482,15 +482,40 @@ def generate_dataset(cfg: DataGenConfig, generator: GenerateFn | None = None, lo
         chunk = [p for p in shard_prompts for _ in range(cfg.samples_per_prompt)]
         name = shard_name(index)
         counts = write_shard(out / name, list(zip(chunk, responses)))
-        manifest["shards"].append({"file": name, **counts})
+        manifest = _merge_shards(manifest_path, manifest, [{"file": name, **counts}], num_shards)
         done.add(name)
-        _finish_manifest(manifest, num_shards)
-        _write_json_atomic(manifest_path, manifest)
         log(f"gen-data: wrote {name} ({counts['num_samples']} samples, {counts['num_response_tokens']} response "
             f"tokens) [{len(done)}/{num_shards}] {time.monotonic() - started:.0f}s")
-    _finish_manifest(manifest, num_shards)
-    _write_json_atomic(manifest_path, manifest)
-    return manifest
+    return _merge_shards(manifest_path, manifest, [], num_shards)
+
+
+def _merge_shards(manifest_path: Path, manifest: dict[str, Any], new_shards: Sequence[dict[str, Any]],
+                  num_shards: int) -> dict[str, Any]:
+    """Add `new_shards` to the manifest on disk (or to `manifest` if none is there) under an exclusive lock, so
+    the gen-data workers of one folder (``worker``/``num_workers``) each add theirs; returns the merged manifest.
+
+    ValueError when the manifest on disk was made with other generation or target settings."""
+    import fcntl
+
+    with open(manifest_path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        merged = dict(manifest)
+        if manifest_path.is_file():
+            old = json.loads(manifest_path.read_text())
+            for section, keys in (("generation", None), ("target", ("tokenizer_sha256", "vocab_size"))):
+                mine, theirs = manifest[section], old.get(section, {})
+                diff = [k for k in (keys or set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+                if diff:
+                    raise ValueError(f"{manifest_path.parent} holds a dataset with different {section} settings "
+                                     f"{diff}; use another out_dir or delete it")
+            merged["shards"] = list(old["shards"])
+        else:
+            merged["shards"] = list(manifest["shards"])
+        have = {s["file"] for s in merged["shards"]}
+        merged["shards"] += [s for s in new_shards if s["file"] not in have]
+        _finish_manifest(merged, num_shards)
+        _write_json_atomic(manifest_path, merged)
+    return merged
 
 
 def _finish_manifest(manifest: dict[str, Any], num_shards: int) -> None:
