@@ -57,8 +57,11 @@ def _check_engine_args(args: Any, mrv2: bool = False) -> None:
     if args.worker_cls not in ("auto", CPU_WORKER_CLASS_PATH, GPU_WORKER_CLASS_PATH):
         raise ValueError(f"worker_cls must be 'auto' with speculative method 'ubtree' (the plugin "
                          f"installs its own worker), got {args.worker_cls!r}")
-    for field in ("tensor_parallel_size", "pipeline_parallel_size", "decode_context_parallel_size",
-                  "prefill_context_parallel_size"):
+    if mrv2 and args.tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size must be 1 with speculative method 'ubtree' on Model Runner V2 "
+                         f"(UBTREE_VLLM_RUNNER=mrv2), got {args.tensor_parallel_size}; the V1 runner "
+                         f"(UBTREE_VLLM_RUNNER=auto or v1) serves tensor parallelism")
+    for field in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(args, field) != 1:
             raise ValueError(f"{field} must be 1 with speculative method 'ubtree' (for now), "
                              f"got {getattr(args, field)}")
@@ -93,7 +96,7 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
                                          TargetInfo, parse_speculative_config)
 
     spec = parse_speculative_config(_merged_user_spec(args), TargetInfo.from_model_config(target_model_config))
-    mrv2 = current_platform.is_cuda() and _runs_on_mrv2(envs.UBTREE_VLLM_RUNNER, spec)
+    mrv2 = current_platform.is_cuda() and _runs_on_mrv2(envs.UBTREE_VLLM_RUNNER, spec, args.tensor_parallel_size)
     _check_engine_args(args, mrv2)
     if _user_chose_graph_sizes(args):
         spec = dataclasses.replace(spec, wide_decode_graphs=False)
@@ -118,12 +121,12 @@ def _user_chose_graph_sizes(args: Any) -> bool:
         getattr(compilation, "cudagraph_capture_sizes", None), getattr(compilation, "max_cudagraph_capture_size", None)))
 
 
-def _runs_on_mrv2(runner: str, spec: Any) -> bool:
+def _runs_on_mrv2(runner: str, spec: Any, tensor_parallel_size: int = 1) -> bool:
     """The CUDA runner for ``spec`` (a parsed ``UBTreeVllmConfig``) under ``UBTREE_VLLM_RUNNER=runner``.
 
     ``auto`` takes Model Runner V2 unless it cannot serve the engine -- a tree budget below the
     drafter's block size (vLLM reserves B lookahead KV slots, the drafter writes gamma) or
-    ``VLLM_USE_V2_MODEL_RUNNER=0`` -- or ``prompt_lookup`` is on (MRV2's lookup branch has unit
+    ``VLLM_USE_V2_MODEL_RUNNER=0`` or tensor parallelism (V1 only so far) -- or ``prompt_lookup`` is on (MRV2's lookup branch has unit
     tests but no H200 run yet; ``UBTREE_VLLM_RUNNER=mrv2`` selects it), and then the V1 runner,
     saying why."""
     if runner != "auto":
@@ -134,6 +137,8 @@ def _runs_on_mrv2(runner: str, spec: Any) -> bool:
     budget, gamma = spec.tree.tree_budget, spec.tree.block_size
     reason = ("VLLM_USE_V2_MODEL_RUNNER=0" if vllm_envs.VLLM_USE_V2_MODEL_RUNNER is False else
               f"num_speculative_tokens ({budget}) < the drafter's block size ({gamma})" if budget < gamma else
+              f"tensor_parallel_size {tensor_parallel_size} (tensor parallelism is served on the V1 runner)"
+              if tensor_parallel_size > 1 else
               "prompt_lookup (the MRV2 lookup branch is not yet verified on the GPU; UBTREE_VLLM_RUNNER=mrv2 "
               "selects it)" if spec.tree.prompt_lookup
               else None)

@@ -46,6 +46,7 @@
 #            STAGE_CONCURRENCY, default 1, e.g. 1,32 with BENCH_PROMPTS >= 32)
 #   agreement  `ubtree bench e2e --agreement`: greedy divergence from ar of ngram, dflash-chain and ubtree-mrv2
 #            (B=64) on AGREE_PROMPTS (default 48) prompts per set x 256 tokens, bf16 (issue 19's rate)
+#   tp2      (two GPUs) tests/vllm/test_vllm_tensor_parallel.py under Ray, and ar / ubtree at TP = 1 and 2 (records)
 #   pair     two phase lists side by side on a two-GPU machine: GPU0_PHASES on GPU 0 and the first quarter
 #            of the cores (GPU0_CORES_PCT, default 25; put the timing runs here), GPU1_PHASES on GPU 1 and the
 #            other cores (tests);
@@ -204,6 +205,16 @@ for phase in "$@"; do
         --datasets "${BENCH_DATASETS:-spec_bench,mt_bench,humaneval}" --temperatures 0 \
         --num-prompts "${AGREE_PROMPTS:-48}" --max-new-tokens 256 --methods "${METHODS:-ar,ngram,dflash-chain,ubtree-mrv2}" \
         --tree-budgets "${BUDGETS:-64}" --beam-width 12 --top-k 64 --concurrency 1 ;;
+    tp2)   # two GPUs: the TP = 2 tests under Ray, then ar and ubtree (V1) at TP = 1 and TP = 2 in one job each
+      R=$PWD
+      ( cd /tmp && UBTREE_TP_BACKEND=ray python3 -m pytest -q -s -rfE -p no:cacheprovider --rootdir "$R" \
+          "$R/tests/vllm/test_vllm_tensor_parallel.py" ) || echo "tp2 tests: rc $?"
+      for tp in 1 2; do
+        ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
+          --gpu-memory-utilization 0.25 --tensor-parallel-size "$tp" --distributed-executor-backend ray \
+          --datasets mt_bench --temperatures 0 --num-prompts "${BENCH_PROMPTS:-16}" --max-new-tokens 256 \
+          --methods ar,ubtree --tree-budgets 64 --beam-width 12 --top-k 64 --concurrency 1
+      done ;;
     pair)
       mkdir -p runs; n=$(nproc); q=$(( n * ${GPU0_CORES_PCT:-25} / 100 ))
       run_list() {  # GPU CORES PHASES...

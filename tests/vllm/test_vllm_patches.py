@@ -185,7 +185,7 @@ def gpt2_target(tmp_path_factory):
     ("missing_drafter", r"drafter folder .* does not exist"),
     ("other_target", r"drafter does not match the target: vocab_size: drafter 64, target 512"),
     ("unsupported_arch", r"target architecture \['GPT2LMHeadModel'\] is not supported"),
-    ("tensor_parallel", r"tensor_parallel_size must be 1"),
+    ("pipeline_parallel", r"pipeline_parallel_size must be 1"),
     ("worker_cls", r"worker_cls must be 'auto'"),
 ])
 def test_bad_input_fails_before_any_engine_exists(tiny_target, tiny_drafter, copy_pair, gpt2_target, tmp_path,
@@ -207,8 +207,8 @@ def test_bad_input_fails_before_any_engine_exists(tiny_target, tiny_drafter, cop
         spec["model"] = str(copy_pair[1])
     elif case == "unsupported_arch":
         model = gpt2_target
-    elif case == "tensor_parallel":
-        kwargs["tensor_parallel_size"] = 2
+    elif case == "pipeline_parallel":
+        kwargs["pipeline_parallel_size"] = 2
         if not on_cpu() and torch.cuda.device_count() < 2:  # vLLM's own world-size check comes first
             pattern = r"World size \(2\) is larger than the number of available GPUs"
     elif case == "worker_cls":

@@ -48,7 +48,7 @@ def tokens_in_prompt_order(outputs: Sequence[Any], prompts: Sequence[Sequence[in
 
 def agreement_record(run: MethodRun, reference: Sequence[Sequence[int]], got: Sequence[Sequence[int]], *,
                      target: str, drafter: str | None, dataset: str, concurrency: int, max_new_tokens: int,
-                     cuda_graphs: bool, tau: float | None) -> dict[str, Any]:
+                     cuda_graphs: bool, tau: float | None, tp: int = 1) -> dict[str, Any]:
     """The microbench record of one method's greedy outputs against ar's on the same prompts."""
     if len(reference) != len(got) or not reference:
         raise ValueError(f"need the same non-zero number of outputs, got {len(reference)} and {len(got)}")
@@ -60,7 +60,7 @@ def agreement_record(run: MethodRun, reference: Sequence[Sequence[int]], got: Se
     return {"kind": "microbench", "method": run.method, "target": target,
             "drafter": drafter if run.uses_drafter else None, "dataset": dataset, "num_prompts": len(reference),
             "max_new_tokens": max_new_tokens, "temperature": 0.0, "batch_size": concurrency,
-            "concurrency": concurrency, "tp": 1, "cuda_graphs": cuda_graphs, "tree_budget": run.tree_budget,
+            "concurrency": concurrency, "tp": tp, "cuda_graphs": cuda_graphs, "tree_budget": run.tree_budget,
             "beam_width": run.beam_width, "top_k": run.top_k, "block_size": run.block_size,
             "tau": None if tau is None else round(tau, 4), "metric": METRIC,
             "value": round(len(firsts) / len(reference), 5), "unit": "fraction", "notes": notes}

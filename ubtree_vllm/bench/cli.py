@@ -60,6 +60,10 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stage-timing", action="store_true",
                         help="time the UBTree runner's stages per engine step (device syncs at stage boundaries); "
                              "appends step-time microbench records instead of e2e records")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="vLLM tensor_parallel_size of every engine (the records' tp); UBTree on the V1 runner")
+    parser.add_argument("--distributed-executor-backend", default=None, choices=("mp", "ray"),
+                        help="vLLM's executor for tensor parallelism (default: vLLM's choice)")
     parser.add_argument("--agreement", action="store_true",
                         help="greedy outputs of every method compared with ar's on the same prompts (needs ar and "
                              "--temperatures 0): appends greedy_divergence_rate microbench records instead of e2e "

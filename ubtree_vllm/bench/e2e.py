@@ -159,7 +159,8 @@ def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path
     if not prompt_sets or any(not ps.prompts for ps in prompt_sets):
         raise BenchArgumentError("every dataset needs at least one prompt")
     target_path = Path(target_path)
-    engine_kwargs = {"seed": settings.seed, "max_num_seqs": max(settings.concurrency), **engine_kwargs}
+    engine_kwargs = {"seed": settings.seed, "max_num_seqs": max(settings.concurrency),
+                     "tensor_parallel_size": settings.tensor_parallel_size, **engine_kwargs}
     cuda_graphs = not engine_kwargs.get("enforce_eager", False) and torch.cuda.is_available()
     target = settings.target_name or target_path.name
     speedups = SpeedupTable()
@@ -186,7 +187,8 @@ def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path
                                                        result.tokens_per_s)
                             where = dict(target=target, drafter=settings.drafter, dataset=prompt_set.dataset,
                                          temperature=temperature, concurrency=concurrency,
-                                         max_new_tokens=settings.max_new_tokens, cuda_graphs=cuda_graphs)
+                                         max_new_tokens=settings.max_new_tokens, cuda_graphs=cuda_graphs,
+                                         tp=settings.tensor_parallel_size)
                             record = e2e_record(run, result, speedup=speedup, **where)
                             log(f"bench e2e: {summary_line(record)}")
                             if settings.agreement:  # greedy outputs against ar's: agreement records only
@@ -198,7 +200,7 @@ def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path
                                     run, greedy_ar[cell], tokens, target=target, drafter=settings.drafter,
                                     dataset=prompt_set.dataset, concurrency=concurrency,
                                     max_new_tokens=settings.max_new_tokens, cuda_graphs=cuda_graphs,
-                                    tau=result.tau)]
+                                    tau=result.tau, tp=settings.tensor_parallel_size)]
                             elif settings.stage_timing:  # timed steps are slower: stage records only
                                 times = read_stage_times(llm, reset=True) if clocked else None
                                 new = stage_records(run, result, times, **where)
@@ -253,6 +255,8 @@ def run_cli(args: argparse.Namespace) -> int:
         engine_kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     if args.max_model_len is not None:
         engine_kwargs["max_model_len"] = args.max_model_len
+    if getattr(args, "distributed_executor_backend", None):
+        engine_kwargs["distributed_executor_backend"] = args.distributed_executor_backend
     records_path = None if args.no_record else args.records
     rows = run_e2e(settings, prompt_sets, target_path, engine_kwargs, records_path)
     if settings.agreement:

@@ -105,7 +105,7 @@ class SpeedupTable:
 
 def e2e_record(run: MethodRun, result: RunResult, *, target: str, drafter: str | None, dataset: str,
                temperature: float, concurrency: int, max_new_tokens: int, cuda_graphs: bool,
-               speedup: float | None) -> dict[str, Any]:
+               speedup: float | None, tp: int = 1) -> dict[str, Any]:
     """The e2e record of one measurement (provenance is filled by records.append_record)."""
     counters = (f"{result.num_accepted} accepted / {result.num_drafts} drafts" if run.speculative_config
                 else "no speculation")
@@ -118,7 +118,7 @@ def e2e_record(run: MethodRun, result: RunResult, *, target: str, drafter: str |
         "kind": "e2e", "method": run.method, "target": target,
         "drafter": drafter if run.uses_drafter else None,
         "dataset": dataset, "num_prompts": result.num_requests, "max_new_tokens": max_new_tokens,
-        "temperature": float(temperature), "batch_size": concurrency, "concurrency": concurrency, "tp": 1,
+        "temperature": float(temperature), "batch_size": concurrency, "concurrency": concurrency, "tp": tp,
         "cuda_graphs": cuda_graphs, "tree_budget": run.tree_budget, "beam_width": run.beam_width,
         "top_k": run.top_k, "block_size": run.block_size,
         "tau": None if result.tau is None else round(result.tau, 4),

@@ -115,6 +115,7 @@ class E2ESettings:
     seed: int = 0
     stage_timing: bool = False
     agreement: bool = False
+    tensor_parallel_size: int = 1
     # Drafter facts read from its config.json (None without a drafter).
     block_size: int | None = field(default=None, compare=False)
     vocab_size: int | None = field(default=None, compare=False)
@@ -165,6 +166,11 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
     if settings.ngram_lookup_max < settings.ngram_lookup_min:
         raise BenchArgumentError(f"--ngram-lookup-max must be >= --ngram-lookup-min ({settings.ngram_lookup_min}), "
                                  f"got {settings.ngram_lookup_max}")
+    if settings.tensor_parallel_size < 1:
+        raise BenchArgumentError(f"--tensor-parallel-size must be >= 1, got {settings.tensor_parallel_size}")
+    if settings.tensor_parallel_size > 1 and any(m in ("ubtree-mrv2", "ubtree-mrv2-lookup") for m in settings.methods):
+        raise BenchArgumentError("--tensor-parallel-size > 1: the MRV2 methods do not support tensor parallelism; "
+                                 "use ubtree (V1 runner)")
     bad = [c for c in settings.concurrency if c < 1]
     if bad:
         raise BenchArgumentError(f"--concurrency: each value must be >= 1, got {bad[0]}")
@@ -230,6 +236,7 @@ def settings_from_args(args: argparse.Namespace, check_datasets: bool = True) ->
         seed=args.seed,
         stage_timing=args.stage_timing,
         agreement=getattr(args, "agreement", False),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
     ), check_datasets=check_datasets)
 
 

@@ -74,7 +74,7 @@ def stage_values(result: RunResult, times: Mapping[str, tuple[int, float]] | Non
 
 def stage_records(run: MethodRun, result: RunResult, times: Mapping[str, tuple[int, float]] | None, *,
                   target: str, drafter: str | None, dataset: str, temperature: float, concurrency: int,
-                  max_new_tokens: int, cuda_graphs: bool) -> list[dict[str, Any]]:
+                  max_new_tokens: int, cuda_graphs: bool, tp: int = 1) -> list[dict[str, Any]]:
     """Microbench records (one per metric) of one stage-timed run."""
     notes = (f"ubtree bench e2e --stage-timing: mean per engine step over {result.engine_steps} steps "
              f"({result.num_requests} requests, {result.output_tokens} tokens, at most {concurrency} in flight); "
@@ -82,7 +82,7 @@ def stage_records(run: MethodRun, result: RunResult, times: Mapping[str, tuple[i
     common = {"kind": "microbench", "method": run.method, "target": target,
               "drafter": drafter if run.uses_drafter else None, "dataset": dataset,
               "num_prompts": result.num_requests, "max_new_tokens": max_new_tokens, "temperature": float(temperature),
-              "batch_size": concurrency, "concurrency": concurrency, "tp": 1, "cuda_graphs": cuda_graphs,
+              "batch_size": concurrency, "concurrency": concurrency, "tp": tp, "cuda_graphs": cuda_graphs,
               "tree_budget": run.tree_budget, "beam_width": run.beam_width, "top_k": run.top_k,
               "block_size": run.block_size, "tau": None if result.tau is None else round(result.tau, 4),
               "unit": "ms", "notes": notes}

@@ -12,9 +12,10 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from ubtree_vllm import compat, patches
 from ubtree_vllm.vllm.stage_clock import StageTimesRPC
+from ubtree_vllm.vllm.tensor_parallel import TPDigestRPC
 
 
-class UBTreeCPUWorker(StageTimesRPC, CPUWorker):
+class UBTreeCPUWorker(StageTimesRPC, TPDigestRPC, CPUWorker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         compat.check_vllm_version()
         patches.apply("worker")

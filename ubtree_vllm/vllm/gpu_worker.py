@@ -17,11 +17,12 @@ from vllm.v1.worker.gpu_worker import Worker
 from ubtree_vllm import compat, patches
 from ubtree_vllm.vllm.decode_graphs import widen_decode_graph_sizes
 from ubtree_vllm.vllm.stage_clock import StageTimesRPC
+from ubtree_vllm.vllm.tensor_parallel import TPDigestRPC
 
 logger = init_logger(__name__)
 
 
-class UBTreeGPUWorker(StageTimesRPC, Worker):
+class UBTreeGPUWorker(StageTimesRPC, TPDigestRPC, Worker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         compat.check_vllm_version()
         patches.apply("worker")

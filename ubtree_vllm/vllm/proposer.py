@@ -25,10 +25,12 @@ from ubtree_vllm.tree.topology import DraftTree
 from ubtree_vllm.types import DraftContext
 from ubtree_vllm.vllm.config import METHOD, UBTreeVllmConfig, from_vllm_config
 from ubtree_vllm.vllm.draft_graphs import DraftGraphs
+from ubtree_vllm.vllm.tensor_parallel import full_vocab_rows, tp_group
 
 
 def target_embeddings(target: nn.Module, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input embedding [V, H], LM head [V, H]) of a vLLM decoder (Llama/Qwen layout)."""
+    """(input embedding [V, H], LM head [V, H]) of a vLLM decoder (Llama/Qwen layout); with tensor
+    parallelism the vocabulary shards are gathered (vllm/tensor_parallel.py)."""
     inner = getattr(target, "model", None)
     embed = getattr(inner, "embed_tokens", None)
     if embed is None:
@@ -38,7 +40,10 @@ def target_embeddings(target: nn.Module, vocab_size: int) -> tuple[torch.Tensor,
     head_weight = getattr(head, "weight", None)
     if head_weight is None:  # tied embeddings without a separate head module
         head_weight = embed.weight
-    return embed.weight[:vocab_size], head_weight[:vocab_size]
+    group = tp_group()
+    embed_weight = full_vocab_rows(embed.weight, vocab_size, group)
+    return embed_weight, (embed_weight if head_weight is embed.weight else full_vocab_rows(head_weight, vocab_size,
+                                                                                           group))
 
 
 class UBTreeProposer:

@@ -42,6 +42,7 @@ from ubtree_vllm.vllm.kv_commit import commit_accepted_paths, commit_accepted_pa
 from ubtree_vllm.vllm.proposer import UBTreeProposer
 from ubtree_vllm.vllm.sampler import TreeRejectionSampler
 from ubtree_vllm.vllm.stage_clock import StageClock
+from ubtree_vllm.vllm.tensor_parallel import RankDigest, from_driver, is_driver, tp_group
 from ubtree_vllm.vllm.tree_plan import RequestTree, TreeStepPlan, ragged_arange, build_plan
 
 
@@ -63,7 +64,12 @@ class UBTreeRunnerMixin:
         sorted_ids = sorted(set(aux_ids))
         # vLLM returns aux states in ascending layer order; the drafter wants its own order.
         self._aux_order = [sorted_ids.index(i) for i in aux_ids]
-        self._tree_sampler = TreeRejectionSampler(config.tree.block_size, vllm_config.model_config.logprobs_mode)
+        # Tensor parallelism: trees drafted on the driver rank and its node draws, broadcast to every rank.
+        self._tp_group = tp_group()
+        self.ubtree_tp_digest = RankDigest()  # every TP rank must end with the same (vllm/tensor_parallel.py)
+        self._tree_sampler = TreeRejectionSampler(
+            config.tree.block_size, vllm_config.model_config.logprobs_mode,
+            share_draws=None if self._tp_group is None else lambda draws: from_driver(draws, self._tp_group))
         self._tree_state = tree_forward_state()
         self._trees: dict[str, RequestTree] = {}
         self._plan: TreeStepPlan | None = None
@@ -204,16 +210,23 @@ class UBTreeRunnerMixin:
             self._trees.pop(req_ids[i], None)
         if not drafting:
             return drafts
-        anchor_pos = [int(self.input_batch.num_tokens_no_spec[i]) - 1 for i in drafting]
-        with clock.stage("draft_context"):
-            ctx = self._draft_context([req_ids[i] for i in drafting], drafting,
-                                      [sampled_token_ids[i][-1] for i in drafting], anchor_pos)
-        with clock.stage("draft"):
-            tree = self.drafter.propose(ctx)  # type: ignore[attr-defined]
+        if is_driver(self._tp_group):
+            anchor_pos = [int(self.input_batch.num_tokens_no_spec[i]) - 1 for i in drafting]
+            with clock.stage("draft_context"):
+                ctx = self._draft_context([req_ids[i] for i in drafting], drafting,
+                                          [sampled_token_ids[i][-1] for i in drafting], anchor_pos)
+            with clock.stage("draft"):
+                tree = self.drafter.propose(ctx)  # type: ignore[attr-defined]
+                packed = torch.stack([tree.tokens, tree.parents, tree.depth]).long()  # [3, N, B + 1]
+        else:  # another TP rank: the driver's trees (vllm/tensor_parallel.py)
+            packed = torch.empty((3, len(drafting), self.ubtree_config.tree.tree_budget + 1), dtype=torch.long,
+                                 device=self.device)
+        packed = from_driver(packed, self._tp_group)
         with clock.stage("drafts_to_host"):
             # SYNC: vLLM's scheduler takes draft tokens as host lists (custom_class contract);
             # one device-to-host copy for tokens, parents and depth.
-            host = torch.stack([tree.tokens, tree.parents, tree.depth]).cpu().numpy()  # [3, N, B + 1]
+            host = packed.cpu().numpy()  # [3, N, B + 1]
+        self.ubtree_tp_digest.update(host, sampled_token_ids)
         tokens = host[0, :, 1:].tolist()
         parents, depth = host[1], host[2]
         for k, i in enumerate(drafting):

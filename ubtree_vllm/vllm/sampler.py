@@ -37,6 +37,8 @@ and ``raw_logits``): the logits straight from the model, as vLLM's sampler repor
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor, MinPLogitsProcessor,
@@ -209,12 +211,15 @@ class TreeRejectionSampler:
     bound once; on the CPU it is ``accept_tree``'s torch ops, bounded by the step's depth.
     """
 
-    def __init__(self, block_size: int, logprobs_mode: str = "raw_logprobs"):
+    def __init__(self, block_size: int, logprobs_mode: str = "raw_logprobs",
+                 share_draws: Callable[[torch.Tensor], torch.Tensor] | None = None):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES} with method 'ubtree', "
                              f"got {logprobs_mode!r}")
         self.block_size = block_size
         self.logprobs_mode = logprobs_mode
+        # tensor parallelism: the driver rank's draws on every rank (vllm/tensor_parallel.py)
+        self.share_draws = share_draws
 
     def __call__(self, plan: TreeStepPlan, trees: DeviceTrees, logits: torch.Tensor,
                  metadata: SamplingMetadata) -> tuple[SamplerOutput, AcceptResult]:
@@ -231,7 +236,9 @@ class TreeRejectionSampler:
         node = torch.arange(max_nodes, device=device)
         index = start[:, None] + torch.minimum(node[None, :], last[:, None])  # [num_reqs, max_nodes]
         params = sampling_tensors(metadata, num_reqs, device)
-        draws = draw_node_tokens(logits, index, metadata, params, plan)
+        draws = draw_node_tokens(logits, index, metadata, params, plan)  # [N, n] int64
+        if self.share_draws is not None:
+            draws = self.share_draws(draws)
         # the kernel is compiled per depth bound: a static one on CUDA, the step's own on the CPU
         bound = max(self.block_size, plan.max_depth) if logits.is_cuda else plan.max_depth
         result = walk_trees(trees.parents, trees.tokens, trees.depth, draws, bound)

