@@ -105,6 +105,8 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
     else:
         args.speculative_config = {"method": VLLM_METHOD, "model": PROPOSER_CLASS_PATH,
                                    "num_speculative_tokens": spec.tree.tree_budget}
+    if spec.budget_schedule is not None:  # vLLM's scheduler picks each step's budget (dynamic speculative decoding)
+        args.speculative_config["num_speculative_tokens_per_batch_size"] = [list(e) for e in spec.budget_schedule]
     args.spec_method = args.spec_model = args.spec_tokens = None
     args.additional_config = {**(args.additional_config or {}), ADDITIONAL_CONFIG_KEY: spec.to_additional_config()}
     if current_platform.is_cuda() and args.attention_backend is None and \
@@ -126,7 +128,8 @@ def _runs_on_mrv2(runner: str, spec: Any, tensor_parallel_size: int = 1) -> bool
 
     ``auto`` takes Model Runner V2 unless it cannot serve the engine -- a tree budget below the
     drafter's block size (vLLM reserves B lookahead KV slots, the drafter writes gamma) or
-    ``VLLM_USE_V2_MODEL_RUNNER=0`` or tensor parallelism (V1 only so far) -- or ``prompt_lookup`` is on (MRV2's lookup branch has unit
+    ``VLLM_USE_V2_MODEL_RUNNER=0`` or tensor parallelism (V1 only so far) -- or ``prompt_lookup`` or a
+    budget schedule (``num_speculative_tokens_per_batch_size``) is on (MRV2's lookup branch has unit
     tests but no H200 run yet; ``UBTREE_VLLM_RUNNER=mrv2`` selects it), and then the V1 runner,
     saying why."""
     if runner != "auto":
@@ -140,7 +143,9 @@ def _runs_on_mrv2(runner: str, spec: Any, tensor_parallel_size: int = 1) -> bool
               f"tensor_parallel_size {tensor_parallel_size} (tensor parallelism is served on the V1 runner)"
               if tensor_parallel_size > 1 else
               "prompt_lookup (the MRV2 lookup branch is not yet verified on the GPU; UBTREE_VLLM_RUNNER=mrv2 "
-              "selects it)" if spec.tree.prompt_lookup
+              "selects it)" if spec.tree.prompt_lookup else
+              "num_speculative_tokens_per_batch_size (a per-step tree budget on MRV2 has not run on the GPU yet; "
+              "UBTREE_VLLM_RUNNER=mrv2 selects it)" if spec.budget_schedule is not None
               else None)
     if reason:
         init_logger(__name__).info("ubtree runs on the V1 model runner: %s (Model Runner V2 needs neither)", reason)

@@ -70,6 +70,11 @@ def test_additional_config_round_trip(tiny_drafter):
     ({"prompt_lookup": "on"}, r"speculative_config.prompt_lookup \(.*\) must be true or false, got 'on'"),
     ({"prompt_lookup": True, "prompt_lookup_max": 17}, r"prompt_lookup_max \(.*\) must be an integer in \[1, 16\]"),
     ({"prompt_lookup": True, "prompt_lookup_min": 5}, r"prompt_lookup_min \(.*\) must be an integer in \[1, 4\]"),
+    ({"num_speculative_tokens_per_batch_size": [[1, 4, 9]]},
+     r"num_speculative_tokens_per_batch_size: entry \[1, 4, 9\] has budget 9; .* \[1, num_speculative_tokens = 8\]"),
+    ({"num_speculative_tokens_per_batch_size": [[3, 2, 4]]}, r"needs 1 <= first batch size <= last batch size"),
+    ({"num_speculative_tokens_per_batch_size": [[1, 4]]}, r"each entry must be \[first batch size, last batch size"),
+    ({"num_speculative_tokens_per_batch_size": []}, r"must be a non-empty list"),
 ])
 def test_invalid_settings_name_field_and_allowed_values(tiny_drafter, overrides, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -163,3 +168,10 @@ def test_unsupported_request_options():
     penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
     assert unsupported_options(SamplingParams(**penalties)) == []
     assert unsupported_options(SamplingParams(**penalties), runner="mrv2") == list(penalties)
+
+
+def test_budget_schedule_reaches_the_config(tiny_drafter):
+    cfg = parse_speculative_config(spec(tiny_drafter, num_speculative_tokens_per_batch_size=[[1, 2, 8], [3, 16, 4]]),
+                                   TINY)
+    assert cfg.budget_schedule == ((1, 2, 8), (3, 16, 4))
+    assert parse_speculative_config(spec(tiny_drafter), TINY).budget_schedule is None

@@ -98,3 +98,23 @@ def test_options_trees_cannot_serve_are_rejected(ubtree_llm):
                                                   r"decoding method 'ubtree'"):
         generate(ubtree_llm, PROMPTS[:1], SamplingParams(max_tokens=4, structured_outputs=json_mode, detokenize=False))
     assert len(generate(ubtree_llm, PROMPTS[:1])[0]) == MAX_TOKENS  # the engine keeps serving
+
+
+def test_load_adaptive_budget_verifies_the_scheduled_first_nodes(tiny_target, tiny_drafter, reference_batch):
+    """num_speculative_tokens_per_batch_size: with 8 requests in flight vLLM's scheduler picks B' = 3 of B = 8, the
+    runner hands it the first 3 nodes of each tree (a subtree), and greedy output stays plain decoding's."""
+    schedule = [[1, 4, 8], [5, 16, 3]]
+    llm = LLM(model=str(tiny_target), speculative_config={"method": "ubtree", "model": str(tiny_drafter), **TINY_TREE,
+                                                          "num_speculative_tokens_per_batch_size": schedule},
+              **ENGINE_KWARGS)
+    try:
+        got = generate(llm, PROMPTS)
+        metrics = llm.get_metrics()
+    finally:
+        del llm
+    assert got == reference_batch
+    totals = {m.name: float(m.value) for m in metrics if m.name in ("vllm:spec_decode_num_drafts",
+                                                                    "vllm:spec_decode_num_draft_tokens")}
+    drafts, tokens = totals["vllm:spec_decode_num_drafts"], totals["vllm:spec_decode_num_draft_tokens"]
+    # mostly 3 nodes per round (8 in flight); 8 only in the last rounds, once fewer than 5 requests are left
+    assert drafts > 0 and tokens / drafts < 5, totals

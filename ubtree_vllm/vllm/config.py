@@ -58,7 +58,7 @@ MAX_TREE_BUDGET = 128
 
 # Keys accepted in the user's speculative config for method "ubtree".
 SPEC_KEYS = ("method", "model", "num_speculative_tokens", "beam_width", "top_k", "prompt_lookup",
-             "prompt_lookup_min", "prompt_lookup_max")
+             "prompt_lookup_min", "prompt_lookup_max", "num_speculative_tokens_per_batch_size")
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,10 @@ class UBTreeVllmConfig:
     # CUDA graphs for tree steps of every batch size (vllm/decode_graphs.py); False when the
     # user chose cudagraph_capture_sizes / max_cudagraph_capture_size
     wide_decode_graphs: bool = True
+    # Load-adaptive tree budget: vLLM's dynamic speculative decoding schedule, ((first, last batch
+    # size, B'), ...); a step of n requests verifies the first B' nodes of each tree (a subtree: the
+    # nodes are parents first). None: always B. Read by vLLM's scheduler, not by the workers.
+    budget_schedule: tuple[tuple[int, int, int], ...] | None = None
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -211,8 +215,35 @@ def parse_speculative_config(spec: Mapping[str, Any], target: TargetInfo) -> UBT
     tree = UBTreeConfig(tree_budget=budget, beam_width=width, top_k=top_k, block_size=drafter.block_size,
                         prompt_lookup=lookup, lookup_min_n=min_n, lookup_max_n=max_n)
     tree.check_vocab(target.vocab_size)
+    schedule = _budget_schedule(spec.get("num_speculative_tokens_per_batch_size"), budget)
     return UBTreeVllmConfig(drafter_dir=str(Path(spec["model"]).expanduser().resolve()), tree=tree,
-                            drafter=drafter)
+                            drafter=drafter, budget_schedule=schedule)
+
+
+def _budget_schedule(value: Any, budget: int) -> tuple[tuple[int, int, int], ...] | None:
+    """``num_speculative_tokens_per_batch_size``: a list of [first batch size, last batch size, B'] with
+    1 <= B' <= B (vLLM's dynamic speculative decoding format; vLLM checks the ranges themselves)."""
+    if value is None:
+        return None
+    field = "speculative_config.num_speculative_tokens_per_batch_size"
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"{field} (the tree budget per batch size) must be a non-empty list of "
+                         f"[first batch size, last batch size, budget] entries, got {value!r}")
+    entries = []
+    for entry in value:
+        if (not isinstance(entry, (list, tuple)) or len(entry) != 3
+                or any(isinstance(v, bool) or not isinstance(v, int) for v in entry)):
+            raise ValueError(f"{field}: each entry must be [first batch size, last batch size, budget] (integers), "
+                             f"got {entry!r}")
+        first, last, entry_budget = entry
+        if not 1 <= first <= last:
+            raise ValueError(f"{field}: entry {list(entry)} needs 1 <= first batch size <= last batch size")
+        if not 1 <= entry_budget <= budget:
+            raise ValueError(f"{field}: entry {list(entry)} has budget {entry_budget}; each budget must be in "
+                             f"[1, num_speculative_tokens = {budget}] (a step verifies the first nodes of the "
+                             f"B-node tree)")
+        entries.append((first, last, entry_budget))
+    return tuple(entries)
 
 
 def is_ubtree_speculative_config(speculative_config: Any) -> bool:

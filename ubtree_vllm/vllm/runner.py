@@ -227,12 +227,20 @@ class UBTreeRunnerMixin:
             # one device-to-host copy for tokens, parents and depth.
             host = packed.cpu().numpy()  # [3, N, B + 1]
         self.ubtree_tp_digest.update(host, sampled_token_ids)
-        tokens = host[0, :, 1:].tolist()
+        # load-adaptive budget: vLLM's scheduler picked this step's B' (num_speculative_tokens_per_batch_size);
+        # the first B' nodes of each tree are a subtree (parents first)
+        tokens = host[0, :, 1:1 + self._step_budget(scheduler_output)].tolist()
         parents, depth = host[1], host[2]
         for k, i in enumerate(drafting):
             drafts[i] = tokens[k]
             self._trees[req_ids[i]] = RequestTree(draft_tokens=tokens[k], parents=parents[k], depth=depth[k])
         return drafts
+
+    def _step_budget(self, scheduler_output: Any) -> int:
+        """This step's tree budget: vLLM's dynamic choice where a schedule is set, else B."""
+        budget = self.ubtree_config.tree.tree_budget
+        chosen = getattr(scheduler_output, "num_spec_tokens_to_schedule", 0) or budget
+        return min(budget, int(chosen))
 
     def _commit_features(self, scheduler_output: Any, plan: TreeStepPlan, features: torch.Tensor) -> None:
         """Write every request's committed rows (prefix rows, root, accepted path) at their positions.
