@@ -322,13 +322,20 @@ def test_flash_attention_resolves_to_the_tree_backend_on_cuda():
 
 
 def test_runner_choice_for_the_lookup_branch(monkeypatch):
-    """auto keeps the lookup branch on V1 until MRV2's has run on a GPU; a pinned mrv2 runs MRV2's branch."""
+    """auto keeps the lookup branch (and a budget schedule, and TP) on V1 until MRV2's has run on a GPU; a pinned
+    mrv2 runs MRV2's."""
     from types import SimpleNamespace
 
     from ubtree_vllm.patches.engine import patch_engine_args_speculative_config as patch
 
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    lookup = SimpleNamespace(tree=SimpleNamespace(prompt_lookup=True, tree_budget=64, block_size=16))
-    plain = SimpleNamespace(tree=SimpleNamespace(prompt_lookup=False, tree_budget=64, block_size=16))
+    def spec(lookup: bool = False, schedule=None) -> SimpleNamespace:
+        return SimpleNamespace(tree=SimpleNamespace(prompt_lookup=lookup, tree_budget=64, block_size=16),
+                               budget_schedule=schedule)
+
+    lookup, plain, scheduled = spec(lookup=True), spec(), spec(schedule=((1, 4, 64), (5, 64, 16)))
     assert patch._runs_on_mrv2("mrv2", lookup) and patch._runs_on_mrv2("auto", plain)
     assert not patch._runs_on_mrv2("auto", lookup) and not patch._runs_on_mrv2("v1", plain)
+    # a per-step budget and tensor parallelism also keep auto on V1; a pinned runner is the user's choice
+    assert not patch._runs_on_mrv2("auto", scheduled) and patch._runs_on_mrv2("mrv2", scheduled)
+    assert not patch._runs_on_mrv2("auto", plain, tensor_parallel_size=2)
