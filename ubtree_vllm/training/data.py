@@ -427,7 +427,6 @@ def generate_dataset(cfg: DataGenConfig, generator: GenerateFn | None = None, lo
     `generator` (one shard at a time) or `stream` overrides the backend (tests). Raises ValueError if `out_dir` holds a
     dataset made with other settings or for another tokenizer.
     """
-    started = time.monotonic()
     target_path = resolve_target_path(cfg.target)
     tokenizer, eos = load_tokenizer_and_eos(target_path)
     max_positions = _max_positions(target_path)
@@ -451,19 +450,23 @@ def generate_dataset(cfg: DataGenConfig, generator: GenerateFn | None = None, lo
     done = {s["file"] for s in manifest["shards"]}
     # this worker's shards: index = worker (mod num_workers)
     todo = [i for i in range(cfg.worker, num_shards, cfg.num_workers) if shard_name(i) not in done]
-    if stream is not None:
-        pass
-    elif generator is not None:
-        stream = sequential_stream(generator)
-    elif not todo:
-        stream = sequential_stream(lambda prompts, seed, temperatures: [])  # nothing left: no engine
-    elif cfg.backend == "hf":
-        stream = sequential_stream(hf_generator(target_path, cfg, eos))
-    else:
-        stream = vllm_stream(target_path, cfg, eos)
+    if stream is None:
+        if generator is not None:
+            stream = sequential_stream(generator)
+        elif not todo:
+            stream = sequential_stream(lambda prompts, seed, temperatures: [])  # nothing left: no engine
+        elif cfg.backend == "hf":
+            stream = sequential_stream(hf_generator(target_path, cfg, eos))
+        else:
+            stream = vllm_stream(target_path, cfg, eos)
     # max_minutes counts generation time: an engine that takes minutes to start (compile, CUDA
     # graphs on a cold machine) still writes shards
     started = time.monotonic()
+
+    def shard_samples(index: int) -> list[list[int]]:
+        """Shard `index`'s prompts, each repeated samples_per_prompt times (the order of its answers)."""
+        shard_prompts = prompts[index * cfg.shard_size:(index + 1) * cfg.shard_size]
+        return [list(p) for p in shard_prompts for _ in range(cfg.samples_per_prompt)]
 
     def jobs() -> Iterator[ShardJob]:
         for index in todo:
@@ -471,17 +474,14 @@ def generate_dataset(cfg: DataGenConfig, generator: GenerateFn | None = None, lo
                 log(f"gen-data: stopping at the time budget ({cfg.max_minutes} min) after {len(done)} of "
                     f"{num_shards} shards (the shards already in flight finish); run again to resume")
                 return
-            shard_prompts = prompts[index * cfg.shard_size:(index + 1) * cfg.shard_size]
-            chunk = [list(p) for p in shard_prompts for _ in range(cfg.samples_per_prompt)]
-            temperatures = [0.0 if j < cfg.greedy_samples else cfg.temperature
-                            for _ in shard_prompts for j in range(cfg.samples_per_prompt)]
+            chunk = shard_samples(index)
+            temperatures = [0.0 if j % cfg.samples_per_prompt < cfg.greedy_samples else cfg.temperature
+                            for j in range(len(chunk))]
             yield index, chunk, cfg.seed * 100003 + index, temperatures
 
     for index, responses in stream(jobs()):
-        shard_prompts = prompts[index * cfg.shard_size:(index + 1) * cfg.shard_size]
-        chunk = [p for p in shard_prompts for _ in range(cfg.samples_per_prompt)]
         name = shard_name(index)
-        counts = write_shard(out / name, list(zip(chunk, responses)))
+        counts = write_shard(out / name, list(zip(shard_samples(index), responses)))
         manifest = _merge_shards(manifest_path, manifest, [{"file": name, **counts}], num_shards)
         done.add(name)
         log(f"gen-data: wrote {name} ({counts['num_samples']} samples, {counts['num_response_tokens']} response "

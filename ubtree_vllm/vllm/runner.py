@@ -66,7 +66,8 @@ class UBTreeRunnerMixin:
         self._aux_order = [sorted_ids.index(i) for i in aux_ids]
         # Tensor parallelism: trees drafted on the driver rank and its node draws, broadcast to every rank.
         self._tp_group = tp_group()
-        self.ubtree_tp_digest = RankDigest()  # every TP rank must end with the same (vllm/tensor_parallel.py)
+        # with TP, every rank must end with the same digest (vllm/tensor_parallel.py); empty without TP
+        self.ubtree_tp_digest = RankDigest()
         self._tree_sampler = TreeRejectionSampler(
             config.tree.block_size, vllm_config.model_config.logprobs_mode,
             share_draws=None if self._tp_group is None else lambda draws: from_driver(draws, self._tp_group))
@@ -226,7 +227,8 @@ class UBTreeRunnerMixin:
             # SYNC: vLLM's scheduler takes draft tokens as host lists (custom_class contract);
             # one device-to-host copy for tokens, parents and depth.
             host = packed.cpu().numpy()  # [3, N, B + 1]
-        self.ubtree_tp_digest.update(host, sampled_token_ids)
+        if self._tp_group is not None:  # host hashing only where there are ranks to compare
+            self.ubtree_tp_digest.update(host, sampled_token_ids)
         # load-adaptive budget: vLLM's scheduler picked this step's B' (num_speculative_tokens_per_batch_size);
         # the first B' nodes of each tree are a subtree (parents first)
         tokens = host[0, :, 1:1 + self._step_budget(scheduler_output)].tolist()

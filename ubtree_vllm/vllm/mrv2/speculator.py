@@ -69,8 +69,8 @@ from ubtree_vllm.vllm.stage_clock import StageClock
 logger = init_logger(__name__)
 
 ROOT_PARENT = -1  # parents[:, 0]
-_UNTIMED = StageClock(torch.device("cpu"), enabled=False)
 NO_NODE = -2  # parents of absent nodes
+_UNTIMED = StageClock(torch.device("cpu"), enabled=False)  # dummy runs (profiling, capture) are never timed
 
 
 # ---- pure helpers (CPU-testable) -------------------------------------------------------------
