@@ -70,10 +70,11 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     ),
     "UBTREE_STAGE_TIMING": EnvVar(
         default="0",
-        parse=_flag,
+        parse=lambda raw: _choice(raw, ("0", "1", "ranges")),
         doc=(
             "1: the UBTree runner times each stage of its steps, synchronizing the device at "
-            "stage boundaries (diagnosis; `ubtree bench e2e --stage-timing` sets it); 0: off."
+            "stage boundaries (diagnosis; `ubtree bench e2e --stage-timing` sets it); ranges: each "
+            "stage is a torch.profiler range named ubtree:<stage>, no sync (`ubtree bench e2e --profile`); 0: off."
         ),
     ),
     "UBTREE_VLLM_RUNNER": EnvVar(

@@ -44,6 +44,10 @@
 #   stages   `ubtree bench e2e --stage-timing`: mean time per engine step of each UBTree runner stage, V1 and MRV2
 #            (ar for the step wall time; same selectors as bench, default mt_bench, T=0, 4 prompts, B=16,64;
 #            STAGE_CONCURRENCY, default 1, e.g. 1,32 with BENCH_PROMPTS >= 32)
+#   roundprof `ubtree bench e2e --profile`: torch.profiler tables (host API calls, device busy time, stage host/device
+#            ms, top ops) per engine step of METHODS (default ar,ngram,ubtree-mrv2,ubtree-mrv2-lookup, B=64) on
+#            PROFILE_PROMPTS (default 2) MT-Bench prompts at STAGE_CONCURRENCY (default 1), T=0; into
+#            $OUT/roundprof.tar (each engine's first Chrome trace included)
 #   agreement  `ubtree bench e2e --agreement`: greedy divergence from ar of ngram, dflash-chain and ubtree-mrv2
 #            (B=64) on AGREE_PROMPTS (default 48) prompts per set x 256 tokens, bf16 (issue 19's rate)
 #   tp2      (two GPUs) tests/vllm/test_vllm_tensor_parallel.py under Ray, and ar / ubtree at TP = 1 and 2 (records)
@@ -199,6 +203,14 @@ for phase in "$@"; do
         --datasets "${BENCH_DATASETS:-mt_bench}" --temperatures "${BENCH_TEMPS:-0}" --num-prompts "${BENCH_PROMPTS:-4}" \
         --max-new-tokens 256 --methods "${METHODS:-ar,ubtree,ubtree-mrv2}" --tree-budgets "${BUDGETS:-16,64}" \
         --beam-width 12 --top-k 64 --concurrency "${STAGE_CONCURRENCY:-1}" ;;
+    roundprof)
+      rm -rf runs/roundprof
+      ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --no-report \
+        --gpu-memory-utilization 0.25 --profile runs/roundprof \
+        --datasets mt_bench --temperatures 0 --num-prompts "${PROFILE_PROMPTS:-2}" --max-new-tokens 256 \
+        --methods "${METHODS:-ar,ngram,ubtree-mrv2,ubtree-mrv2-lookup}" --tree-budgets "${BUDGETS:-64}" \
+        --beam-width 12 --top-k 64 --concurrency "${STAGE_CONCURRENCY:-1}"
+      mkdir -p "$OUT" && tar -cf "$OUT/roundprof.tar" -C runs roundprof ;;
     agreement)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization 0.25 --agreement \

@@ -68,6 +68,10 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
                         help="greedy outputs of every method compared with ar's on the same prompts (needs ar and "
                              "--temperatures 0): appends greedy_divergence_rate microbench records instead of e2e "
                              "records (bench/agreement.py)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="run every measurement under torch.profiler and write per-step host/device tables "
+                             "(and each engine's first Chrome trace) to DIR instead of records (bench/profile.py; "
+                             "needs the engine in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0)")
 
 
 def _add_microbench_args(parser: argparse.ArgumentParser) -> None:

@@ -19,11 +19,13 @@ path, which is not what serving measures). How tau, tok/s, TPOT and the speedup 
 computed: bench/measurement.py. Each speculative run also appends its round cost in plain
 decode steps against the ar run of the same cell (bench/round_cost.py). With `--stage-timing`
 the runs append stage-time records instead of e2e records (bench/stage_timing.py); with
-`--agreement`, greedy-divergence records against ar (bench/agreement.py).
+`--agreement`, greedy-divergence records against ar (bench/agreement.py); with `--profile DIR`,
+torch.profiler tables per run and no records (bench/profile.py).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -36,6 +38,8 @@ from typing import Any
 
 from ubtree_vllm.bench.agreement import agreement_record, tokens_in_prompt_order
 from ubtree_vllm.bench.measurement import RunResult, SpeedupTable, e2e_record, spec_counters, summarize_run
+from ubtree_vllm.bench.profile import ENV as PROFILE_ENV
+from ubtree_vllm.bench.profile import profiled, run_name
 from ubtree_vllm.bench.prompts import PromptSet, dataset_prompt_sets
 from ubtree_vllm.bench.round_cost import round_cost_records
 from ubtree_vllm.bench.settings import (TREE_METHODS, BenchArgumentError, E2ESettings, MethodRun, dflash_chain_run,
@@ -170,9 +174,11 @@ def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path
     with tempfile.TemporaryDirectory(prefix="ubtree-bench-") as scratch:
         for label in planned_methods(settings):
             log(f"bench e2e: starting engine for {label}")
-            with stage_timing_env(settings.stage_timing):
+            profiling = settings.profile_dir is not None
+            with stage_timing_env(settings.stage_timing), environment(PROFILE_ENV if profiling else {}):
                 run, llm = _start_engine(label, settings, target_path, engine_kwargs, Path(scratch), log)
             clocked = settings.stage_timing and uses_runner_clock(run)
+            traced = False  # --profile: the first run of each engine also writes its Chrome trace
             try:
                 measure(llm, warmup, 0.0, 1, min(WARMUP_TOKENS, settings.max_new_tokens))
                 for concurrency in settings.concurrency:
@@ -181,8 +187,15 @@ def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path
                             if clocked:
                                 read_stage_times(llm, reset=True)
                             outputs: list[Any] = []
-                            result = measure(llm, prompt_set, temperature, concurrency, settings.max_new_tokens,
-                                             outputs)
+                            steps = [0]
+                            profile = profiled(Path(settings.profile_dir),
+                                               run_name(label, prompt_set.dataset, temperature, concurrency),
+                                               steps, trace=not traced) if profiling else contextlib.nullcontext()
+                            with profile:
+                                result = measure(llm, prompt_set, temperature, concurrency,
+                                                 settings.max_new_tokens, outputs)
+                                steps[0] = result.engine_steps
+                            traced = True
                             speedup = speedups.speedup(run.method, prompt_set.dataset, temperature, concurrency,
                                                        result.tokens_per_s)
                             where = dict(target=target, drafter=settings.drafter, dataset=prompt_set.dataset,
@@ -191,7 +204,9 @@ def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path
                                          tp=settings.tensor_parallel_size)
                             record = e2e_record(run, result, speedup=speedup, **where)
                             log(f"bench e2e: {summary_line(record)}")
-                            if settings.agreement:  # greedy outputs against ar's: agreement records only
+                            if profiling:  # the profiler slows the steps: tables only, no records
+                                new = []
+                            elif settings.agreement:  # greedy outputs against ar's: agreement records only
                                 tokens = tokens_in_prompt_order(outputs, prompt_set.prompts)
                                 cell = (prompt_set.dataset, concurrency)
                                 if run.method == "ar":
@@ -257,9 +272,11 @@ def run_cli(args: argparse.Namespace) -> int:
         engine_kwargs["max_model_len"] = args.max_model_len
     if getattr(args, "distributed_executor_backend", None):
         engine_kwargs["distributed_executor_backend"] = args.distributed_executor_backend
-    records_path = None if args.no_record else args.records
+    records_path = None if args.no_record or settings.profile_dir is not None else args.records
     rows = run_e2e(settings, prompt_sets, target_path, engine_kwargs, records_path)
-    if settings.agreement:
+    if settings.profile_dir is not None:
+        print(f"bench e2e: profile tables in {settings.profile_dir}")
+    elif settings.agreement:
         for r in rows:
             print(f"{r['method']:<12} B={r['tree_budget']} {r['dataset']} c={r['concurrency']} "
                   f"{r['metric']} {r['value']:.3f} ({r['notes'].split(': ', 1)[1]})")

@@ -115,6 +115,8 @@ class E2ESettings:
     seed: int = 0
     stage_timing: bool = False
     agreement: bool = False
+    # --profile DIR: torch.profiler summaries per run instead of records (bench/profile.py)
+    profile_dir: str | None = None
     tensor_parallel_size: int = 1
     # Drafter facts read from its config.json (None without a drafter).
     block_size: int | None = field(default=None, compare=False)
@@ -182,6 +184,8 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
                                      f"{','.join(str(t) for t in settings.temperatures)}")
         if settings.stage_timing:
             raise BenchArgumentError("--agreement and --stage-timing are separate modes; pass one")
+    if settings.profile_dir is not None and (settings.agreement or settings.stage_timing):
+        raise BenchArgumentError("--profile, --stage-timing and --agreement are separate modes; pass one")
 
     if all(m in DRAFTER_FREE_METHODS for m in settings.methods):
         return settings
@@ -236,6 +240,7 @@ def settings_from_args(args: argparse.Namespace, check_datasets: bool = True) ->
         seed=args.seed,
         stage_timing=args.stage_timing,
         agreement=getattr(args, "agreement", False),
+        profile_dir=getattr(args, "profile", None),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
     ), check_datasets=check_datasets)
 

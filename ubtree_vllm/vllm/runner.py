@@ -31,7 +31,7 @@ import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from ubtree_vllm import compat, envs
+from ubtree_vllm import compat
 from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers
 from ubtree_vllm.types import DraftContext
 from ubtree_vllm.verify.accept import AcceptResult
@@ -79,7 +79,7 @@ class UBTreeRunnerMixin:
         # Fixed-size tree-row buffers for CUDA-graph-captured tree attention (FLASH_ATTN), one
         # entry per token; paths hold the root and at most gamma nodes.
         self._row_buffers = RowBuffers.empty(self.max_num_tokens, config.tree.block_size + 1, self.device)
-        self.ubtree_stage_clock = StageClock(self.device, envs.UBTREE_STAGE_TIMING)
+        self.ubtree_stage_clock = StageClock.from_env(self.device)
         self._use_builtin_logits_processors()
 
     def _use_builtin_logits_processors(self) -> None:

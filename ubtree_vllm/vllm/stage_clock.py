@@ -7,6 +7,10 @@ it, and adds that time to the stage's total (not while a CUDA graph is being cap
 ``prepare_inputs``, ``forward``. Off, ``stage`` returns one shared no-op context: no sync, no
 clock read. ``ubtree bench e2e --stage-timing`` reads the totals through the workers'
 ``ubtree_stage_times`` (vLLM's ``collective_rpc``) and records the mean per step.
+
+``UBTREE_STAGE_TIMING=ranges`` instead makes every stage a ``torch.profiler`` range named
+``ubtree:<stage>`` (no sync, no totals): ``ubtree bench e2e --profile`` reads the host and
+device time of each stage from the profile of an untimed step (bench/profile.py).
 """
 from __future__ import annotations
 
@@ -16,16 +20,26 @@ from collections.abc import Iterator
 
 import torch
 
+from ubtree_vllm import envs
+
 _OFF = contextlib.nullcontext()
+RANGE_PREFIX = "ubtree:"  # profiler range names of the stages in ranges mode
 
 
 class StageClock:
     """Per-stage (calls, total seconds); see the module docstring."""
 
-    def __init__(self, device: torch.device, enabled: bool) -> None:
+    def __init__(self, device: torch.device, enabled: bool, ranges: bool = False) -> None:
         self.device = device
         self.enabled = enabled
+        self.ranges = ranges and not enabled
         self._totals: dict[str, list[float]] = {}  # name -> [calls, seconds]
+
+    @classmethod
+    def from_env(cls, device: torch.device) -> StageClock:
+        """The clock ``UBTREE_STAGE_TIMING`` asks for (read when a runner is built): 1 timed, ranges, 0 off."""
+        mode = envs.UBTREE_STAGE_TIMING
+        return cls(device, enabled=mode == "1", ranges=mode == "ranges")
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -44,6 +58,8 @@ class StageClock:
             entry[1] += time.perf_counter() - start
 
     def stage(self, name: str) -> contextlib.AbstractContextManager[None]:
+        if self.ranges:
+            return torch.profiler.record_function(RANGE_PREFIX + name)
         # Never during CUDA-graph capture (vLLM's warm-up): a device sync would break the capture.
         if not self.enabled or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return _OFF

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-from ubtree_vllm import envs
 from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers, kv_path_commit
 from ubtree_vllm.vllm.attention.state import RowBuffers, bind_tree_layers, tree_forward_state
 from ubtree_vllm.vllm.config import from_vllm_config
@@ -50,7 +49,7 @@ class UBTreeModelRunnerV2(GPUModelRunner):
             raise NotImplementedError("ubtree on Model Runner V2 does not support pipeline parallelism")
         self.ubtree_config = config
         self.gamma = config.tree.block_size
-        self.ubtree_stage_clock = StageClock(device, envs.UBTREE_STAGE_TIMING)
+        self.ubtree_stage_clock = StageClock.from_env(device)
         self.speculator = UBTreeSpeculator(vllm_config, device)  # replaces MRV2's DFlashSpeculator
         self.speculator.stage_clock = self.ubtree_stage_clock
         self.speculator.req_states = self.req_states  # the lookup branch's histories (prompt_lookup)

@@ -1,0 +1,52 @@
+"""`ubtree bench e2e --profile`: the per-step tables from a real torch.profiler run (CPU)."""
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import torch
+
+from ubtree_vllm.bench.profile import profiled, run_name
+from ubtree_vllm.bench.settings import BenchArgumentError, E2ESettings, validate
+from ubtree_vllm.vllm.stage_clock import StageClock
+
+
+def test_run_name_names_engine_and_cell():
+    assert run_name("ubtree-mrv2:64", "mt_bench", 0.0, 1) == "ubtree-mrv2-B64_mt_bench_T0_c1"
+    assert run_name("ar", "humaneval", 1.0, 32) == "ar_humaneval_T1_c32"
+
+
+def test_profiled_block_writes_stage_table_and_trace(tmp_path, monkeypatch):
+    monkeypatch.setenv("UBTREE_STAGE_TIMING", "ranges")
+    clock = StageClock.from_env(torch.device("cpu"))
+    steps = [0]
+    with profiled(tmp_path, "run", steps, trace=True):
+        for _ in range(4):
+            with clock.stage("draft"):
+                x = torch.ones(32, 32) @ torch.ones(32, 32)
+            torch.softmax(x, -1)
+        steps[0] = 4
+    text = (tmp_path / "run.txt").read_text()
+    assert text.startswith("# run: 4 engine steps")
+    stage = next(line for line in text.splitlines() if line.startswith("draft "))
+    assert float(stage.split()[1]) == 1.0  # one draft range per step
+    assert "aten::mm" in text and "aten::_softmax" in text
+    with gzip.open(tmp_path / "run.trace.json.gz") as f:
+        assert any(e.get("name") == "ubtree:draft" for e in json.load(f)["traceEvents"])
+
+
+def test_ranges_mode_neither_syncs_nor_sums(monkeypatch):
+    monkeypatch.setenv("UBTREE_STAGE_TIMING", "ranges")
+    clock = StageClock.from_env(torch.device("cpu"))
+    with clock.stage("a"):
+        pass
+    assert clock.snapshot() == {} and not clock.enabled
+    monkeypatch.setenv("UBTREE_STAGE_TIMING", "sometimes")
+    with pytest.raises(ValueError, match="UBTREE_STAGE_TIMING"):
+        StageClock.from_env(torch.device("cpu"))
+
+
+def test_profile_is_its_own_mode():
+    with pytest.raises(BenchArgumentError, match="--profile"):
+        validate(E2ESettings(methods=("ar",), stage_timing=True, profile_dir="x"))
