@@ -128,10 +128,10 @@ def _runs_on_mrv2(runner: str, spec: Any, tensor_parallel_size: int = 1) -> bool
 
     ``auto`` takes Model Runner V2 unless it cannot serve the engine -- a tree budget below the
     drafter's block size (vLLM reserves B lookahead KV slots, the drafter writes gamma) or
-    ``VLLM_USE_V2_MODEL_RUNNER=0`` or tensor parallelism (V1 only so far) -- or ``prompt_lookup`` or a
-    budget schedule (``num_speculative_tokens_per_batch_size``) is on (MRV2's lookup branch has unit
-    tests but no H200 run yet; ``UBTREE_VLLM_RUNNER=mrv2`` selects it), and then the V1 runner,
-    saying why."""
+    ``VLLM_USE_V2_MODEL_RUNNER=0`` or tensor parallelism (V1 only so far) -- or a budget schedule
+    (``num_speculative_tokens_per_batch_size``) is on (MRV2's per-step budget has unit tests but no
+    H200 run yet; ``UBTREE_VLLM_RUNNER=mrv2`` selects it), and then the V1 runner, saying why.
+    ``prompt_lookup`` runs on either (MRV2's branch passed its H200 greedy test on 2026-12-01)."""
     if runner != "auto":
         return runner == "mrv2"
     from vllm import envs as vllm_envs
@@ -142,8 +142,6 @@ def _runs_on_mrv2(runner: str, spec: Any, tensor_parallel_size: int = 1) -> bool
               f"num_speculative_tokens ({budget}) < the drafter's block size ({gamma})" if budget < gamma else
               f"tensor_parallel_size {tensor_parallel_size} (tensor parallelism is served on the V1 runner)"
               if tensor_parallel_size > 1 else
-              "prompt_lookup (the MRV2 lookup branch is not yet verified on the GPU; UBTREE_VLLM_RUNNER=mrv2 "
-              "selects it)" if spec.tree.prompt_lookup else
               "num_speculative_tokens_per_batch_size (a per-step tree budget on MRV2 has not run on the GPU yet; "
               "UBTREE_VLLM_RUNNER=mrv2 selects it)" if spec.budget_schedule is not None
               else None)

@@ -7,7 +7,7 @@
 #   prepare  convert the GGUF target to a bf16 HF folder
 #   data     answer ShareGPT + GSM8K-train prompts with the target itself through vLLM (T=1)
 #   train    train + export to checkpoints/smollm2-135m-instruct-ubtree
-#   slice    one training slice: gen-data (vLLM, new seed SLICE_SEED, default the day number) in the
+#   slice    one training slice: gen-data (vLLM, new seed SLICE_SEED, default the Unix time) in the
 #            background writes fresh T=1 rollouts while `ubtree train` (stream_data) trains on the shards
 #            as they land for SLICE_MINUTES (default 7), continuing the committed drafter, then exports it
 #            to checkpoints/ and appends the train record; gen-data is stopped at the end (logs in runs/).
@@ -120,7 +120,9 @@ for phase in "$@"; do
     train) ubtree train --config "$CONFIG" --max-minutes "${TRAIN_MINUTES:-4}" ;;
     slice)
       mkdir -p runs
-      seed=${SLICE_SEED:-$(( $(date +%s) / 86400 ))}
+      # a new seed per slice (the day number was reused by two slices of one day: the same prompt order, so the
+      # same greedy answers twice); the seed shuffles the prompts and seeds the T = 1 draws
+      seed=${SLICE_SEED:-$(date +%s)}
       if [ -n "${GEN_MINUTES:-}" ]; then  # sequential: gen-data alone on the GPU first, then the trainer alone
         # GEN_WORKERS engines side by side (one engine's host work bounds its tokens/s), starts staggered
         # by GEN_STAGGER_S (vLLM 0.32 asserts when another process frees GPU memory while it profiles)

@@ -136,7 +136,7 @@ def test_lookup_method_is_the_v1_tree_with_the_prompt_lookup_branch(drafter_dir)
     assert run.speculative_config["prompt_lookup"] is True and run.env == {"UBTREE_VLLM_RUNNER": "v1"}
     assert (run.speculative_config["prompt_lookup_min"], run.speculative_config["prompt_lookup_max"]) == (3, 5)
     assert "prompt-lookup branch, lookup window 3-5 tokens" in run.note
-    assert "prompt_lookup" not in ubtree_run(settings, 32).speculative_config
+    assert ubtree_run(settings, 32).speculative_config["prompt_lookup"] is False  # the plain tree, pinned
     mrv2 = ubtree_run(settings, 32, "ubtree-mrv2-lookup")  # the same branch on Model Runner V2
     assert mrv2.speculative_config == run.speculative_config and mrv2.env == {"UBTREE_VLLM_RUNNER": "mrv2"}
     with pytest.raises(BenchArgumentError, match="--ngram-lookup-max must be <= 16 with the lookup methods "
@@ -149,7 +149,7 @@ def test_fallback_chain_run_is_a_single_path_through_the_plugin():
     run = ubtree_chain_run(E2ESettings(drafter="d", block_size=16), note="why")
     assert run.method == "ubtree-chain" and run.note == "why"
     assert run.speculative_config == {"method": "ubtree", "model": "d", "num_speculative_tokens": 16,
-                                      "beam_width": 1, "top_k": 1}
+                                      "beam_width": 1, "top_k": 1, "prompt_lookup": False}
     assert ubtree_run(E2ESettings(drafter="d", block_size=16), 8).beam_width == 8  # W capped at B
 
 

@@ -39,7 +39,8 @@ def test_defaults_for_beam_width_and_top_k(tiny_drafter):
 
 def test_prompt_lookup_settings_reach_the_tree_config_and_survive_the_round_trip(tiny_drafter):
     cfg = parse_speculative_config(spec(tiny_drafter), TINY)
-    assert not cfg.tree.prompt_lookup  # off unless asked for
+    assert cfg.tree.prompt_lookup  # on unless turned off
+    assert not parse_speculative_config(spec(tiny_drafter, prompt_lookup=False), TINY).tree.prompt_lookup
     cfg = parse_speculative_config(spec(tiny_drafter, prompt_lookup=True, prompt_lookup_max=6), TINY)
     assert (cfg.tree.prompt_lookup, cfg.tree.lookup_min_n, cfg.tree.lookup_max_n) == (True, 2, 6)
     assert UBTreeVllmConfig.from_additional_config(json.loads(json.dumps(cfg.to_additional_config()))) == cfg

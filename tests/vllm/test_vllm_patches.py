@@ -322,8 +322,8 @@ def test_flash_attention_resolves_to_the_tree_backend_on_cuda():
 
 
 def test_runner_choice_for_the_lookup_branch(monkeypatch):
-    """auto keeps the lookup branch (and a budget schedule, and TP) on V1 until MRV2's has run on a GPU; a pinned
-    mrv2 runs MRV2's."""
+    """auto runs the lookup branch on MRV2 (verified there on the H200) and keeps a budget schedule and TP on V1;
+    a pinned runner is the user's choice."""
     from types import SimpleNamespace
 
     from ubtree_vllm.patches.engine import patch_engine_args_speculative_config as patch
@@ -335,7 +335,8 @@ def test_runner_choice_for_the_lookup_branch(monkeypatch):
 
     lookup, plain, scheduled = spec(lookup=True), spec(), spec(schedule=((1, 4, 64), (5, 64, 16)))
     assert patch._runs_on_mrv2("mrv2", lookup) and patch._runs_on_mrv2("auto", plain)
-    assert not patch._runs_on_mrv2("auto", lookup) and not patch._runs_on_mrv2("v1", plain)
+    assert patch._runs_on_mrv2("auto", lookup) and not patch._runs_on_mrv2("v1", plain)
+    assert not patch._runs_on_mrv2("v1", lookup)
     # a per-step budget and tensor parallelism also keep auto on V1; a pinned runner is the user's choice
     assert not patch._runs_on_mrv2("auto", scheduled) and patch._runs_on_mrv2("mrv2", scheduled)
     assert not patch._runs_on_mrv2("auto", plain, tensor_parallel_size=2)

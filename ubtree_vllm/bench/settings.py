@@ -256,6 +256,8 @@ def ubtree_run(settings: E2ESettings, budget: int, method: str = "ubtree") -> Me
         spec.update(prompt_lookup=True, prompt_lookup_min=settings.ngram_lookup_min,
                     prompt_lookup_max=settings.ngram_lookup_max)
         note += f" prompt-lookup branch, lookup window {settings.ngram_lookup_min}-{settings.ngram_lookup_max} tokens"
+    else:  # the plain tree, whatever the serving default
+        spec["prompt_lookup"] = False
     return MethodRun(method, spec, tree_budget=budget, beam_width=width, top_k=settings.top_k,
                      block_size=settings.block_size, note=note, env=dict(env))
 
@@ -273,7 +275,8 @@ def ubtree_chain_run(settings: E2ESettings, note: str = "") -> MethodRun:
     """The single proposer path through the plugin: B = gamma, W = 1, K = 1 (V1 runner, as ``ubtree``)."""
     gamma = settings.block_size
     return MethodRun("ubtree-chain", {"method": "ubtree", "model": str(settings.drafter),
-                                      "num_speculative_tokens": gamma, "beam_width": 1, "top_k": 1},
+                                      "num_speculative_tokens": gamma, "beam_width": 1, "top_k": 1,
+                                      "prompt_lookup": False},
                      tree_budget=gamma, beam_width=1, top_k=1, block_size=settings.block_size, note=note,
                      env=dict(TREE_METHODS["ubtree"]))
 
