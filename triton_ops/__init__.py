@@ -15,7 +15,7 @@ Public launchers only:
   ``vllm.mrv2``): :func:`tree_layout` (tree positions and the attention row buffers),
   :func:`tree_accept_rows` (the walk over MRV2's flat logits rows, with its counts),
   :func:`accepted_commit_pairs` / :func:`accepted_row_permutation` (where the accepted path's
-  KV and hidden rows move).
+  KV and hidden rows move), :func:`node_inputs` (each logits row's token and position for the sampler).
 * :func:`head_loss_rows` -- training: the proposer loss's per-row softmax statistics and its
   gradient w.r.t. the LM-head logits, two streaming passes (``training/head_loss.py``).
 
@@ -36,10 +36,11 @@ set before triton is first imported.
 from ubtree_vllm.triton_ops.accepted_rows import accepted_commit_pairs, accepted_row_permutation
 from ubtree_vllm.triton_ops.head_loss_rows import head_loss_rows
 from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers, kv_path_commit
+from ubtree_vllm.triton_ops.node_inputs import node_inputs
 from ubtree_vllm.triton_ops.tree_accept import tree_accept, tree_accept_rows
 from ubtree_vllm.triton_ops.tree_attention import tree_attention
 from ubtree_vllm.triton_ops.tree_layout import tree_layout
 from ubtree_vllm.triton_ops.tree_search import tree_search
 
 __all__ = ["accepted_commit_pairs", "accepted_row_permutation", "head_loss_rows", "kv_cache_pointers", "kv_path_commit",
-           "tree_accept", "tree_accept_rows", "tree_attention", "tree_layout", "tree_search"]
+           "node_inputs", "tree_accept", "tree_accept_rows", "tree_attention", "tree_layout", "tree_search"]

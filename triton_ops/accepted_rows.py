@@ -13,7 +13,9 @@ request's logits rows (then so is row root + d: nodes are parents-first, node >=
   (both slots are then the root's, or row root + d's), ready for ``kv_path_commit``.
 * :func:`accepted_row_permutation` -> ``perm [num_tokens]``: identity except
   ``perm[root + d] = root + node`` for accepted pairs (``hidden[perm]`` lays the accepted path
-  out as a chain).
+  out as a chain); given ``positions``, the same launch also restores the linear positions
+  ``positions[root + j] = positions[root] + j`` of every logits row (the oracle:
+  ``vllm.mrv2.speculator.linear_logits_positions_``).
 
 One program per request, lanes over depths. The launchers read no device value. Test
 oracles: ``commit_pairs`` / ``linearise_rows`` (torch, tests/unit/test_mrv2_tree_layout.py).
@@ -28,13 +30,15 @@ try:  # optional at import time, as in tree_attention
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None
 
+NODE_BLOCK = 64  # logits rows per step of the positions loop
+
 if triton is not None:
     @triton.jit
     def _accepted_rows_kernel(
             slot_mapping_ptr, logits_indices_ptr, cu_ptr, path_ptr, stride_path, num_accepted_ptr,
-            src_ptr, dst_ptr, moves_ptr, perm_ptr,
+            src_ptr, dst_ptr, moves_ptr, perm_ptr, positions_ptr,
             MAX_DEPTH: tl.constexpr, DEPTH_PAD: tl.constexpr, WRITE_PAIRS: tl.constexpr,
-            WRITE_PERM: tl.constexpr):
+            WRITE_PERM: tl.constexpr, WRITE_POS: tl.constexpr, NODE_BLOCK: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         d = 1 + tl.arange(0, DEPTH_PAD).to(tl.int64)  # [DEPTH_PAD] depths 1..
         in_depth = d <= MAX_DEPTH
@@ -53,6 +57,11 @@ if triton is not None:
             tl.store(moves_ptr + out, accepted & (node != d), mask=in_depth)
         if WRITE_PERM:
             tl.store(perm_ptr + root + d, root + node, mask=accepted)
+        if WRITE_POS:  # linear positions of the request's logits rows (the root's is read, never written)
+            root_pos = tl.load(positions_ptr + root).to(tl.int64)
+            for j0 in range(1, num_nodes, NODE_BLOCK):
+                j = j0 + tl.arange(0, NODE_BLOCK).to(tl.int64)
+                tl.store(positions_ptr + root + j, root_pos + j, mask=j < num_nodes)
 
 
 def _check(logits_indices: torch.Tensor, cu_num_logits: torch.Tensor, accepted_path: torch.Tensor,
@@ -79,6 +88,9 @@ def _meta(max_depth: int) -> dict[str, int]:
     return {"MAX_DEPTH": max_depth, "DEPTH_PAD": triton.next_power_of_2(max_depth)}
 
 
+NODE_BLOCK_META = {"NODE_BLOCK": NODE_BLOCK}
+
+
 def accepted_commit_pairs(
         # [T_pad] int KV slot of each token row (one KV cache group)
         slot_mapping: torch.Tensor,
@@ -98,7 +110,8 @@ def accepted_commit_pairs(
     if num_reqs:
         _accepted_rows_kernel[(num_reqs,)](
             slot_mapping, logits_indices, cu_num_logits, accepted_path, accepted_path.stride(0), num_accepted,
-            src, dst, moves, src, WRITE_PAIRS=True, WRITE_PERM=False, **_meta(max_depth))
+            src, dst, moves, src, src, WRITE_PAIRS=True, WRITE_PERM=False, WRITE_POS=False, **_meta(max_depth),
+            **NODE_BLOCK_META)
     return src, dst, moves
 
 
@@ -106,14 +119,21 @@ def accepted_row_permutation(
         num_tokens: int,
         # [L] int, [R + 1] int, [R, >= max_depth + 1] int, [R] int: as in accepted_commit_pairs
         logits_indices: torch.Tensor, cu_num_logits: torch.Tensor, accepted_path: torch.Tensor,
-        num_accepted: torch.Tensor, max_depth: int) -> torch.Tensor:
+        num_accepted: torch.Tensor, max_depth: int,
+        # [T_pad] int64, mutated: the logits rows' linear positions restored (module docstring); None: untouched
+        positions: torch.Tensor | None = None) -> torch.Tensor:
     """``perm [num_tokens]`` int64 (see the module docstring); rows past num_tokens are never written."""
     num_reqs = _check(logits_indices, cu_num_logits, accepted_path, num_accepted, max_depth)
+    if positions is not None:
+        assert positions.dim() == 1 and positions.is_contiguous() and positions.dtype == torch.int64 \
+            and positions.device == logits_indices.device, \
+            f"positions must be a contiguous int64 [T_pad] tensor on {logits_indices.device}"
     # [num_tokens + 1]: accepted rows are logits rows, all < num_tokens; the spare entry keeps the
     # allocation non-empty for a step without tokens
     perm = torch.arange(num_tokens + 1, dtype=torch.int64, device=logits_indices.device)
     if num_reqs:
         _accepted_rows_kernel[(num_reqs,)](
             perm, logits_indices, cu_num_logits, accepted_path, accepted_path.stride(0), num_accepted,
-            perm, perm, perm, perm, WRITE_PAIRS=False, WRITE_PERM=True, **_meta(max_depth))
+            perm, perm, perm, perm, perm if positions is None else positions, WRITE_PAIRS=False, WRITE_PERM=True,
+            WRITE_POS=positions is not None, **_meta(max_depth), **NODE_BLOCK_META)
     return perm[:num_tokens]

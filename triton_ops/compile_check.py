@@ -20,6 +20,9 @@ import torch
 # (dtype, head size, GQA group, KV block size) configurations of tree_attention to compile.
 TREE_ATTENTION_CONFIGS = ((torch.bfloat16, 64, 3, 16), (torch.float16, 128, 4, 16), (torch.bfloat16, 256, 8, 16),
                           (torch.float32, 128, 1, 32))
+# (dtype, head size, GQA group, KV block size, context splits) of the split form and its combine launch:
+# SmolLM2 at batch 1 (16 splits) and a Qwen3-8B layer (7)
+TREE_ATTENTION_SPLIT_CONFIGS = ((torch.bfloat16, 64, 3, 16, 16), (torch.bfloat16, 128, 4, 16, 7))
 _POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 _FLOAT_POINTERS = {"out_ptr", "query_ptr", "key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr"}
 
@@ -46,17 +49,36 @@ def _compile(module_name: str, kernel_name: str, meta: dict[str, object], kind: 
     return len(compiled.asm["cubin"])
 
 
-def compile_tree_attention(dtype: torch.dtype, head_size: int, group: int, block_size: int, arch: int) -> int:
+def _tree_attention_kind(dtype: torch.dtype) -> Callable[[str], str]:
+    def kind(name: str) -> str:
+        if name.endswith("_ptr"):
+            return _POINTER[dtype] if name in _FLOAT_POINTERS else "*fp32" if name.startswith("part_") else "*i64"
+        return "fp32" if name == "qk_scale" else "i64" if name.startswith("stride") else "i32"
+    return kind
+
+
+def compile_tree_attention(dtype: torch.dtype, head_size: int, group: int, block_size: int, arch: int,
+                           num_splits: int = 1) -> int:
     """`_tree_attention_kernel` with the launcher's compile-time parameters; returns the cubin size."""
     from ubtree_vllm.triton_ops.tree_attention import launch_meta
 
-    def kind(name: str) -> str:
-        if name.endswith("_ptr"):
-            return _POINTER[dtype] if name in _FLOAT_POINTERS else "*i64"
-        return "fp32" if name == "qk_scale" else "i64" if name.startswith("stride") else "i32"
+    return _compile("tree_attention", "_tree_attention_kernel",
+                    launch_meta(group, head_size, block_size, dtype, num_splits), _tree_attention_kind(dtype), arch)
 
-    return _compile("tree_attention", "_tree_attention_kernel", launch_meta(group, head_size, block_size, dtype),
-                    kind, arch)
+
+def compile_tree_attention_combine(dtype: torch.dtype, head_size: int, num_splits: int, arch: int) -> int:
+    """`_tree_attention_combine_kernel` as the launcher compiles it; returns the cubin size."""
+    meta = {"HEAD_SIZE": head_size, "NUM_SPLITS": num_splits, "SPLITS_PAD": 1 << (num_splits - 1).bit_length()}
+    return _compile("tree_attention", "_tree_attention_combine_kernel", meta, _tree_attention_kind(dtype), arch)
+
+
+def compile_node_inputs(arch: int) -> int:
+    """`_node_inputs_kernel` with MRV2's dtypes (int32 ids and index rows, int64 positions); returns the cubin size."""
+    from ubtree_vllm.triton_ops.node_inputs import BLOCK
+
+    pointers = {"token_ptr": "*i32", "pos_ptr": "*i64", "input_ids_ptr": "*i32", "positions_ptr": "*i64"}
+    return _compile("node_inputs", "_node_inputs_kernel", {"BLOCK": BLOCK},
+                    lambda name: pointers.get(name, "*i32") if name.endswith("_ptr") else "i32", arch)
 
 
 # (cache dtype, H_kv, E) configurations of kv_path_commit to compile.
@@ -122,11 +144,13 @@ def compile_tree_layout(max_depth: int, arch: int) -> int:
 
 
 def compile_accepted_rows(max_depth: int, write_pairs: bool, arch: int) -> int:
-    """`_accepted_rows_kernel` in one of its launchers' forms; returns the cubin size."""
-    from ubtree_vllm.triton_ops.accepted_rows import _meta
+    """`_accepted_rows_kernel` in one of its launchers' forms (the permutation with the positions); returns the
+    cubin size."""
+    from ubtree_vllm.triton_ops.accepted_rows import NODE_BLOCK_META, _meta
 
     pointers = {"logits_indices_ptr": "*i32", "cu_ptr": "*i32", "moves_ptr": "*i1" if write_pairs else "*i64"}
-    meta = {**_meta(max_depth), "WRITE_PAIRS": write_pairs, "WRITE_PERM": not write_pairs}
+    meta = {**_meta(max_depth), **NODE_BLOCK_META, "WRITE_PAIRS": write_pairs, "WRITE_PERM": not write_pairs,
+            "WRITE_POS": not write_pairs}
     return _compile("accepted_rows", "_accepted_rows_kernel", meta,
                     lambda name: pointers.get(name, "*i64") if name.endswith("_ptr") else "i64", arch)
 
@@ -175,6 +199,13 @@ def main() -> int:
         size = compile_tree_attention(dtype, head_size, group, block_size, args.arch)
         print(f"tree_attention sm_{args.arch} {str(dtype).removeprefix('torch.')} head {head_size} "
               f"group {group} block {block_size}: cubin {size} bytes")
+    for dtype, head_size, group, block_size, splits in TREE_ATTENTION_SPLIT_CONFIGS:
+        size = compile_tree_attention(dtype, head_size, group, block_size, args.arch, splits)
+        combine = compile_tree_attention_combine(dtype, head_size, splits, args.arch)
+        print(f"tree_attention sm_{args.arch} {str(dtype).removeprefix('torch.')} head {head_size} group {group} "
+              f"block {block_size} {splits} splits: cubin {size} bytes, combine cubin {combine} bytes")
+    size = compile_node_inputs(args.arch)
+    print(f"node_inputs sm_{args.arch}: cubin {size} bytes")
     for dtype, heads, elems in KV_PATH_COMMIT_CONFIGS:
         size = compile_kv_path_commit(dtype, heads, elems, args.arch)
         print(f"kv_path_commit sm_{args.arch} {str(dtype).removeprefix('torch.')} heads {heads} elems {elems}: "

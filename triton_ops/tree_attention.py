@@ -25,7 +25,18 @@ its path always holds the row itself) gets zeros. Entries with ``row_index == -1
 skipped: a CUDA graph captures one launch over fixed-size buffers (one entry per token of
 the forward) and each replay fills only the step's tree rows.
 
-The launcher reads no device value (no host sync); the grid is ``(cdiv(M, ROWS), H_kv)``.
+Split context. At batch 1 that grid is tiny (SmolLM2 at B = 64: 5 tiles x 3 kv heads, 15
+programs on 132 SMs) and each program walks the whole context, so the launch takes as long as
+one sequential walk. When the grid has fewer programs than the device has SMs, the launcher
+splits every request's context into ``NUM_SPLITS`` chunks (a third grid axis, ``BLOCK_N``-aligned
+chunk boundaries; the last split also takes the path rows): each program writes its
+unnormalised partial (running max and sum in base 2, fp32 accumulator) to a scratch buffer, and
+``_tree_attention_combine_kernel`` merges the splits of each live entry and head by
+log-sum-exp into ``out``. The split count depends on host-known shapes only (M, H_kv, the SM
+count), so a captured graph replays the same launches; with one split the kernel writes ``out``
+itself, as before.
+
+The launcher reads no device value (no host sync); the grid is ``(cdiv(M, ROWS), H_kv, NUM_SPLITS)``.
 Test oracle: :func:`ubtree_vllm.triton_ops.reference.tree_attention_reference`.
 """
 from __future__ import annotations
@@ -68,14 +79,19 @@ if triton is not None:
             block_table_ptr, stride_bt_req,
             row_index_ptr, row_req_ptr, row_context_len_ptr,
             row_path_ptr, stride_path_row,
+            # Split partials (NUM_SPLITS > 1): acc [S, M, H, D] fp32, (max, sum) [S, M, H, 2] fp32
+            part_acc_ptr, stride_pa_split, stride_pa_entry, stride_pa_h,
+            part_ml_ptr, stride_pm_split, stride_pm_entry, stride_pm_h,
             # Scalars
             qk_scale, num_entries, path_len,
             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, HEAD_SIZE: tl.constexpr,
-            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            NUM_SPLITS: tl.constexpr):
         # One tile = ROWS consecutive entries x the GROUP query heads of one kv head, flattened
         # into BLOCK_M = ROWS * GROUP_PAD query vectors m = (entry e(m), head g(m)).
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)  # this program's chunk of each request's context; the last one adds the path
         offs_m = tl.arange(0, ROWS * GROUP_PAD)
         entry = tile * ROWS + offs_m // GROUP_PAD  # [BLOCK_M]
         g = offs_m % GROUP_PAD
@@ -100,10 +116,13 @@ if triton is not None:
             m_i = tl.full([ROWS * GROUP_PAD], -1.0e30, dtype=tl.float32)
             l_i = tl.zeros([ROWS * GROUP_PAD], dtype=tl.float32)
             acc = tl.zeros([ROWS * GROUP_PAD, HEAD_SIZE], dtype=tl.float32)
-            # (a) committed context, BLOCK_N tokens at a time through the block table.
-            for start in range(0, context_len, BLOCK_N):
+            # (a) this split's chunk of the committed context, BLOCK_N tokens at a time through the block table.
+            chunk = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            ctx_lo = split * chunk
+            ctx_hi = tl.minimum(context_len, ctx_lo + chunk)
+            for start in range(ctx_lo, ctx_hi, BLOCK_N):
                 pos = start + offs_n  # [BLOCK_N]
-                valid = pos < context_len
+                valid = pos < ctx_hi
                 block_id = tl.load(block_table_ptr + cur * stride_bt_req + pos // BLOCK_SIZE,
                                    mask=valid, other=0).to(tl.int64)
                 slot = pos % BLOCK_SIZE
@@ -118,29 +137,69 @@ if triton is not None:
             # (b) ancestors-or-self among this forward's rows, as tiles of BLOCK_N rows from the root
             # (path entry 0) to the deepest path row of the request's vectors, each vector masked to
             # the rows of its own path: dense tiles instead of one dependent gather per path entry.
-            lo = tl.min(tl.where(sel, tl.load(row_path_ptr + entry * stride_path_row, mask=sel, other=0)
-                                 .to(tl.int64), no_req), axis=0)
-            hi = tl.full([], -1, tl.int64)
-            for j in range(0, path_len):
-                hi = tl.maximum(hi, tl.max(tl.load(row_path_ptr + entry * stride_path_row + j, mask=sel, other=-1)
-                                           .to(tl.int64), axis=0))
-            for start in range(lo, hi + 1, BLOCK_N):
-                rows = start + offs_n  # [BLOCK_N]
-                in_tile = rows <= hi
-                k = tl.load(key_ptr + (rows * stride_k_t + kv_head * stride_k_h)[:, None] + offs_d[None, :],
-                            mask=in_tile[:, None], other=0.0)  # [BLOCK_N, D]
-                v = tl.load(value_ptr + (rows * stride_v_t + kv_head * stride_v_h)[:, None] + offs_d[None, :],
-                            mask=in_tile[:, None], other=0.0)
-                on_path = tl.zeros([ROWS * GROUP_PAD, BLOCK_N], dtype=tl.int32)
+            # Only in the last split.
+            if split == NUM_SPLITS - 1:
+                lo = tl.min(tl.where(sel, tl.load(row_path_ptr + entry * stride_path_row, mask=sel, other=0)
+                                     .to(tl.int64), no_req), axis=0)
+                hi = tl.full([], -1, tl.int64)
                 for j in range(0, path_len):
-                    path_row = tl.load(row_path_ptr + entry * stride_path_row + j, mask=sel, other=-1).to(tl.int64)
-                    on_path = on_path | (path_row[:, None] == rows[None, :]).to(tl.int32)  # -1 matches no row
-                m_i, l_i, acc = _online_softmax_tile(q, k, v, on_path != 0, m_i, l_i, acc, qk_scale, DOT_PRECISION)
-            l_i = tl.where(l_i > 0.0, l_i, 1.0)  # empty row -> zeros instead of 0 / 0
-            o = acc / l_i[:, None]
-            tl.store(out_ptr + row[:, None] * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=(sel & (g < GROUP))[:, None])
+                    hi = tl.maximum(hi, tl.max(tl.load(row_path_ptr + entry * stride_path_row + j, mask=sel,
+                                                       other=-1).to(tl.int64), axis=0))
+                for row_start in range(lo, hi + 1, BLOCK_N):
+                    rows = row_start + offs_n  # [BLOCK_N]
+                    in_tile = rows <= hi
+                    k = tl.load(key_ptr + (rows * stride_k_t + kv_head * stride_k_h)[:, None] + offs_d[None, :],
+                                mask=in_tile[:, None], other=0.0)  # [BLOCK_N, D]
+                    v = tl.load(value_ptr + (rows * stride_v_t + kv_head * stride_v_h)[:, None] + offs_d[None, :],
+                                mask=in_tile[:, None], other=0.0)
+                    on_path = tl.zeros([ROWS * GROUP_PAD, BLOCK_N], dtype=tl.int32)
+                    for j in range(0, path_len):
+                        path_row = tl.load(row_path_ptr + entry * stride_path_row + j, mask=sel,
+                                           other=-1).to(tl.int64)
+                        on_path = on_path | (path_row[:, None] == rows[None, :]).to(tl.int32)  # -1 matches no row
+                    m_i, l_i, acc = _online_softmax_tile(q, k, v, on_path != 0, m_i, l_i, acc, qk_scale,
+                                                         DOT_PRECISION)
+            mine = (sel & (g < GROUP))[:, None]
+            if NUM_SPLITS == 1:
+                l_i = tl.where(l_i > 0.0, l_i, 1.0)  # empty row -> zeros instead of 0 / 0
+                o = acc / l_i[:, None]
+                tl.store(out_ptr + row[:, None] * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :],
+                         o.to(out_ptr.dtype.element_ty), mask=mine)
+            else:  # this split's partial, merged by _tree_attention_combine_kernel
+                tl.store(part_acc_ptr + split * stride_pa_split + entry[:, None] * stride_pa_entry
+                         + heads[:, None] * stride_pa_h + offs_d[None, :], acc, mask=mine)
+                ml = part_ml_ptr + split * stride_pm_split + entry * stride_pm_entry + heads * stride_pm_h
+                tl.store(ml, m_i, mask=sel & (g < GROUP))
+                tl.store(ml + 1, l_i, mask=sel & (g < GROUP))
             cur = tl.min(tl.where(live & (req > cur), req, no_req), axis=0)
+
+    @triton.jit
+    def _tree_attention_combine_kernel(
+            out_ptr, stride_out_t, stride_out_h,
+            row_index_ptr,
+            part_acc_ptr, stride_pa_split, stride_pa_entry, stride_pa_h,
+            part_ml_ptr, stride_pm_split, stride_pm_entry, stride_pm_h,
+            HEAD_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+        # One program per (entry, query head): out[row] = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s.
+        entry = tl.program_id(0)
+        head = tl.program_id(1)
+        offs_s = tl.arange(0, SPLITS_PAD)
+        offs_d = tl.arange(0, HEAD_SIZE)
+        # the entry's row, broadcast over splits and over the head dimension (vector masks only)
+        # row_index -1: an unused entry of a fixed-size launch, nothing written, nothing to merge
+        use = (offs_s < NUM_SPLITS) & (tl.load(row_index_ptr + entry + offs_s * 0) >= 0)  # [S]
+        row_d = tl.load(row_index_ptr + entry + offs_d * 0).to(tl.int64)  # [D]
+        ml = part_ml_ptr + offs_s * stride_pm_split + entry * stride_pm_entry + head * stride_pm_h
+        m_s = tl.load(ml, mask=use, other=-1.0e30)  # [S]
+        l_s = tl.load(ml + 1, mask=use, other=0.0)
+        acc = tl.load(part_acc_ptr + offs_s[:, None] * stride_pa_split + entry * stride_pa_entry
+                      + head * stride_pa_h + offs_d[None, :], mask=use[:, None], other=0.0)  # [S, D]
+        weight = tl.exp2(m_s - tl.max(m_s, axis=0))  # [S]; empty splits (max -1e30, sum 0) weigh nothing
+        total = tl.sum(l_s * weight, axis=0)
+        total = tl.where(total > 0.0, total, 1.0)  # empty row -> zeros instead of 0 / 0
+        o = tl.sum(acc * weight[:, None], axis=0) / total  # [D]
+        tl.store(out_ptr + tl.where(row_d >= 0, row_d, 0) * stride_out_t + head * stride_out_h + offs_d,
+                 o.to(out_ptr.dtype.element_ty), mask=row_d >= 0)
 
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -148,13 +207,37 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
 
 
-def launch_meta(group: int, head_size: int, block_size: int, dtype: torch.dtype) -> dict[str, object]:
-    """The kernel's compile-time parameters for a GQA group size, head size, KV block size and dtype."""
+MAX_SPLITS = 16
+_INTERPRETER_SMS = 4  # the SM count the split rule assumes under the Triton interpreter (CPU tests)
+
+
+def launch_meta(group: int, head_size: int, block_size: int, dtype: torch.dtype,
+                num_splits: int = 1) -> dict[str, object]:
+    """The kernel's compile-time parameters for a GQA group size, head size, KV block size, dtype and split count."""
     group_pad = 1 << (group - 1).bit_length()
     block_m = 64 if head_size <= 128 else 32  # query vectors per program
     return {"GROUP": group, "GROUP_PAD": group_pad, "ROWS": max(1, block_m // group_pad), "HEAD_SIZE": head_size,
             "BLOCK_SIZE": block_size, "BLOCK_N": 64 if head_size <= 128 else 32,
-            "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
+            "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32", "NUM_SPLITS": num_splits}
+
+
+def auto_num_splits(num_programs: int, num_sms: int) -> int:
+    """Context splits for a grid of ``num_programs`` (tiles x kv heads): enough to give every SM about two
+    programs when the grid is smaller than the device, else 1; at most MAX_SPLITS."""
+    if num_programs >= num_sms:
+        return 1
+    return max(1, min(MAX_SPLITS, -(-2 * num_sms // num_programs)))
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a host-side property query, cached; no sync)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
 
 
 def _interpreting() -> bool:
@@ -181,7 +264,9 @@ def tree_attention(
         row_path: torch.Tensor,
         scale: float,
         # [T, H, D] mutable: rows row_index are overwritten, the others untouched
-        out: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor,
+        # context splits (module docstring); None: auto_num_splits from the grid and the SM count
+        num_splits: int | None = None) -> torch.Tensor:
     """Write ``softmax(q K^T * scale) V`` of every tree row into ``out[row_index]``; returns ``out``.
 
     See the module docstring for what each row attends to. Asserts the contract (ranks,
@@ -233,7 +318,18 @@ def tree_attention(
                            "TRITON_INTERPRET=1 before triton is first imported")
 
     meta = launch_meta(num_heads // num_kv_heads, head_size, key_cache.shape[1], query.dtype)
-    grid = (triton.cdiv(num_rows, meta["ROWS"]), num_kv_heads)
+    tiles = triton.cdiv(num_rows, meta["ROWS"])
+    if num_splits is None:
+        sms = _INTERPRETER_SMS if query.device.type == "cpu" else _sm_count(query.device)
+        num_splits = auto_num_splits(tiles * num_kv_heads, sms)
+    assert 1 <= num_splits <= MAX_SPLITS, f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}"
+    meta["NUM_SPLITS"] = num_splits
+    if num_splits > 1:  # fresh each call: inside a CUDA-graph capture they come from the graph's pool
+        part_acc = torch.empty((num_splits, num_rows, num_heads, head_size), dtype=torch.float32, device=query.device)
+        part_ml = torch.empty((num_splits, num_rows, num_heads, 2), dtype=torch.float32, device=query.device)
+    else:  # unused by the kernel (its NUM_SPLITS == 1 branch writes out)
+        part_acc = part_ml = torch.empty((1, 1, 1, 2), dtype=torch.float32, device=query.device)
+    grid = (tiles, num_kv_heads, num_splits)
     _tree_attention_kernel[grid](
         # Outputs
         out, out.stride(0), out.stride(1),  # mutable
@@ -246,8 +342,17 @@ def tree_attention(
         block_table, block_table.stride(0),
         row_index, row_req, row_context_len,
         row_path, row_path.stride(0),
+        part_acc, part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+        part_ml, part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
         # Scalars
         scale * _LOG2E, num_rows, row_path.shape[1],
         **meta,
     )
+    if num_splits > 1:
+        _tree_attention_combine_kernel[(num_rows, num_heads)](
+            out, out.stride(0), out.stride(1),  # mutable
+            row_index,
+            part_acc, part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+            part_ml, part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
+            HEAD_SIZE=head_size, NUM_SPLITS=num_splits, SPLITS_PAD=1 << (num_splits - 1).bit_length())
     return out

@@ -14,7 +14,10 @@ import torch
 from mrv2_batches import SEEDS, Batch, Request, random_acceptance, random_batch, random_tree, run_layout_with
 
 from ubtree_vllm.triton_ops.accepted_rows import accepted_commit_pairs, accepted_row_permutation
+from ubtree_vllm.triton_ops.node_inputs import node_inputs
 from ubtree_vllm.triton_ops.tree_layout import tree_layout
+from ubtree_vllm.vllm.mrv2.rejection_sampler import gather_node_inputs
+from ubtree_vllm.vllm.mrv2.speculator import linear_logits_positions_
 from ubtree_vllm.vllm.mrv2.tree_layout import commit_pairs, lay_out_tree_rows, linearise_rows
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
@@ -71,6 +74,13 @@ def test_accepted_rows_match_torch(device, whole_tree, stale):
         want_perm = linearise_rows(batch.padded_tokens, *args)
         got_perm = accepted_row_permutation(batch.padded_tokens, *on_device)
         assert got_perm.dtype == torch.int64 and got_perm.cpu().tolist() == want_perm.tolist(), k
+        # with positions: the same permutation, and the logits rows' linear positions restored in place
+        tree_positions = t["positions"] + torch.randint(0, 3, t["positions"].shape, generator=torch.Generator())
+        want_pos = tree_positions.clone()
+        linear_logits_positions_(want_pos, t["logits_indices"], t["expanded_local_pos"])
+        got_pos = tree_positions.to(device)
+        got_perm = accepted_row_permutation(batch.padded_tokens, *on_device, positions=got_pos)
+        assert got_perm.cpu().tolist() == want_perm.tolist() and got_pos.cpu().tolist() == want_pos.tolist(), k
         num_moves += int(want[2].sum())
     assert num_moves > 30
 
@@ -91,3 +101,22 @@ def test_launchers_check_their_contract():
     with pytest.raises(AssertionError, match="num_accepted"):
         accepted_row_permutation(batch.num_tokens, t["logits_indices"], t["cu_num_logits"], accepted_path,
                                  num_accepted[:0], batch.max_depth)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_node_inputs_match_torch(device):
+    """Token and position of every logits row (placeholders -1 for drafts of a prefilling request)."""
+    gen = torch.Generator().manual_seed(0)
+    num_placeholders = 0
+    for k, batch in enumerate(batches()):
+        t = batch.tensors()
+        input_ids = torch.randint(0, 49152, (batch.padded_tokens,), generator=gen, dtype=torch.int32)
+        prefill_len = torch.randint(0, 4000, (len(batch.parents),), generator=gen, dtype=torch.int32)
+        args = (input_ids, t["positions"], t["logits_indices"].int(), t["expanded_idx_mapping"].int(),
+                t["expanded_local_pos"], prefill_len)
+        want_token, want_pos = gather_node_inputs(*args)  # CPU tensors: the torch form
+        got_token, got_pos = node_inputs(*(a.to(device) for a in args))
+        assert (got_token.dtype, got_pos.dtype) == (torch.int32, torch.int64)
+        assert got_token.tolist() == want_token.tolist() and got_pos.tolist() == want_pos.tolist(), k
+        num_placeholders += int((want_token < 0).sum())
+    assert num_placeholders > 50

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from ubtree_vllm.triton_ops import tree_attention
 from ubtree_vllm.triton_ops.reference import tree_attention_reference
-from ubtree_vllm.triton_ops.tree_attention_inputs import TreeAttentionInputs, make_inputs
+from ubtree_vllm.triton_ops.tree_attention_inputs import TreeAttentionInputs, make_inputs, random_parents
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -66,6 +66,31 @@ def test_kernel_matches_reference(block_size, num_heads, num_kv_heads, head_size
     case = make_case(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size)
     got, ref = run_both(case)
     assert_rows_match(got, ref, case, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5, 16])
+def test_split_context_matches_reference(num_splits):
+    """The context split over programs and merged by log-sum-exp gives the rows of one walk: chunks past a
+    short context stay empty, the last split adds the path rows, skipped entries stay untouched."""
+    gen = torch.Generator().manual_seed(3)
+    requests = [(ctx, random_parents(7, 4, 3, gen)) for ctx in (3, 190, 0, 17, 64, 141)]
+    for case in (make_case(num_heads=8, num_kv_heads=2, head_size=32),
+                 make_case(requests, num_heads=6, num_kv_heads=2, head_size=32)):
+        out = torch.full_like(case.query, float("nan"))
+        ref = tree_attention_reference(*case.args(), out.clone())
+        assert tree_attention(*case.args(), out, num_splits=num_splits) is out
+        assert_rows_match(out, ref, case, atol=1e-4, rtol=1e-4)
+
+
+def test_split_count_fills_a_small_grid_only():
+    from ubtree_vllm.triton_ops.tree_attention import MAX_SPLITS, auto_num_splits
+
+    assert auto_num_splits(15, 132) == MAX_SPLITS  # SmolLM2 at batch 1, B = 64: 5 tiles x 3 kv heads
+    assert auto_num_splits(99, 132) == 3
+    assert auto_num_splits(132, 132) == auto_num_splits(390, 132) == 1  # a full device: one walk per program
+    with pytest.raises(AssertionError, match="num_splits"):
+        case = make_case()
+        tree_attention(*case.args(), torch.empty_like(case.query), num_splits=MAX_SPLITS + 1)
 
 
 def test_int32_indices_and_no_path_padding():
@@ -218,6 +243,6 @@ def test_kernels_compile_for_hopper_without_a_gpu(compiler):
     proc = subprocess.run([sys.executable, "-m", "ubtree_vllm.triton_ops.compile_check", "--arch", "90"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("cubin") == 24, proc.stdout
+    assert proc.stdout.count("cubin") == 29, proc.stdout
     if compiler == "device":
         assert f"from {DEVICE_TRITON}" in proc.stdout, proc.stdout

@@ -13,7 +13,8 @@ The summary, all per engine step (``LLMEngine.step`` calls of the run):
   wall ms; device busy ms (sum of kernel and memcpy/memset durations: one stream at batch 1,
   so the gap to the wall time is the device's idle time, the host-bound share); kernels and
   host API calls (kernel launches, graph launches, copies, syncs); each ``ubtree:`` stage's host
-  ms and the device ms of the work it launched; the ops with the most device and host time.
+  ms and its device span (the profiler's device-side copy of the range: first to last kernel it
+  launched, graph replays included); the ops with the most device and host time.
 """
 from __future__ import annotations
 
@@ -68,19 +69,11 @@ def _duration_us(event: Any) -> float:
     return float(event.time_range.elapsed_us())
 
 
-def _device_us_under(event: Any) -> float:
-    """Device time of the kernels an op (or range) launched, its children's included."""
-    total, stack = 0.0, [event]
-    while stack:
-        e = stack.pop()
-        total += sum(float(k.duration) for k in e.kernels)
-        stack.extend(e.cpu_children)
-    return total
-
-
 def summary_text(events: Sequence[Any], steps: int, title: str) -> str:
     """The per-step tables of the module docstring from ``profile.events()`` (torch FunctionEvents)."""
-    device = [e for e in events if _is_device(e)]
+    # the stage ranges also appear on the device timeline (their span there), not as device work
+    spans = [e for e in events if _is_device(e) and e.name.startswith(RANGE_PREFIX)]
+    device = [e for e in events if _is_device(e) and not e.name.startswith(RANGE_PREFIX)]
     host = [e for e in events if not _is_device(e)]
     wall_us = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) if events else 0.0
     # device events of the trace; without them (older profilers) the kernels linked to host ops
@@ -99,9 +92,10 @@ def summary_text(events: Sequence[Any], steps: int, title: str) -> str:
             entry = stages.setdefault(e.name[len(RANGE_PREFIX):], [0, 0.0, 0.0])
             entry[0] += 1
             entry[1] += _duration_us(e)
-            entry[2] += _device_us_under(e)
+    for e in spans:
+        stages.setdefault(e.name[len(RANGE_PREFIX):], [0, 0.0, 0.0])[2] += _duration_us(e)
     if stages:
-        lines += ["", "## ubtree stages per step      calls   host ms  device ms"]
+        lines += ["", "## ubtree stages per step      calls   host ms  device span ms"]
         for name, (calls, host_us, dev_us) in stages.items():
             lines.append(f"{name:<28} {calls / steps:6.2f} {host_us / steps / 1e3:9.3f} {dev_us / steps / 1e3:10.3f}")
     lines += _top("device ops by time per step (us)", device, steps, lambda e: _duration_us(e))

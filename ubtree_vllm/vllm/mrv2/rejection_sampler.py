@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ubtree_vllm.triton_ops.node_inputs import node_inputs
 from ubtree_vllm.triton_ops.tree_accept import tree_accept_rows
 from ubtree_vllm.verify.accept import AcceptResult, walk_trees
 from ubtree_vllm.vllm.mrv2.tree_layout import root_rows_of
@@ -66,11 +67,15 @@ def gather_node_inputs(input_ids: torch.Tensor, positions: torch.Tensor, logits_
                        prefill_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [L], pos [L]) of each logits row, in the dtypes of ``input_ids`` / ``positions`` (as vLLM's
     ``gather_draft_sampled``: its sampling kernels, e.g. bad words, compile for those); draft rows of a
-    still-prefilling request are -1.
+    still-prefilling request are -1. On CUDA one launch (``triton_ops/node_inputs.py``; these torch
+    steps are its test oracle).
 
     vLLM's ``gather_draft_sampled`` rule (local pos j > 0 with ``pos - j < prefill_len``) in tree form:
     positions are root + depth here, so the test is on the root's position (row i - j).
     """
+    if input_ids.is_cuda:
+        return node_inputs(input_ids, positions, logits_indices, expanded_idx_mapping, expanded_local_pos,
+                           prefill_len)
     token = input_ids[logits_indices]  # [L]
     pos = positions[logits_indices]  # [L]
     local = expanded_local_pos.long()

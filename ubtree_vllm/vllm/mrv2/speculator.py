@@ -61,6 +61,7 @@ from ubtree_vllm.config import UBTreeConfig
 from ubtree_vllm.drafter.io import load_drafter
 from ubtree_vllm.drafter.proposer import UBTreeDrafter
 from ubtree_vllm.tree.lookup import lookup_continuation
+from ubtree_vllm.triton_ops.accepted_rows import accepted_row_permutation
 from ubtree_vllm.vllm.config import ADDITIONAL_CONFIG_KEY, UBTreeVllmConfig, from_vllm_config
 from ubtree_vllm.vllm.mrv2.rejection_sampler import TreeTopology
 from ubtree_vllm.vllm.mrv2.tree_layout import linearise_rows, root_rows_of
@@ -148,9 +149,13 @@ def linearise_target_rows(
     that was already linear is unchanged).
     """
     num_tokens = input_batch.num_tokens
-    perm = linearise_rows(num_tokens, input_batch.logits_indices, input_batch.cu_num_logits, accepted_path,
-                          num_accepted, max_depth)  # [T]
-    linear_logits_positions_(input_batch.positions, input_batch.logits_indices, input_batch.expanded_local_pos)
+    if input_batch.positions.is_cuda:  # one launch: the permutation and the positions (triton_ops/accepted_rows.py)
+        perm = accepted_row_permutation(num_tokens, input_batch.logits_indices, input_batch.cu_num_logits,
+                                        accepted_path, num_accepted, max_depth, positions=input_batch.positions)
+    else:
+        perm = linearise_rows(num_tokens, input_batch.logits_indices, input_batch.cu_num_logits, accepted_path,
+                              num_accepted, max_depth)  # [T]
+        linear_logits_positions_(input_batch.positions, input_batch.logits_indices, input_batch.expanded_local_pos)
     if aux_hidden_states:
         return [h[:num_tokens].index_select(0, perm) for h in aux_hidden_states], last_hidden_states
     return aux_hidden_states, last_hidden_states[:num_tokens].index_select(0, perm)
