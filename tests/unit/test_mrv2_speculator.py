@@ -172,6 +172,13 @@ def test_linearise_target_rows_moves_the_accepted_path():
     assert torch.equal(batch.positions, linear)
     _, new_last = linearise_target_rows(tree_step_batch()[0], None, last, accepted_path, num_accepted, GAMMA)
     assert torch.equal(new_last, last[want_rows])
+    # with DFlash's combine: the aux states combined as DFlash would, then one permutation; no aux states left
+    fc = nn.Linear(6, 3)
+    no_aux, combined = linearise_target_rows(tree_step_batch()[0], aux, last, accepted_path, num_accepted, GAMMA,
+                                             combine=fc)
+    assert no_aux is None
+    with torch.no_grad():
+        torch.testing.assert_close(combined, fc(torch.cat(aux, dim=-1)[:13])[want_rows], rtol=0, atol=0)
 
 
 class _Inner(nn.Module):
@@ -270,10 +277,12 @@ def test_propose_linearises_then_scatters_the_topology(monkeypatch):
     def dflash_propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
                        *args, dummy_run=False, **kwargs):
         seen["aux"], seen["positions"] = aux_hidden_states, input_batch.positions.clone()
+        seen["last"] = last_hidden_states
         self._generate_draft(input_batch.num_reqs, last_hidden.shape[0], None, None, None)
         return self.draft_tokens[:input_batch.num_reqs]
 
     monkeypatch.setattr(DFlashSpeculator, "propose", dflash_propose)
+    spec.model = SimpleNamespace(combine_hidden_states=lambda x: x + 1000)  # DFlash's fc, row-wise
     aux = [torch.arange(15.0)[:, None].expand(-1, 3)]
     zeros = torch.zeros(3, dtype=torch.int32)
 
@@ -289,7 +298,9 @@ def test_propose_linearises_then_scatters_the_topology(monkeypatch):
     drafts = propose(dummy_run=False)
     assert spec.pending_accept is None
     assert torch.equal(seen["positions"], linear)
-    assert seen["aux"][0][:, 0].tolist() == [0, 1, 2, 3, 5, 7, 6, 7, 8, 9, 10, 11, 12]
+    # the aux states combined as DFlash would, then permuted once; DFlash gets them as its features
+    assert seen["aux"] is None
+    assert seen["last"][:, 0].tolist() == [1000 + r for r in [0, 1, 2, 3, 5, 7, 6, 7, 8, 9, 10, 11, 12]]
     assert drafts.shape == (3, B)
     for b, slot in enumerate([4, 0, 2]):
         assert torch.equal(spec.topology.parents[slot], spec._stage_parents[b])

@@ -47,6 +47,7 @@ captured in the draft's FULL CUDA graph); :meth:`propose` adds only fixed-shape 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -136,7 +137,10 @@ def linearise_target_rows(
         aux_hidden_states: list[torch.Tensor] | None, last_hidden_states: torch.Tensor,
         # [R, gamma + 1] int64, [R] int64: the step's accepted node per depth and accepted count
         accepted_path: torch.Tensor, num_accepted: torch.Tensor,
-        max_depth: int) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
+        max_depth: int,
+        # DFlash's combine_hidden_states ([T, layers * H] -> [T, H], row-wise); None: permute each aux state
+        combine: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[list[torch.Tensor] | None,
+                                                                               torch.Tensor]:
     """Make a verified tree step look like a verified chain to DFlash's ``propose``.
 
     DFlash treats rows ``[ctx_start, ctx_end - num_rejected)`` as the accepted context and
@@ -146,7 +150,10 @@ def linearise_target_rows(
     ``num_tokens`` rows: the aux states if there are any, else the last hidden states, i.e.
     whichever DFlash consumes) and (2) rewrites ``input_batch.positions`` in place to the
     linear ``positions[root] + j`` at every logits row (the root keeps its position; a row
-    that was already linear is unchanged).
+    that was already linear is unchanged). With ``combine`` and aux states, the aux states are
+    first combined as DFlash would (concatenated, ``combine``) and the one result is permuted:
+    returns ``(None, combined[perm])``, which DFlash takes as its context features (one row
+    gather instead of one per aux layer).
     """
     num_tokens = input_batch.num_tokens
     if input_batch.positions.is_cuda:  # one launch: the permutation and the positions (triton_ops/accepted_rows.py)
@@ -156,6 +163,8 @@ def linearise_target_rows(
         perm = linearise_rows(num_tokens, input_batch.logits_indices, input_batch.cu_num_logits, accepted_path,
                               num_accepted, max_depth)  # [T]
         linear_logits_positions_(input_batch.positions, input_batch.logits_indices, input_batch.expanded_local_pos)
+    if aux_hidden_states and combine is not None:  # row-wise, so permuting after combining is the same
+        return None, combine(torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)).index_select(0, perm)
     if aux_hidden_states:
         return [h[:num_tokens].index_select(0, perm) for h in aux_hidden_states], last_hidden_states
     return aux_hidden_states, last_hidden_states[:num_tokens].index_select(0, perm)
@@ -387,7 +396,7 @@ class UBTreeSpeculator(DFlashSpeculator):
                 accept, self.pending_accept = self.pending_accept, None
                 aux_hidden_states, last_hidden_states = linearise_target_rows(
                     input_batch, aux_hidden_states, last_hidden_states, accept.accepted_path, accept.num_accepted,
-                    self.gamma)
+                    self.gamma, combine=self.model.combine_hidden_states)
         with clock.stage("draft"):
             draft_tokens = super().propose(
                 input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled,
