@@ -100,9 +100,19 @@ def test_drafter_for_another_target_is_rejected(tiny_drafter):
 
 
 def test_unsupported_architecture_is_rejected(tiny_drafter):
-    target = TargetInfo(("Qwen3NextForCausalLM",), 512, 64, 4)
+    target = TargetInfo(("GPT2LMHeadModel",), 512, 64, 4)
     with pytest.raises(ValueError, match=r"not supported by method 'ubtree'; supported: \['LlamaForCausalLM'"):
         parse_speculative_config(spec(tiny_drafter), target)
+
+
+@pytest.mark.parametrize("arch,layer", [("Qwen3NextForCausalLM", "QwenGatedDeltaNetAttention"),
+                                        ("BailingMoeV3ForCausalLM", "BailingMoeV3KimiDeltaAttention"),
+                                        ("NemotronHForCausalLM", "MambaMixer2")])
+def test_hybrid_target_is_refused_naming_its_stateful_layers(tiny_drafter, arch, layer):
+    """Ling-3.0 (MLA + KDA), Qwen3-Next (GDN), Mamba2 hybrids: refused before any engine exists, naming the layer."""
+    with pytest.raises(ValueError, match=rf"'{arch}'\] is not supported by method 'ubtree': its .*{layer}.* layers "
+                                         r"have no tree verification yet"):
+        parse_speculative_config(spec(tiny_drafter), TargetInfo((arch,), 512, 64, 4))
 
 
 def test_missing_or_broken_drafter_folder(tiny_drafter, tmp_path):

@@ -54,6 +54,19 @@ GPU_WORKER_CLASS_PATH = "ubtree_vllm.vllm.gpu_worker.UBTreeGPUWorker"
 # layers (SupportsEagle3) with 1-D RoPE positions. Hybrid (Mamba/GDN), M-RoPE and MoE
 # targets need tree support in their layers first.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Hybrid families vLLM 0.32 serves, and the vLLM layer classes whose recurrent state a tree would have to fork
+# per node (docs: README "hybrid targets"); their targets are refused naming these layers.
+HYBRID_LAYERS = {
+    "BailingMoeV3ForCausalLM": "BailingMoeV3MLAAttention (MLA) and BailingMoeV3KimiDeltaAttention (Kimi Delta "
+                               "Attention)",
+    "Qwen3NextForCausalLM": "QwenGatedDeltaNetAttention (Gated DeltaNet)",
+    "Qwen3_5ForCausalLM": "QwenGatedDeltaNetAttention (Gated DeltaNet)",
+    "Qwen3_5MoeForCausalLM": "QwenGatedDeltaNetAttention (Gated DeltaNet)",
+    "NemotronHForCausalLM": "MambaMixer2 (Mamba2)",
+    "FalconH1ForCausalLM": "MambaMixer2 (Mamba2)",
+    "Zamba2ForCausalLM": "MambaMixer2 (Mamba2)",
+    "Mamba2ForCausalLM": "MambaMixer2 (Mamba2)",
+}
 # vLLM's V1 rejection sampler bounds the draft length (vllm.v1.sample.rejection_sampler
 # MAX_SPEC_LEN); its dummy sampler run at start-up uses num_speculative_tokens rows.
 MAX_TREE_BUDGET = 128
@@ -188,6 +201,11 @@ def parse_speculative_config(spec: Mapping[str, Any], target: TargetInfo) -> UBT
     drafter = load_drafter_config(spec["model"])
 
     supported = [a for a in target.architectures if a in SUPPORTED_ARCHITECTURES]
+    hybrid = [HYBRID_LAYERS[a] for a in target.architectures if a in HYBRID_LAYERS]
+    if not supported and hybrid:
+        raise ValueError(f"target architecture {list(target.architectures)} is not supported by method {METHOD!r}: "
+                         f"its {hybrid[0]} layers have no tree verification yet (each tree node would need its "
+                         f"parent's recurrent state); supported: {list(SUPPORTED_ARCHITECTURES)}")
     if not supported:
         raise ValueError(f"target architecture {list(target.architectures)} is not supported by method "
                          f"{METHOD!r}; supported: {list(SUPPORTED_ARCHITECTURES)}")
