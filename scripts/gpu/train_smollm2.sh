@@ -60,8 +60,10 @@
 #   profile  scripts/gpu/profile_train_step.py: a training step's time by stage and label rows/s per batch shape
 #            (PROFILE_SHAPES, SEQSxANCHORS,...) and LM-head loss path (PROFILE_HEAD_LOSS, fused,torch), one
 #            train_label_rows_per_s record per shape and path
-#   microbench  `ubtree bench microbench --which ${MB_WHICH:-all}` (draft post-processing per round, tree attention
-#            vs FlashAttention, tree-65 vs chain-17 verification forward on a dummy Qwen3-8B)
+#   microbench  `ubtree bench microbench --which $MB_WHICH` (default: draft post-processing per round, tree attention
+#            vs FlashAttention, tree-65 vs chain-17 verification forward on a dummy Qwen3-8B, the draft stage)
+#   projection  `ubtree bench microbench --which projection`: the round cost on a dummy Qwen3-8B with an untrained
+#            drafter of its shape, B = 16/32/64 at 1 and 32 requests in flight (report: projected speedups)
 # Records go to $RECORDS (default docs/benchmarks/records.jsonl; on the device use runs/records.jsonl,
 # which survives between calls of one warm session, and append it to the local file afterwards).
 # The device copy has no .git: pass UBTREE_COMMIT=<local HEAD> so records name the commit.
@@ -245,7 +247,10 @@ for phase in "$@"; do
       python3 scripts/gpu/profile_train_step.py --config "$CONFIG" --shapes "${PROFILE_SHAPES:-16x256,16x64,32x64}" \
         --steps 6 --head-loss "${PROFILE_HEAD_LOSS:-fused,torch}" --records "$RECORDS" ;;
     microbench)
-      ubtree bench microbench --which "${MB_WHICH:-all}" --drafter "$DRAFTER" --records "$RECORDS" --no-report ;;
+      ubtree bench microbench --which "${MB_WHICH:-draft-postprocess,tree-attention-vs-flash,verify-forward,draft-stage}" \
+        --drafter "$DRAFTER" --records "$RECORDS" --no-report ;;
+    projection)
+      ubtree bench microbench --which projection --records "$RECORDS" --no-report ;;
     humaneval-t1)
       [ -f runs/humaneval-t1.done ] || { ubtree eval-tau --drafter "$DRAFTER" --datasets humaneval --methods ubtree \
         --temperatures 1 "${EVAL[@]}" && touch runs/humaneval-t1.done; } ;;

@@ -1,4 +1,4 @@
-"""`ubtree bench microbench`: the GPU-only entries (tree-attention-vs-flash, verify-forward).
+"""`ubtree bench microbench`: the GPU-only entries (tree-attention-vs-flash, verify-forward, projection).
 
 CPU: their pure parts (tree and input builders, config writer, prompts, record assembly),
 the `--which` / `--drafter` checks and the error without CUDA. GPU (`gpu` marker): each
@@ -146,15 +146,16 @@ def test_time_launches_on_cpu_gives_one_sample_per_iteration():
 
 def test_which_all_is_every_entry_and_only_the_drafter_entries_need_the_drafter():
     assert parse_which("all") == tuple(MICROBENCHES) == ("draft-postprocess", "tree-attention-vs-flash",
-                                                         "verify-forward", "draft-stage")
+                                                         "verify-forward", "draft-stage", "projection")
     assert parse_which("verify-forward, draft-postprocess") == ("verify-forward", "draft-postprocess")
     assert [n for n, m in MICROBENCHES.items() if m.uses_drafter] == ["draft-postprocess", "draft-stage"]
-    assert [n for n, m in MICROBENCHES.items() if m.gpu_only] == ["tree-attention-vs-flash", "verify-forward"]
+    assert [n for n, m in MICROBENCHES.items() if m.gpu_only] == ["tree-attention-vs-flash", "verify-forward",
+                                                                  "projection"]
 
 
 @pytest.mark.parametrize("names,pattern", [
     (("verify",), r"--which: unknown microbenchmark 'verify'; allowed: draft-postprocess, tree-attention-vs-flash, "
-                  r"verify-forward, draft-stage, all"),
+                  r"verify-forward, draft-stage, projection, all"),
     (("draft-postprocess", "draft-postprocess"), r"--which lists a microbenchmark twice"),
     (("draft-postprocess",), r"--drafter is required for --which draft-postprocess"),
 ])
@@ -172,7 +173,7 @@ def test_bad_which_value_is_a_one_line_cli_error(capsys):
                                                "draft-postprocess")
 
 
-@pytest.mark.parametrize("name", ["tree-attention-vs-flash", "verify-forward"])
+@pytest.mark.parametrize("name", ["tree-attention-vs-flash", "verify-forward", "projection"])
 def test_gpu_only_entries_name_themselves_without_cuda_and_run_nothing(name, monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     path = tmp_path / "records.jsonl"
@@ -212,3 +213,14 @@ def test_verify_forward_on_gpu_with_a_two_layer_target():
                                            "tree_verify_over_chain16"]
     assert all(r["value"] > 0 for r in rows) and rows[0]["target"].startswith("qwen3-8b-dummy num_hidden_layers=2")
     assert "at least 1024 tokens" in rows[0]["notes"]
+
+
+@pytest.mark.gpu
+def test_projection_on_gpu_with_a_four_layer_target():
+    from ubtree_vllm.bench.projection import TARGET, run_projection
+
+    rows = run_projection(target_overrides={"num_hidden_layers": 4}, engine_kwargs={"gpu_memory_utilization": 0.4},
+                          budgets=(16,), concurrency=(1,), num_prompts=2, new_tokens=16)
+    assert [(r["metric"], r["tree_budget"], r["concurrency"]) for r in rows] == [("round_over_plain_step", 16, 1)]
+    assert rows[0]["value"] > 0 and rows[0]["target"] == TARGET and rows[0]["drafter"] == "untrained"
+    assert rows[0]["method"] == "ubtree-mrv2-lookup" and "projection input" in rows[0]["notes"]

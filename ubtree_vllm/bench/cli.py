@@ -14,7 +14,7 @@ from ubtree_vllm.errors import CommandError
 DEFAULT_RECORDS = "docs/benchmarks/records.jsonl"
 # Names of bench/microbench.py:MICROBENCHES (kept here so building the parser imports no torch;
 # tests/unit/test_bench.py checks that both lists agree).
-MICROBENCH_NAMES = ("draft-postprocess", "tree-attention-vs-flash", "verify-forward", "draft-stage")
+MICROBENCH_NAMES = ("draft-postprocess", "tree-attention-vs-flash", "verify-forward", "draft-stage", "projection")
 
 
 def _add_e2e_args(parser: argparse.ArgumentParser) -> None:

@@ -12,6 +12,9 @@ running any. Entries:
                            vLLM's FlashAttention on a Qwen3-8B layer, per --context-lens
   verify-forward           (GPU only) bench/verify_bench.py: one vLLM forward of 65 vs 17
                            new tokens on a dummy Qwen3-8B over a cached 1024-token context
+  projection               (GPU only) bench/projection.py: UBTree's round cost in plain steps on a dummy
+                           Qwen3-8B with an untrained drafter of its shape (B = 16/32/64, 1 and 32
+                           requests in flight), for the report's projected speedups at tau = 4, 6, 8
   draft-stage              (CPU or GPU, uses --drafter) the whole drafting stage of a round as the
                            vLLM proposer runs it (backbone over DRAFT_STAGE_CONTEXT committed
                            positions, top-K, selector, tree), eager and, on CUDA, replayed from
@@ -75,7 +78,7 @@ class MicrobenchSettings:
     seed: int = 0
     # tree-attention-vs-flash: committed context lengths
     context_lens: tuple[int, ...] = (512, 2048)
-    # verify-forward: Qwen3-8B config.json overrides (tests: fewer layers) and vLLM engine overrides
+    # verify-forward, projection: Qwen3-8B config.json overrides (tests: fewer layers) and vLLM engine overrides
     verify_config_overrides: Mapping[str, Any] | None = None
     verify_engine_kwargs: Mapping[str, Any] | None = None
 
@@ -276,6 +279,15 @@ def verify_forward(settings: MicrobenchSettings) -> list[dict[str, Any]]:
                           cuda_graphs=not engine_kwargs.get("enforce_eager", False))
 
 
+def projection(settings: MicrobenchSettings) -> list[dict[str, Any]]:
+    """Round-cost records on a dummy Qwen3-8B with an untrained drafter of its shape (GPU only)."""
+    from ubtree_vllm.bench.projection import run_projection
+
+    _cuda_device(settings, "projection")
+    return run_projection(seed=settings.seed, target_overrides=settings.verify_config_overrides,
+                          engine_kwargs=settings.verify_engine_kwargs)
+
+
 @dataclass(frozen=True)
 class Microbench:
     run: Callable[[MicrobenchSettings], list[dict[str, Any]]]
@@ -288,6 +300,7 @@ MICROBENCHES: dict[str, Microbench] = {
     "tree-attention-vs-flash": Microbench(tree_attention_vs_flash, gpu_only=True, uses_drafter=False),
     "verify-forward": Microbench(verify_forward, gpu_only=True, uses_drafter=False),
     "draft-stage": Microbench(draft_stage, gpu_only=False, uses_drafter=True),
+    "projection": Microbench(projection, gpu_only=True, uses_drafter=False),
 }
 
 

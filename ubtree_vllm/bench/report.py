@@ -196,6 +196,23 @@ GOAL_VERIFY_RATIO = 1.15  # 64-node tree verification / 16-token chain, Qwen3-8B
 GOAL_CONFIG = {"tree_budget": 64, "beam_width": 12, "top_k": 64}
 
 
+def _projection_section(micro: Sequence[dict[str, Any]]) -> list[str]:
+    """Projected speedups from the round cost on a production-shaped target (bench/projection.py)."""
+    from ubtree_vllm.bench.projection import PROJECTED_TAUS, TARGET, projection_rows
+
+    rows = projection_rows(list(micro))
+    if not rows:
+        return []
+    taus = [f"tau {tau:g}" for tau in PROJECTED_TAUS]
+    return ["## Projection: speedup on a Qwen3-8B-shaped target", "",
+            f"**A projection, not a speed measurement.** `ubtree bench microbench --which projection` measures "
+            f"one UBTree round's cost in plain decode steps on `{TARGET}` (Qwen3-8B shape, dummy weights) with an "
+            f"untrained drafter of its shape (`round_over_plain_step`: TPOT x tau over the ar TPOT of the same "
+            f"invocation); the speedup a drafter of the given tau would reach there is tau / that cost, assuming "
+            f"its round costs the same.", ""] + \
+        _table(["method", "B", "conc", "round cost (plain steps)", *taus, "hardware", "commit"], rows)
+
+
 def _on_gpu(record: dict[str, Any]) -> bool:
     return not str(record["hardware"]).startswith("CPU")
 
@@ -317,6 +334,7 @@ def render(records: Sequence[dict[str, Any]], plots: Sequence[str] = (), source:
                           r["top_k"], r["block_size"], r["batch_size"], r["dataset"], r["temperature"],
                           r["hardware"], r["commit"], r["date"]]
                          for r in micro])
+    lines += _projection_section(micro)
     lines += curve_section(records)
     train = [r for r in shown if r["kind"] == "train"]
     if train:
