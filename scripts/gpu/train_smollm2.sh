@@ -47,7 +47,7 @@
 #   roundprof `ubtree bench e2e --profile`: torch.profiler tables (host API calls, device busy time, stage host/device
 #            ms, top ops) per engine step of METHODS (default ar,ngram,ubtree-mrv2,ubtree-mrv2-lookup, B=64) on
 #            PROFILE_PROMPTS (default 2) MT-Bench prompts at STAGE_CONCURRENCY (default 1), T=0; into
-#            $OUT/roundprof.tar (each engine's first Chrome trace included)
+#            $OUT/roundprof-tables.tar, each engine's first Chrome trace in $OUT/roundprof-traces.tar.partNN
 #   agreement  `ubtree bench e2e --agreement`: greedy divergence from ar of ngram, dflash-chain and ubtree-mrv2
 #            (B=64) on AGREE_PROMPTS (default 48) prompts per set x 256 tokens, bf16 (issue 19's rate)
 #   tp2      (two GPUs) tests/vllm/test_vllm_tensor_parallel.py under Ray, and ar / ubtree at TP = 1 and 2 (records)
@@ -214,7 +214,9 @@ for phase in "$@"; do
         --datasets mt_bench --temperatures 0 --num-prompts "${PROFILE_PROMPTS:-2}" --max-new-tokens 256 \
         --methods "${METHODS:-ar,ngram,ubtree-mrv2,ubtree-mrv2-lookup}" --tree-budgets "${BUDGETS:-64}" \
         --beam-width 12 --top-k 64 --concurrency "${STAGE_CONCURRENCY:-1}"
-      mkdir -p "$OUT" && tar -cf "$OUT/roundprof.tar" -C runs roundprof ;;
+      # files come back at most 16 MB each: the tables in one tar, the traces split into 15 MB parts (cat them)
+      mkdir -p "$OUT" && tar -cf "$OUT/roundprof-tables.tar" -C runs/roundprof $(cd runs/roundprof && ls *.txt)
+      tar -cf - -C runs/roundprof $(cd runs/roundprof && ls *.trace.json.gz) | split -b 15M -d - "$OUT/roundprof-traces.tar.part" ;;
     agreement)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization 0.25 --agreement \
