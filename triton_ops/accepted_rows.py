@@ -85,10 +85,7 @@ def _check(logits_indices: torch.Tensor, cu_num_logits: torch.Tensor, accepted_p
 
 
 def _meta(max_depth: int) -> dict[str, int]:
-    return {"MAX_DEPTH": max_depth, "DEPTH_PAD": triton.next_power_of_2(max_depth)}
-
-
-NODE_BLOCK_META = {"NODE_BLOCK": NODE_BLOCK}
+    return {"MAX_DEPTH": max_depth, "DEPTH_PAD": triton.next_power_of_2(max_depth), "NODE_BLOCK": NODE_BLOCK}
 
 
 def accepted_commit_pairs(
@@ -110,8 +107,7 @@ def accepted_commit_pairs(
     if num_reqs:
         _accepted_rows_kernel[(num_reqs,)](
             slot_mapping, logits_indices, cu_num_logits, accepted_path, accepted_path.stride(0), num_accepted,
-            src, dst, moves, src, src, WRITE_PAIRS=True, WRITE_PERM=False, WRITE_POS=False, **_meta(max_depth),
-            **NODE_BLOCK_META)
+            src, dst, moves, src, src, WRITE_PAIRS=True, WRITE_PERM=False, WRITE_POS=False, **_meta(max_depth))
     return src, dst, moves
 
 
@@ -135,5 +131,5 @@ def accepted_row_permutation(
         _accepted_rows_kernel[(num_reqs,)](
             perm, logits_indices, cu_num_logits, accepted_path, accepted_path.stride(0), num_accepted,
             perm, perm, perm, perm, perm if positions is None else positions, WRITE_PAIRS=False, WRITE_PERM=True,
-            WRITE_POS=positions is not None, **_meta(max_depth), **NODE_BLOCK_META)
+            WRITE_POS=positions is not None, **_meta(max_depth))
     return perm[:num_tokens]

@@ -146,10 +146,10 @@ def compile_tree_layout(max_depth: int, arch: int) -> int:
 def compile_accepted_rows(max_depth: int, write_pairs: bool, arch: int) -> int:
     """`_accepted_rows_kernel` in one of its launchers' forms (the permutation with the positions); returns the
     cubin size."""
-    from ubtree_vllm.triton_ops.accepted_rows import NODE_BLOCK_META, _meta
+    from ubtree_vllm.triton_ops.accepted_rows import _meta
 
     pointers = {"logits_indices_ptr": "*i32", "cu_ptr": "*i32", "moves_ptr": "*i1" if write_pairs else "*i64"}
-    meta = {**_meta(max_depth), **NODE_BLOCK_META, "WRITE_PAIRS": write_pairs, "WRITE_PERM": not write_pairs,
+    meta = {**_meta(max_depth), "WRITE_PAIRS": write_pairs, "WRITE_PERM": not write_pairs,
             "WRITE_POS": not write_pairs}
     return _compile("accepted_rows", "_accepted_rows_kernel", meta,
                     lambda name: pointers.get(name, "*i64") if name.endswith("_ptr") else "i64", arch)

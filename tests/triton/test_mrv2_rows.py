@@ -17,8 +17,7 @@ from ubtree_vllm.triton_ops.accepted_rows import accepted_commit_pairs, accepted
 from ubtree_vllm.triton_ops.node_inputs import node_inputs
 from ubtree_vllm.triton_ops.tree_layout import tree_layout
 from ubtree_vllm.vllm.mrv2.rejection_sampler import gather_node_inputs
-from ubtree_vllm.vllm.mrv2.speculator import linear_logits_positions_
-from ubtree_vllm.vllm.mrv2.tree_layout import commit_pairs, lay_out_tree_rows, linearise_rows
+from ubtree_vllm.vllm.mrv2.tree_layout import commit_pairs, lay_out_tree_rows, linear_logits_positions_, linearise_rows
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 

@@ -26,13 +26,13 @@ from ubtree_vllm.vllm.mrv2 import speculator as spec_mod
 from ubtree_vllm.vllm.mrv2.rejection_sampler import TreeTopology
 from ubtree_vllm.vllm.mrv2.speculator import (
     UBTreeSpeculator,
-    linear_logits_positions_,
     linearise_target_rows,
     root_only_,
     target_embedding_and_head,
     tree_rows_from_hidden,
     ubtree_settings,
 )
+from ubtree_vllm.vllm.mrv2.tree_layout import linear_logits_positions_
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 VOCAB, HIDDEN, GAMMA, B = 97, 64, 4, 12

@@ -62,10 +62,9 @@ from ubtree_vllm.config import UBTreeConfig
 from ubtree_vllm.drafter.io import load_drafter
 from ubtree_vllm.drafter.proposer import UBTreeDrafter
 from ubtree_vllm.tree.lookup import lookup_continuation
-from ubtree_vllm.triton_ops.accepted_rows import accepted_row_permutation
 from ubtree_vllm.vllm.config import ADDITIONAL_CONFIG_KEY, UBTreeVllmConfig, from_vllm_config
 from ubtree_vllm.vllm.mrv2.rejection_sampler import TreeTopology
-from ubtree_vllm.vllm.mrv2.tree_layout import linearise_rows, root_rows_of
+from ubtree_vllm.vllm.mrv2.tree_layout import linearise_rows
 from ubtree_vllm.vllm.stage_clock import StageClock
 
 logger = init_logger(__name__)
@@ -156,28 +155,14 @@ def linearise_target_rows(
     gather instead of one per aux layer).
     """
     num_tokens = input_batch.num_tokens
-    if input_batch.positions.is_cuda:  # one launch: the permutation and the positions (triton_ops/accepted_rows.py)
-        perm = accepted_row_permutation(num_tokens, input_batch.logits_indices, input_batch.cu_num_logits,
-                                        accepted_path, num_accepted, max_depth, positions=input_batch.positions)
-    else:
-        perm = linearise_rows(num_tokens, input_batch.logits_indices, input_batch.cu_num_logits, accepted_path,
-                              num_accepted, max_depth)  # [T]
-        linear_logits_positions_(input_batch.positions, input_batch.logits_indices, input_batch.expanded_local_pos)
+    perm = linearise_rows(num_tokens, input_batch.logits_indices, input_batch.cu_num_logits, accepted_path,
+                          num_accepted, max_depth, positions=input_batch.positions,
+                          expanded_local_pos=input_batch.expanded_local_pos)  # [T]
     if aux_hidden_states and combine is not None:  # row-wise, so permuting after combining is the same
         return None, combine(torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)).index_select(0, perm)
     if aux_hidden_states:
         return [h[:num_tokens].index_select(0, perm) for h in aux_hidden_states], last_hidden_states
     return aux_hidden_states, last_hidden_states[:num_tokens].index_select(0, perm)
-
-
-def linear_logits_positions_(
-        # [T_pad] int64, mutated
-        positions: torch.Tensor,
-        # [L] row of each logits row, [L] node index of each logits row within its request
-        logits_indices: torch.Tensor, expanded_local_pos: torch.Tensor) -> None:
-    """``positions[root + j] = positions[root] + j`` for every logits row (root = its request's row j = 0)."""
-    root_rows = root_rows_of(logits_indices, expanded_local_pos)  # [L]
-    positions[logits_indices.long()] = positions[root_rows] + expanded_local_pos.long()  # read before the write
 
 
 def target_embedding_and_head(target_model: nn.Module, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -111,14 +111,21 @@ def linearise_rows(
         # [L] int64, [R + 1] int32, [R, max_depth + 1] int64, [R] int64: as in commit_pairs
         logits_indices: torch.Tensor, cu_num_logits: torch.Tensor,
         accepted_path: torch.Tensor, num_accepted: torch.Tensor,
-        max_depth: int) -> torch.Tensor:
+        max_depth: int,
+        # [T_pad] int64 positions, mutated (None: untouched) and [L] node index of each logits row
+        positions: torch.Tensor | None = None, expanded_local_pos: torch.Tensor | None = None) -> torch.Tensor:
     """``perm [num_tokens]`` int64: identity, except ``perm[root + d] = root + path[r, d]`` for d = 1..accepted.
 
     ``hidden[perm]`` holds the accepted path's rows at ``root + 1 .. root + k``, as a chain would.
+    Given ``positions``, every logits row's linear position is restored too
+    (:func:`linear_logits_positions_`; on CUDA inside the same launch).
     """
     if logits_indices.is_cuda:
         return accepted_row_permutation(num_tokens, logits_indices, cu_num_logits, accepted_path, num_accepted,
-                                        max_depth)
+                                        max_depth, positions=positions)
+    if positions is not None:
+        assert expanded_local_pos is not None, "restoring the positions needs expanded_local_pos"
+        linear_logits_positions_(positions, logits_indices, expanded_local_pos)
     root, depth, node, accepted = _accepted_nodes(logits_indices, cu_num_logits, accepted_path, num_accepted,
                                                   max_depth)
     # [T + 1]: entry T absorbs the pairs that write nothing, so no two writes share an index
@@ -126,6 +133,16 @@ def linearise_rows(
     perm.scatter_(0, torch.where(accepted, root + depth, num_tokens).flatten(),
                   torch.where(accepted, root + node, num_tokens).flatten())
     return perm[:num_tokens]
+
+
+def linear_logits_positions_(
+        # [T_pad] int64, mutated
+        positions: torch.Tensor,
+        # [L] row of each logits row, [L] node index of each logits row within its request
+        logits_indices: torch.Tensor, expanded_local_pos: torch.Tensor) -> None:
+    """``positions[root + j] = positions[root] + j`` for every logits row (root = its request's row j = 0)."""
+    root_rows = root_rows_of(logits_indices, expanded_local_pos)  # [L]
+    positions[logits_indices.long()] = positions[root_rows] + expanded_local_pos.long()  # read before the write
 
 
 def _root_paths(tree_parents: torch.Tensor, req_state: torch.Tensor, node: torch.Tensor, depth: torch.Tensor,
