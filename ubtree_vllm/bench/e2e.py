@@ -38,7 +38,7 @@ from typing import Any
 
 from ubtree_vllm.bench.agreement import agreement_record, tokens_in_prompt_order
 from ubtree_vllm.bench.measurement import RunResult, SpeedupTable, e2e_record, spec_counters, summarize_run
-from ubtree_vllm.bench.profile import ENV as PROFILE_ENV
+from ubtree_vllm.bench.profile import STAGE_TIMING_MODE as PROFILE_MODE
 from ubtree_vllm.bench.profile import profiled, run_name
 from ubtree_vllm.bench.prompts import PromptSet, dataset_prompt_sets
 from ubtree_vllm.bench.round_cost import round_cost_records
@@ -175,7 +175,7 @@ def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path
         for label in planned_methods(settings):
             log(f"bench e2e: starting engine for {label}")
             profiling = settings.profile_dir is not None
-            with stage_timing_env(settings.stage_timing), environment(PROFILE_ENV if profiling else {}):
+            with stage_timing_env("1" if settings.stage_timing else PROFILE_MODE if profiling else None):
                 run, llm = _start_engine(label, settings, target_path, engine_kwargs, Path(scratch), log)
             clocked = settings.stage_timing and uses_runner_clock(run)
             traced = False  # --profile: the first run of each engine also writes its Chrome trace

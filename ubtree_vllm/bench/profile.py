@@ -25,8 +25,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-RANGE_PREFIX = "ubtree:"  # vllm/stage_clock.py:RANGE_PREFIX (that module imports torch at import time)
-ENV = {"UBTREE_STAGE_TIMING": "ranges"}
+from ubtree_vllm.vllm.stage_clock import RANGE_PREFIX
+
+STAGE_TIMING_MODE = "ranges"  # UBTREE_STAGE_TIMING of the profiled engines (bench/stage_timing.py:stage_timing_env)
 # Host API calls counted per step (CUDA runtime and driver names as the profiler reports them).
 API_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
              "cudaMemcpyAsync", "cudaMemsetAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize",
@@ -98,7 +99,7 @@ def summary_text(events: Sequence[Any], steps: int, title: str) -> str:
         lines += ["", "## ubtree stages per step      calls   host ms  device span ms"]
         for name, (calls, host_us, dev_us) in stages.items():
             lines.append(f"{name:<28} {calls / steps:6.2f} {host_us / steps / 1e3:9.3f} {dev_us / steps / 1e3:10.3f}")
-    lines += _top("device ops by time per step (us)", device, steps, lambda e: _duration_us(e))
+    lines += _top("device ops by time per step (us)", device, steps, _duration_us)
     lines += _top("host ops by self time per step (us)", [e for e in host if not e.name.startswith(RANGE_PREFIX)],
                   steps, lambda e: float(e.self_cpu_time_total))
     return "\n".join(lines) + "\n"

@@ -44,9 +44,10 @@ def metric_of(stage: str) -> str:
 METRICS = (WALL, *(metric_of(s) for s in STAGES))
 
 
-def stage_timing_env(enabled: bool) -> contextlib.AbstractContextManager[None]:
-    """``UBTREE_STAGE_TIMING=1`` while engines are built (engine-core processes inherit it)."""
-    return environment({ENV: "1"} if enabled else {})
+def stage_timing_env(mode: str | None) -> contextlib.AbstractContextManager[None]:
+    """``UBTREE_STAGE_TIMING=mode`` while engines are built (engine-core processes inherit it): "1" for
+    ``--stage-timing``, "ranges" for ``--profile`` (bench/profile.py); None leaves it unset."""
+    return environment({ENV: mode} if mode else {})
 
 
 def uses_runner_clock(run: MethodRun) -> bool:
