@@ -94,8 +94,8 @@ MANIFEST: tuple[PatchSpec, ...] = (
     PatchSpec(
         name="sampling_params_spec_decode",
         vllm_symbol="vllm.sampling_params.SamplingParams._validate_spec_decode",
-        why=("Tree verification cannot reproduce structured output and the other chain-only options "
-             "exactly yet (nor penalties, logprobs, bad words, min_tokens, min_p, logit_bias on Model "
+        why=("Tree verification cannot reproduce the chain-only options exactly yet (nor structured "
+             "output, penalties, logprobs, bad words, min_tokens, min_p, logit_bias on Model "
              "Runner V2), while vLLM's own spec-decode check rejects min_p and logit_bias, which the V1 "
              "tree sampler applies at every node."),
         how=("Wraps the method: for the 'ubtree' speculative config vLLM's check is replaced by "
@@ -104,6 +104,27 @@ MANIFEST: tuple[PatchSpec, ...] = (
              "the V1 runner); other methods keep vLLM's check."),
         removal_condition=("The tree sampler implements those options on both runners and vLLM lets a "
                            "proposer declare its supported sampling options."),
+    ),
+    PatchSpec(
+        name="scheduler_tree_drafts",
+        vllm_symbol="vllm.v1.core.sched.scheduler.Scheduler.update_draft_token_ids",
+        why=("The scheduler receives drafts as flat token lists and validates them against the grammar "
+             "as one chain; a tree's topology has no place in vLLM's DraftTokenIds."),
+        how=("Wraps the method: the parents carried by the UBTree runner's TreeDraftTokenIds are stored "
+             "on each structured-output request (ubtree_vllm.vllm.structured_output) before vLLM's code "
+             "runs; other methods' drafts pass untouched."),
+        removal_condition=("vLLM's scheduler carries a draft topology (tree speculative decoding upstream, "
+                           "e.g. a parents field in DraftTokenIds)."),
+    ),
+    PatchSpec(
+        name="structured_output_tree",
+        vllm_symbol="vllm.v1.structured_output.StructuredOutputManager.grammar_bitmask",
+        why=("grammar_bitmask fills draft row i after drafts 0..i-1 and validate_tokens cuts the drafts at "
+             "the first refused one: both assume a chain, so a tree node's row would follow its siblings."),
+        how=("Wraps grammar_bitmask and validate_tokens: for requests whose drafts are a tree, each node's "
+             "row is the grammar advanced along root -> node (vLLM's grammar objects, accept_tokens and "
+             "rollback; reasoning bounds per path) and every node is kept; chains take vLLM's code."),
+        removal_condition="vLLM's structured-output manager supports tree drafts (same upstream change).",
     ),
     PatchSpec(
         name="cpu_worker_model_runner",

@@ -302,6 +302,21 @@ def test_draft_stage_microbench_on_cpu(drafter_dir):
         run_microbenches(("draft-stage",), MicrobenchSettings(drafter="/no/such/drafter", device="cpu"))
 
 
+def test_grammar_rows_microbench_on_the_default_tokenizer(default_target_dir):
+    """Structured output's scheduler rows of a 64-node tree: a host-side ms record; the tree has the stated shape."""
+    import random
+
+    from ubtree_vllm.bench.grammar_bench import build_tree
+
+    tokens, parents = build_tree([1, 2, 3], list(range(100, 130)), 64, random.Random(0))
+    assert len(tokens) == len(parents) == 64 and tokens[:3] == [1, 2, 3] and parents[:3] == [0, 1, 2]
+    assert all(3 <= p <= j for j, p in enumerate(parents) if j >= 3) and all(100 <= t < 130 for t in tokens[3:])
+    rows = run_microbenches(("grammar-rows",), MicrobenchSettings(iters=3, warmup=1, tree_budget=64))
+    (row,) = rows
+    assert (row["metric"], row["unit"], row["tree_budget"]) == ("grammar_rows_ms", "ms", 64) and row["value"] > 0
+    assert row["hardware"].startswith("CPU (") and "64-node tree" in row["notes"]
+
+
 def test_microbench_without_records_and_its_errors(drafter_dir):
     rows = run_microbenches(("draft-postprocess",), MicrobenchSettings(drafter=str(drafter_dir), device="cpu",
                                                                          iters=2, warmup=0, tree_budget=48, top_k=16))

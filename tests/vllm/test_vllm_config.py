@@ -169,8 +169,8 @@ def test_unsupported_request_options():
         "structured_outputs": dict(structured_outputs=StructuredOutputsParams(regex="a+")),
     }
     for name, kwargs in cases.items():
-        # the V1 runner's tree sampler applies every one of them per node except a grammar; MRV2's none yet
-        assert unsupported_options(SamplingParams(**kwargs)) == ([name] if name == "structured_outputs" else []), name
+        # the V1 runner applies every one of them per node (a grammar along each node's path); MRV2 none yet
+        assert unsupported_options(SamplingParams(**kwargs)) == [], name
         assert unsupported_options(SamplingParams(**kwargs), runner="mrv2") == [name], name
     # logprobs: served by the V1 runner's tree sampler, not yet on Model Runner V2
     assert unsupported_options(SamplingParams(logprobs=2)) == []

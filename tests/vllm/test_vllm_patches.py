@@ -24,8 +24,8 @@ def on_cpu() -> bool:
 WORKER_CLASS_PATH = CPU_WORKER_CLASS_PATH if on_cpu() else GPU_WORKER_CLASS_PATH
 cpu_platform_only = pytest.mark.skipif(not on_cpu(), reason="exercises the CPU platform's worker and backend")
 
-TESTED_PATCHES = {"engine_args_speculative_config", "sampling_params_spec_decode", "cpu_worker_model_runner",
-                  "attention_backends"}
+TESTED_PATCHES = {"engine_args_speculative_config", "sampling_params_spec_decode", "scheduler_tree_drafts",
+                  "structured_output_tree", "cpu_worker_model_runner", "attention_backends"}
 
 
 def test_every_manifest_patch_has_a_module_and_a_test_here():
@@ -235,12 +235,11 @@ def test_sampling_params_rejects_options_trees_cannot_serve():
     other = types.SimpleNamespace(method="ngram", model="ngram")
     SamplingParams(temperature=0.8, top_p=0.9, seed=3)._validate_spec_decode(ubtree)
     SamplingParams(presence_penalty=1.0)._validate_spec_decode(other)  # other methods: vLLM's rules only
-    with pytest.raises(VLLMValidationError, match=r"\['structured_outputs'\] are not supported"):
-        SamplingParams(presence_penalty=1.0, logprobs=1, structured_outputs=StructuredOutputsParams(json_object=True)
-                       )._validate_spec_decode(ubtree)
+    with pytest.raises(VLLMValidationError, match=r"\['thinking_token_budget'\] are not supported"):
+        SamplingParams(presence_penalty=1.0, logprobs=1, thinking_token_budget=8)._validate_spec_decode(ubtree)
     # the V1 tree sampler serves these, min_p and logit_bias included (vLLM's own check, lifted for ubtree)
     served = dict(presence_penalty=1.0, logprobs=1, bad_words=["x"], allowed_token_ids=[1, 2], logit_bias={1: 2.0},
-                  min_p=0.1, min_tokens=3)
+                  min_p=0.1, min_tokens=3, structured_outputs=StructuredOutputsParams(json_object=True))
     SamplingParams(**served)._validate_spec_decode(ubtree)
     with pytest.raises(VLLMValidationError, match="min_p and logit_bias"):  # other methods: vLLM's rules
         SamplingParams(min_p=0.1)._validate_spec_decode(other)
@@ -251,7 +250,43 @@ def test_sampling_params_rejects_options_trees_cannot_serve():
                                                   r"'min_tokens'\] are not supported"):
         SamplingParams(bad_words=["x"], allowed_token_ids=[1, 2], logit_bias={1: 2.0}, min_p=0.1, min_tokens=3
                        )._validate_spec_decode(mrv2)
+    with pytest.raises(VLLMValidationError, match=r"\['structured_outputs'\] are not supported"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))._validate_spec_decode(mrv2)
     assert getattr(SamplingParams._validate_spec_decode, MARK) == "sampling_params_spec_decode"
+
+
+# --- scheduler_tree_drafts / structured_output_tree -------------------------------------------
+
+
+def test_scheduler_keeps_tree_topology_and_chains_keep_vllms_grammar_code():
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import DraftTokenIds
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from ubtree_vllm.vllm.structured_output import PARENTS_ATTR, TreeDraftTokenIds
+
+    patches.apply("engine")
+    assert getattr(Scheduler.update_draft_token_ids, MARK) == "scheduler_tree_drafts"
+    assert getattr(StructuredOutputManager.grammar_bitmask, MARK) == "structured_output_tree"
+    assert getattr(StructuredOutputManager.validate_tokens, MARK) == "structured_output_tree"
+    def scheduler_with(**requests):
+        manager = types.SimpleNamespace(validate_tokens=lambda req, tokens: StructuredOutputManager.validate_tokens(
+            None, req, tokens))
+        return types.SimpleNamespace(requests=requests, structured_output_manager=manager)
+
+    def request(structured: bool):
+        return types.SimpleNamespace(use_structured_output=structured, is_finished=lambda: False,
+                                     is_prefill_chunk=False, spec_token_ids=[])
+
+    tree_req = request(True)
+    Scheduler.update_draft_token_ids(scheduler_with(r=tree_req), TreeDraftTokenIds(["r"], [[5, 6, 7]], [[0, 0, 2]]))
+    # the topology is kept and every node stays (vLLM's chain validation would cut at the first refused one)
+    assert getattr(tree_req, PARENTS_ATTR) == [0, 0, 2] and tree_req.spec_token_ids == [5, 6, 7]
+    chain_req = request(False)
+    Scheduler.update_draft_token_ids(scheduler_with(c=chain_req), DraftTokenIds(["c"], [[1, 2]]))
+    assert not hasattr(chain_req, PARENTS_ATTR) and chain_req.spec_token_ids == [1, 2]
+    # chains (no topology) take vLLM's code
+    assert StructuredOutputManager.grammar_bitmask(None, {"c": chain_req}, [], {}) is None
 
 
 # --- cpu_worker_model_runner -----------------------------------------------------------------

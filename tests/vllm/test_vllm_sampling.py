@@ -3,7 +3,8 @@
 Vocabulary-8 random Llama (head_dim 32, the CPU kernel's minimum), untrained drafter
 with K = 6 of the 8 tokens per depth so that trees are often partly accepted; 3000
 continuations of 4 tokens per setting, chi-square against the enumerated law of the HF
-model with the same weights (see ``tests/exact_distribution.py``).
+model with the same weights (see ``tests/exact_distribution.py``); the same under vLLM's logits
+processing and under a grammar whose allowed tokens depend on the path (structured output).
 """
 from __future__ import annotations
 
@@ -98,3 +99,63 @@ def test_samples_follow_the_target_distribution_under_vllms_logits_processing(ll
     assert min(pvals) > ALPHA / len(pvals), pvals
     plain = exact_joint(hf_target, PROMPT, VOCAB, HORIZON, SamplingConfig(1.0))
     assert min(distribution_pvalues(samples, plain)) < ALPHA  # the processing changes the law: the test can fail
+
+
+# A grammar whose allowed tokens depend on the path: two pairs from {ab, af, ba, dd, ee}, then g's (no end
+# within the horizon, so no stop token is allowed); tokens 0..6 = "a".."g", 7 = "</s>". Token 2 ("c") is
+# the model config's EOS, which vLLM hands the grammar as a stop token: the grammar never uses it.
+GRAMMAR_REGEX = "(ab|af|ba|dd|ee)(ab|af|ba|dd|ee)g+"
+PAIR_SECOND = {0: [1, 5], 1: [0], 3: [3], 4: [4]}
+
+
+@pytest.fixture(scope="module")
+def grammar_llm(vocab8, vllm_models_dir):
+    """The vocabulary-8 target with a raw one-character-per-token tokenizer (a grammar needs one)."""
+    import shutil
+
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    target = vllm_models_dir / "vocab8-tokenizer"
+    shutil.copytree(vocab8[0], target, dirs_exist_ok=True)
+    vocab = {c: i for i, c in enumerate("abcdefg")} | {"</s>": 7}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="g")),
+                            eos_token="</s>").save_pretrained(target)
+    kwargs = dict(ENGINE_KWARGS, max_num_seqs=256, max_model_len=64, skip_tokenizer_init=False)
+    return LLM(model=str(target), speculative_config={"method": "ubtree", "model": str(vocab8[1]),
+                                                      "num_speculative_tokens": 9, "beam_width": 3, "top_k": 6},
+               **kwargs)
+
+
+def test_samples_follow_the_target_distribution_under_a_grammar(grammar_llm, hf_target):
+    """Structured output at T = 1: every node's logits masked by the grammar advanced along its own path
+    (vllm/structured_output.py), so the samples follow plain decoding's masked law."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    def process(logits: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:
+        allowed = torch.zeros_like(logits, dtype=torch.bool)
+        for t in range(HORIZON):
+            if t % 2 == 0:
+                allowed[:, t, list(PAIR_SECOND)] = True
+            else:
+                for first, seconds in PAIR_SECOND.items():
+                    rows = seqs[:, t - 1] == first
+                    for s in seconds:
+                        allowed[rows, t, s] = True
+            # prefixes the grammar refused have probability 0; any finite row keeps the product defined
+            allowed[~allowed[:, t].any(-1), t] = True
+        return logits.masked_fill(~allowed, float("-inf"))
+
+    params = SamplingParams(temperature=1.0, max_tokens=HORIZON, detokenize=False,
+                            structured_outputs=StructuredOutputsParams(regex=GRAMMAR_REGEX))
+    drafts_before, accepted_before = spec_counts(grammar_llm)
+    outs = grammar_llm.generate([TokensPrompt(prompt_token_ids=PROMPT)] * NUM_SAMPLES, params, use_tqdm=False)
+    drafts, accepted = spec_counts(grammar_llm)
+    assert (accepted - accepted_before) > 0.3 * (drafts - drafts_before), (accepted, drafts)
+    samples = torch.tensor([list(o.outputs[0].token_ids) for o in outs])
+    assert samples.shape == (NUM_SAMPLES, HORIZON)
+    joint = exact_joint(hf_target, PROMPT, VOCAB, HORIZON, SamplingConfig(1.0), process=process)
+    pvals = distribution_pvalues(samples, joint)
+    assert min(pvals) > ALPHA / len(pvals), pvals
+    plain = exact_joint(hf_target, PROMPT, VOCAB, HORIZON, SamplingConfig(1.0))
+    assert min(distribution_pvalues(samples, plain)) < ALPHA  # the grammar changes the law: the test can fail

@@ -212,16 +212,22 @@ def test_logprobs_match_the_plain_server(servers):
 
 
 def test_metrics_and_rejected_options(servers):
-    _, ubtree = servers
+    plain, ubtree = servers
     metrics = httpx.get(f"{ubtree.url}/metrics", timeout=30).text
     drafts = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_drafts_total")]
     assert drafts and float(drafts[0].split()[-1]) > 0
-    # JSON mode (structured output) is not served under trees yet: a 400 naming the option
+    # JSON mode (structured output): the grammar follows every tree node's path; plain decoding's text
+    body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 24, "temperature": 0,
+            "response_format": {"type": "json_object"}}
+    got, want = post(ubtree, "/v1/chat/completions", body), post(plain, "/v1/chat/completions", body)
+    assert got.status_code == want.status_code == 200, got.text
+    assert got.json()["choices"][0]["message"]["content"] == want.json()["choices"][0]["message"]["content"]
+    # an option trees cannot serve yet: a 400 naming it
     response = post(ubtree, "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}],
-                                                     "max_tokens": 4, "response_format": {"type": "json_object"}})
+                                                     "max_tokens": 4, "logprobs": True, "logprob_token_ids": [1, 2]})
     assert response.status_code == 400
     assert "not supported with speculative decoding method 'ubtree'" in response.text
-    assert "structured_outputs" in response.text
+    assert "logprob_token_ids" in response.text
 
 
 @pytest.mark.parametrize(("spec", "message"), [

@@ -7,7 +7,8 @@ tied embeddings, 49k vocabulary). The prompt-lookup branch is on (tree/lookup.py
 copying prompts it is what gets drafts accepted, through the V1 runner's real token history.
 Logprobs of the emitted tokens, and greedy text under presence/frequency/repetition penalties,
 bad words, logit bias, allowed token ids and min_tokens (each applied along every node's path),
-are compared with plain decoding's.
+and under structured output (JSON schema, regex, choice: the grammar advanced along every node's
+path, vllm/structured_output.py) are compared with plain decoding's; the JSON must parse and fit.
 """
 from __future__ import annotations
 
@@ -46,6 +47,22 @@ def generate(llm: LLM, prompts, logprobs: int | None = None, **options):
     return tokens, [[{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs] for o in outs]
 
 
+JSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                              "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+               "required": ["name", "age"], "additionalProperties": False}
+STRUCTURED = {"json": dict(json=JSON_SCHEMA), "regex": dict(regex=r"[0-9]{3}-[a-z]{2,6}"),
+              "choice": dict(choice=["yes", "no", "maybe"])}
+
+
+def generate_structured(llm: LLM, prompts, **constraint) -> tuple[list[list[int]], list[str]]:
+    """Greedy token ids and texts under one structured-output constraint (stops where the grammar ends)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=StructuredOutputsParams(**constraint))
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].text for o in outs]
+
+
 def assert_same_logprobs(got, expected) -> None:
     """The same top tokens with the same logprobs (fp32 on the CPU: tree and one-token rows differ in rounding)."""
     for got_req, want_req in zip(got, expected, strict=True):
@@ -75,13 +92,16 @@ def processor_cases(greedy: list[list[int]], tokenizer) -> dict[str, dict]:
 def test_smollm2_greedy_batch_is_token_identical(default_target_dir, prompts, vllm_models_dir):
     drafter = save_untrained_drafter(default_target_dir, vllm_models_dir / "smollm2-drafter", block_size=4, top_k=8)
     # the tokenizer on: vLLM tokenizes bad words with it
-    kwargs = dict(ENGINE_KWARGS, kv_cache_memory_bytes=256 << 20, max_model_len=1024, skip_tokenizer_init=False)
+    # (JSON without free whitespace: the small model would otherwise pad its JSON with newlines)
+    kwargs = dict(ENGINE_KWARGS, kv_cache_memory_bytes=256 << 20, max_model_len=1024, skip_tokenizer_init=False,
+                  structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
     plain = LLM(model=str(default_target_dir), **kwargs)
     expected = generate(plain, prompts)
     expected_lp = generate(plain, prompts[-3:], logprobs=3)  # the copying prompts: rounds of several tokens
     expected_pen = generate(plain, prompts[-3:], **PENALTIES)
     processors = processor_cases(expected[-3:], AutoTokenizer.from_pretrained(default_target_dir))
     expected_proc = {name: generate(plain, prompts[-3:], **options) for name, options in processors.items()}
+    expected_struct = {name: generate_structured(plain, prompts, **c) for name, c in STRUCTURED.items()}
     del plain
     ubtree = LLM(model=str(default_target_dir), speculative_config={
         "method": "ubtree", "model": str(drafter), "num_speculative_tokens": 8, "beam_width": 3, "top_k": 4,
@@ -98,6 +118,20 @@ def test_smollm2_greedy_batch_is_token_identical(default_target_dir, prompts, vl
     for name, options in processors.items():
         assert generate(ubtree, prompts[-3:], **options) == expected_proc[name], name
         assert expected_proc[name] != expected[-3:], f"{name} did not change the greedy text"
+    # structured output: each node's logits masked by the grammar advanced along its own path
+    import json
+    import re
+    for name, constraint in STRUCTURED.items():
+        tokens, texts = generate_structured(ubtree, prompts, **constraint)
+        assert tokens == expected_struct[name][0], name
+        for text in texts:
+            if name == "json":
+                value = json.loads(text)  # raises with the text where it does not parse
+                assert set(value) == {"name", "age"} and isinstance(value["age"], int), text
+            elif name == "regex":
+                assert re.fullmatch(STRUCTURED["regex"]["regex"], text), text
+            else:
+                assert text in STRUCTURED["choice"]["choice"], text
     drafts, accepted = spec_counts(ubtree)
     before = (drafts, accepted)
     generate(ubtree, prompts[-len(COPY_PROMPTS):])

@@ -15,6 +15,8 @@ running any. Entries:
   projection               (GPU only) bench/projection.py: UBTree's round cost in plain steps on a dummy
                            Qwen3-8B with an untrained drafter of its shape (B = 16/32/64, 1 and 32
                            requests in flight), for the report's projected speedups at tau = 4, 6, 8
+  grammar-rows             (host) bench/grammar_bench.py: the scheduler's structured-output rows of one
+                           B-node tree (xgrammar, JSON schema, the default target's tokenizer)
   draft-stage              (CPU or GPU, uses --drafter) the whole drafting stage of a round as the
                            vLLM proposer runs it (backbone over DRAFT_STAGE_CONTEXT committed
                            positions, top-K, selector, tree), eager and, on CUDA, replayed from
@@ -288,6 +290,14 @@ def projection(settings: MicrobenchSettings) -> list[dict[str, Any]]:
                           engine_kwargs=settings.verify_engine_kwargs)
 
 
+def grammar_rows(settings: MicrobenchSettings) -> list[dict[str, Any]]:
+    """Structured output's per-round scheduler cost for a B-node tree (host only)."""
+    from ubtree_vllm.bench.grammar_bench import grammar_rows as run
+
+    _check_counts(settings)
+    return run(settings)
+
+
 @dataclass(frozen=True)
 class Microbench:
     run: Callable[[MicrobenchSettings], list[dict[str, Any]]]
@@ -301,6 +311,7 @@ MICROBENCHES: dict[str, Microbench] = {
     "verify-forward": Microbench(verify_forward, gpu_only=True, uses_drafter=False),
     "draft-stage": Microbench(draft_stage, gpu_only=False, uses_drafter=True),
     "projection": Microbench(projection, gpu_only=True, uses_drafter=False),
+    "grammar-rows": Microbench(grammar_rows, gpu_only=False, uses_drafter=False),
 }
 
 

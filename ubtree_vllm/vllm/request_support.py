@@ -9,16 +9,16 @@ admission (HTTP 400 in the server) instead of getting different tokens than
 non-speculative decoding:
 
 * on Model Runner V2: penalties (presence, frequency, repetition), logprobs, bad_words,
-  allowed_token_ids, logit_bias, min_p and min_tokens -- its tree sampler does not apply or
-  report them yet (the V1 runner's does, each along every node's own path; logprobs in the raw
-  logprobs modes);
+  allowed_token_ids, logit_bias, min_p, min_tokens and structured outputs -- its tree sampler
+  does not apply or report them yet (the V1 runner's does, each along every node's own path;
+  logprobs in the raw logprobs modes; grammars in ``ubtree_vllm/vllm/structured_output.py``);
 * logprob_token_ids -- not computed for tree rows yet;
 * thinking_token_budget -- a vLLM state machine that assumes a chain of drafts;
-* structured outputs -- the grammar validates drafts as a chain;
 * trace replay and repetition detection -- not exercised with trees.
 
 On the V1 runner penalties, ``logprobs``, ``bad_words``, ``allowed_token_ids``, ``logit_bias``,
-``min_p`` and ``min_tokens`` are served exactly (``ubtree_vllm/vllm/sampler.py``), and on both
+``min_p``, ``min_tokens`` (``ubtree_vllm/vllm/sampler.py``) and structured outputs (JSON schema,
+JSON object, regex, grammar, choice; ``ubtree_vllm/vllm/structured_output.py``) are served exactly, and on both
 runners ``prompt_logprobs``, ``n``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos`` and
 ``max_tokens`` (prompt rows carry no tree; stop handling is the scheduler's and sees the same
 accepted tokens as a chain would).
@@ -47,7 +47,7 @@ def unsupported_options(params: Any, runner: str = "v1") -> list[str]:
         ("min_p", params.min_p > _EPS and runner != "v1"),
         ("min_tokens", params.min_tokens > 0 and runner != "v1"),
         ("thinking_token_budget", getattr(params, "thinking_token_budget", None) is not None),
-        ("structured_outputs", params.structured_outputs is not None),
+        ("structured_outputs", params.structured_outputs is not None and runner != "v1"),
         ("trace_decode_token_ids", bool(getattr(params, "trace_decode_token_ids", None))),
         ("repetition_detection", getattr(params, "repetition_detection", None) is not None),
     )
@@ -60,5 +60,5 @@ def unsupported_message(names: list[str]) -> str:
             "(tree verification would not reproduce non-speculative decoding exactly); remove them or "
             "use a server without speculative decoding. Supported: temperature, top_k, top_p, seed, n, "
             "stop, stop_token_ids, ignore_eos, max_tokens, prompt_logprobs, and on the V1 runner "
-            "(UBTREE_VLLM_RUNNER=v1) also penalties, logprobs, bad_words, allowed_token_ids, logit_bias, min_p "
-            "and min_tokens.")
+            "(UBTREE_VLLM_RUNNER=v1) also penalties, logprobs, bad_words, allowed_token_ids, logit_bias, min_p, "
+            "min_tokens and structured outputs.")

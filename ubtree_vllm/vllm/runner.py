@@ -15,7 +15,8 @@ the UBTree hooks, in call order:
    (:mod:`ubtree_vllm.vllm.kv_commit`: inside the cache on CUDA, from the stash on CPU);
 5. ``propose_draft_token_ids`` (after vLLM's bookkeeping, as for every ``custom_class``
    proposer) -- write the committed rows' aux hidden states into the feature store, draft
-   a tree per decoding request and hand vLLM its B nodes as the draft tokens.
+   a tree per decoding request and hand vLLM its B nodes as the draft tokens
+   (``take_draft_token_ids`` adds each tree's parents, for structured output's grammar).
 
 Everything else (scheduling, KV allocation, stop handling, metrics) is vLLM's, unchanged.
 With ``UBTREE_STAGE_TIMING=1`` each of these stages is timed (:mod:`ubtree_vllm.vllm.stage_clock`).
@@ -42,6 +43,7 @@ from ubtree_vllm.vllm.kv_commit import commit_accepted_paths, commit_accepted_pa
 from ubtree_vllm.vllm.proposer import UBTreeProposer
 from ubtree_vllm.vllm.sampler import TreeRejectionSampler
 from ubtree_vllm.vllm.stage_clock import StageClock
+from ubtree_vllm.vllm.structured_output import TreeDraftTokenIds
 from ubtree_vllm.vllm.tensor_parallel import RankDigest, from_driver, is_driver, tp_group
 from ubtree_vllm.vllm.tree_plan import RequestTree, TreeStepPlan, ragged_arange, build_plan
 
@@ -237,6 +239,16 @@ class UBTreeRunnerMixin:
             drafts[i] = tokens[k]
             self._trees[req_ids[i]] = RequestTree(draft_tokens=tokens[k], parents=parents[k], depth=depth[k])
         return drafts
+
+    def take_draft_token_ids(self) -> Any:
+        """vLLM's draft tokens plus each tree's parents, for the scheduler's grammar (vllm/structured_output.py)."""
+        drafts = super().take_draft_token_ids()  # type: ignore[misc]
+        if drafts is None:
+            return None
+        trees = self._trees
+        parents = [trees[r].parents[1:1 + len(tokens)].tolist() if r in trees and tokens else []
+                   for r, tokens in zip(drafts.req_ids, drafts.draft_token_ids)]
+        return TreeDraftTokenIds(drafts.req_ids, drafts.draft_token_ids, parents)
 
     def _step_budget(self, scheduler_output: Any) -> int:
         """This step's tree budget: vLLM's dynamic choice where a schedule is set, else B."""
