@@ -16,6 +16,10 @@ Public launchers only:
   :func:`tree_accept_rows` (the walk over MRV2's flat logits rows, with its counts),
   :func:`accepted_commit_pairs` / :func:`accepted_row_permutation` (where the accepted path's
   KV and hidden rows move), :func:`node_inputs` (each logits row's token and position for the sampler).
+* Hybrid / MLA targets (kernels with twins and tests, not yet called by the engine; issue 17):
+  ``tree_delta_rule.tree_gated_delta_rule`` and ``tree_conv.tree_causal_conv1d`` (each node's
+  recurrent state and conv window from its parent's), ``tree_mla_attention.tree_mla_attention``
+  (MLA's absorbed attention under the tree mask, vLLM's latent cache layout).
 * :func:`head_loss_rows` -- training: the proposer loss's per-row softmax statistics and its
   gradient w.r.t. the LM-head logits, two streaming passes (``training/head_loss.py``).
 

@@ -176,6 +176,22 @@ def compile_tree_conv(channels: int, width: int, arch: int) -> int:
                     arch)
 
 
+def compile_tree_mla_attention(latent: int, rope: int, path_len: int, block_size: int, arch: int) -> int:
+    """`_tree_mla_attention_kernel` with the launcher's tiles (bf16); returns the cubin size."""
+    from ubtree_vllm.triton_ops.tree_mla_attention import launch_meta
+
+    index_ptrs = {"block_table_ptr": "*i32", "row_index_ptr": "*i64", "row_req_ptr": "*i64",
+                  "row_context_len_ptr": "*i64", "row_path_ptr": "*i64"}
+
+    def kind(name: str) -> str:
+        if name.endswith("_ptr"):
+            return index_ptrs.get(name, "*bf16")
+        return "fp32" if name == "qk_scale" else "i32"
+
+    return _compile("tree_mla_attention", "_tree_mla_attention_kernel",
+                    launch_meta(latent, rope, path_len, block_size, torch.bfloat16), kind, arch)
+
+
 _HEAD_LOSS_ROWS_KINDS = {"labels_ptr": "*i64", "row_weight_ptr": "*fp32", "stats_ptr": "*fp32", "top1_ptr": "*i64",
                          "kl_weight": "fp32", "ce_weight": "fp32", "softcap": "fp32", "vocab": "i32"}
 
@@ -231,6 +247,8 @@ def main() -> int:
         size = compile_tree_delta_rule(dk, dv, per_channel, delta, args.arch)  # GDN, KDA, Mamba2 heads
         print(f"tree_delta_rule sm_{args.arch} Dk {dk} Dv {dv} {'per-channel' if per_channel else 'per-head'} gate "
               f"{'delta' if delta else 'ssm'}: cubin {size} bytes")
+    size = compile_tree_mla_attention(512, 64, 17, 64, args.arch)  # DeepSeek / Ling-3.0 MLA, 16-deep trees
+    print(f"tree_mla_attention sm_{args.arch} latent 512 rope 64 path 17 block 64: cubin {size} bytes")
     size = compile_tree_conv(4096, 4, args.arch)
     print(f"tree_conv sm_{args.arch} channels 4096 width 4: cubin {size} bytes")
     for vocab, softcap in ((49152, None), (151936, 30.0)):

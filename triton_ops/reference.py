@@ -58,6 +58,29 @@ def tree_attention_reference(
     return out
 
 
+def tree_mla_attention_reference(q_latent, q_rope, kv_latent, k_rope, kv_cache, block_table, row_index, row_req,
+                                 row_context_len, row_path, scale, out):
+    """Twin of ``tree_mla_attention``: row r's heads attend, fp32, to the latent context of its request
+    (``kv_cache[..., :L]`` with RoPE keys ``kv_cache[..., L:]``) then its path's fresh rows; returns ``out``."""
+    latent = q_latent.shape[-1]
+    block_size = kv_cache.shape[1]
+    rows = zip(row_index.tolist(), row_req.tolist(), row_context_len.tolist(), row_path.tolist())
+    for row, req, context_len, path in rows:
+        if row < 0:
+            continue
+        pos = torch.arange(context_len, device=kv_cache.device)
+        cached = kv_cache[block_table[req, pos // block_size].long(), pos % block_size].float()  # [c, L + R]
+        path_rows = torch.tensor([p for p in path if p >= 0], dtype=torch.long, device=kv_latent.device)
+        c = torch.cat([cached[:, :latent], kv_latent[path_rows].float()])  # [n, L]
+        kr = torch.cat([cached[:, latent:], k_rope[path_rows].float()])  # [n, R]
+        if c.shape[0] == 0:
+            out[row] = 0
+            continue
+        scores = (q_latent[row].float() @ c.T + q_rope[row].float() @ kr.T) * scale  # [H, n]
+        out[row] = (scores.softmax(dim=-1) @ c).to(out.dtype)
+    return out
+
+
 def kv_path_commit_reference(
         # the layers' caches, each [num_blocks, H_kv, block_size, E] (mutated)
         kv_caches: list[torch.Tensor],
