@@ -167,6 +167,7 @@ def test_unsupported_request_options():
         "bad_words": dict(bad_words=["foo"]), "allowed_token_ids": dict(allowed_token_ids=[1, 2]),
         "logit_bias": dict(logit_bias={1: 1.0}), "min_p": dict(min_p=0.1), "min_tokens": dict(min_tokens=3),
         "structured_outputs": dict(structured_outputs=StructuredOutputsParams(regex="a+")),
+        "logprob_token_ids": dict(logprob_token_ids=[1, 2]),
     }
     for name, kwargs in cases.items():
         # the V1 runner applies every one of them per node (a grammar along each node's path); MRV2 none yet

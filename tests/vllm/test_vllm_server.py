@@ -224,10 +224,11 @@ def test_metrics_and_rejected_options(servers):
     assert got.json()["choices"][0]["message"]["content"] == want.json()["choices"][0]["message"]["content"]
     # an option trees cannot serve yet: a 400 naming it
     response = post(ubtree, "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}],
-                                                     "max_tokens": 4, "logprobs": True, "logprob_token_ids": [1, 2]})
+                                                     "max_tokens": 4,
+                                                     "repetition_detection": {"max_pattern_size": 4, "min_count": 3}})
     assert response.status_code == 400
     assert "not supported with speculative decoding method 'ubtree'" in response.text
-    assert "logprob_token_ids" in response.text
+    assert "repetition_detection" in response.text
 
 
 @pytest.mark.parametrize(("spec", "message"), [

@@ -5,7 +5,7 @@ below the argmax gaps (as in tests/unit/test_reference_decoder.py); the drafter 
 untrained export, so this checks losslessness on the real architecture (30 layers, GQA,
 tied embeddings, 49k vocabulary). The prompt-lookup branch is on (tree/lookup.py): on the
 copying prompts it is what gets drafts accepted, through the V1 runner's real token history.
-Logprobs of the emitted tokens, and greedy text under presence/frequency/repetition penalties,
+Logprobs of the emitted tokens (top ones and `logprob_token_ids`), and greedy text under presence/frequency/repetition penalties,
 bad words, logit bias, allowed token ids and min_tokens (each applied along every node's path),
 and under structured output (JSON schema, regex, choice: the grammar advanced along every node's
 path, vllm/structured_output.py) are compared with plain decoding's; the JSON must parse and fit.
@@ -37,12 +37,13 @@ PENALTIES = dict(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty
 
 
 def generate(llm: LLM, prompts, logprobs: int | None = None, **options):
-    """Greedy token ids per prompt; with `logprobs`, also each emitted token's {token id: logprob} of the top ones."""
+    """Greedy token ids per prompt; with `logprobs` (or `logprob_token_ids`), also each emitted token's
+    {token id: logprob} of the top (or requested) ones."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False,
                             logprobs=logprobs, **options)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    if logprobs is None:
+    if logprobs is None and not options.get("logprob_token_ids"):
         return tokens
     return tokens, [[{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs] for o in outs]
 
@@ -61,6 +62,14 @@ def generate_structured(llm: LLM, prompts, **constraint) -> tuple[list[list[int]
     params = SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=StructuredOutputsParams(**constraint))
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].text for o in outs]
+
+
+SCORED_IDS = [28, 330, 2]
+
+
+def generate_scored(llm: LLM, prompts):
+    """Greedy tokens and, per emitted token, the logprobs of it and of SCORED_IDS (``logprob_token_ids``)."""
+    return generate(llm, prompts, logprob_token_ids=SCORED_IDS)
 
 
 def assert_same_logprobs(got, expected) -> None:
@@ -98,6 +107,7 @@ def test_smollm2_greedy_batch_is_token_identical(default_target_dir, prompts, vl
     plain = LLM(model=str(default_target_dir), **kwargs)
     expected = generate(plain, prompts)
     expected_lp = generate(plain, prompts[-3:], logprobs=3)  # the copying prompts: rounds of several tokens
+    expected_ids = generate_scored(plain, prompts[-3:])
     expected_pen = generate(plain, prompts[-3:], **PENALTIES)
     processors = processor_cases(expected[-3:], AutoTokenizer.from_pretrained(default_target_dir))
     expected_proc = {name: generate(plain, prompts[-3:], **options) for name, options in processors.items()}
@@ -111,6 +121,11 @@ def test_smollm2_greedy_batch_is_token_identical(default_target_dir, prompts, vl
     tokens, logprobs = generate(ubtree, prompts[-3:], logprobs=3)
     assert tokens == expected_lp[0]
     assert_same_logprobs(logprobs, expected_lp[1])
+    # logprob_token_ids (vLLM's scoring form): the emitted token's and the requested ids', from the same rows
+    tokens, logprobs = generate_scored(ubtree, prompts[-3:])
+    assert tokens == expected_ids[0]
+    assert_same_logprobs(logprobs, expected_ids[1])
+    assert all(set(SCORED_IDS) <= step.keys() for req in logprobs for step in req)
     # penalties: each node's logits penalised over the outputs plus the node's own path
     assert generate(ubtree, prompts[-3:], **PENALTIES) == expected_pen
     assert expected_pen != expected_lp[0]  # the penalties changed the greedy text

@@ -9,14 +9,13 @@ admission (HTTP 400 in the server) instead of getting different tokens than
 non-speculative decoding:
 
 * on Model Runner V2: penalties (presence, frequency, repetition), logprobs, bad_words,
-  allowed_token_ids, logit_bias, min_p, min_tokens and structured outputs -- its tree sampler
+  allowed_token_ids, logit_bias, min_p, min_tokens, logprob_token_ids and structured outputs -- its tree sampler
   does not apply or report them yet (the V1 runner's does, each along every node's own path;
   logprobs in the raw logprobs modes; grammars in ``ubtree_vllm/vllm/structured_output.py``);
-* logprob_token_ids -- not computed for tree rows yet;
 * thinking_token_budget -- a vLLM state machine that assumes a chain of drafts;
 * trace replay and repetition detection -- not exercised with trees.
 
-On the V1 runner penalties, ``logprobs``, ``bad_words``, ``allowed_token_ids``, ``logit_bias``,
+On the V1 runner penalties, ``logprobs`` and ``logprob_token_ids``, ``bad_words``, ``allowed_token_ids``, ``logit_bias``,
 ``min_p``, ``min_tokens`` (``ubtree_vllm/vllm/sampler.py``) and structured outputs (JSON schema,
 JSON object, regex, grammar, choice; ``ubtree_vllm/vllm/structured_output.py``) are served exactly, and on both
 runners ``prompt_logprobs``, ``n``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos`` and
@@ -40,7 +39,7 @@ def unsupported_options(params: Any, runner: str = "v1") -> list[str]:
         ("frequency_penalty", abs(params.frequency_penalty) > _EPS and runner != "v1"),
         ("repetition_penalty", abs(params.repetition_penalty - 1.0) > _EPS and runner != "v1"),
         ("logprobs", params.logprobs is not None and runner != "v1"),
-        ("logprob_token_ids", bool(getattr(params, "logprob_token_ids", None))),
+        ("logprob_token_ids", bool(getattr(params, "logprob_token_ids", None)) and runner != "v1"),
         ("bad_words", bool(params.bad_words) and runner != "v1"),
         ("allowed_token_ids", params.allowed_token_ids is not None and runner != "v1"),
         ("logit_bias", bool(params.logit_bias) and runner != "v1"),
@@ -60,5 +59,5 @@ def unsupported_message(names: list[str]) -> str:
             "(tree verification would not reproduce non-speculative decoding exactly); remove them or "
             "use a server without speculative decoding. Supported: temperature, top_k, top_p, seed, n, "
             "stop, stop_token_ids, ignore_eos, max_tokens, prompt_logprobs, and on the V1 runner "
-            "(UBTREE_VLLM_RUNNER=v1) also penalties, logprobs, bad_words, allowed_token_ids, logit_bias, min_p, "
+            "(UBTREE_VLLM_RUNNER=v1) also penalties, logprobs, logprob_token_ids, bad_words, allowed_token_ids, logit_bias, min_p, "
             "min_tokens and structured outputs.")

@@ -29,7 +29,7 @@ the bonus token, ``-1`` padded, so the scheduler's accounting (accepted = emitte
 and spec-decode metrics need no change. The accepted node indices (for the KV commit
 and the drafter's features) are returned alongside.
 
-Logprobs (``logprobs`` of a request): output slot k's token was drawn at the accepted node of
+Logprobs (``logprobs`` or ``logprob_token_ids`` of a request): output slot k's token was drawn at the accepted node of
 depth k, so its logprobs are taken from that node's logits row, exactly the row plain decoding
 would have had at that position; laid out like ``sampled_token_ids`` ([num_reqs * max_nodes]
 rows, filtered by vLLM's ``parse_output``). The raw modes only (``raw_logprobs``, the default,
@@ -65,9 +65,8 @@ ARGMAX_INVARIANT_PROCESSORS = (MinPLogitsProcessor,)
 
 def check_supported(metadata: SamplingMetadata) -> None:
     """Defence in depth behind the admission check: refuse a batch the sampler cannot serve."""
-    problems = [name for name, used in (("logprob_token_ids", bool(metadata.logprob_token_ids)),) if used]
     procs = metadata.logitsprocs
-    problems += [type(p).__name__ for p in procs.non_argmax_invariant if not isinstance(p, NODE_PROCESSORS)]
+    problems = [type(p).__name__ for p in procs.non_argmax_invariant if not isinstance(p, NODE_PROCESSORS)]
     problems += [type(p).__name__ for p in procs.argmax_invariant if not isinstance(p, ARGMAX_INVARIANT_PROCESSORS)]
     if problems:
         raise RuntimeError(f"ubtree tree sampler got a batch using {problems}; such requests must be "
@@ -246,13 +245,14 @@ class TreeRejectionSampler:
         width = min(max_nodes, result.output_tokens.shape[1])
         sampled[:, :width] = result.output_tokens[:, :width].to(torch.int32)
         logprobs = None
-        if metadata.max_num_logprobs is not None:
-            logprobs = self._logprobs(logits, index, result, sampled, metadata.max_num_logprobs)
+        if metadata.max_num_logprobs is not None or metadata.logprob_token_ids:
+            logprobs = self._logprobs(logits, index, result, sampled, metadata)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs), result
 
     def _logprobs(self, logits: torch.Tensor, index: torch.Tensor, result: AcceptResult, sampled: torch.Tensor,
-                  num_logprobs: int) -> LogprobsTensors:
-        """Logprobs of every output slot from the logits row of the node that drew it ([N * max_nodes] rows)."""
+                  metadata: SamplingMetadata) -> LogprobsTensors:
+        """Logprobs of every output slot from the logits row of the node that drew it ([N * max_nodes] rows):
+        the top ones, or (vLLM's preference when both are set) the requested ``logprob_token_ids``."""
         num_reqs, max_nodes = sampled.shape
         path = torch.zeros((num_reqs, max_nodes), dtype=torch.long, device=logits.device)
         width = min(max_nodes, result.accepted_path.shape[1])
@@ -260,4 +260,28 @@ class TreeRejectionSampler:
         rows = index.gather(1, path).flatten()  # [N * max_nodes]
         row_logits = logits[rows].float()
         values = Sampler.compute_logprobs(row_logits) if self.logprobs_mode == "raw_logprobs" else row_logits
-        return Sampler.gather_logprobs(values, num_logprobs, sampled.flatten().clamp(min=0).long())
+        tokens = sampled.flatten().clamp(min=0).long()
+        if metadata.logprob_token_ids:
+            return requested_token_logprobs(values, metadata.logprob_token_ids, tokens, max_nodes)
+        return Sampler.gather_logprobs(values, metadata.max_num_logprobs, tokens)
+
+
+def requested_token_logprobs(values: torch.Tensor, requested: dict[int, list[int]], tokens: torch.Tensor,
+                             slots_per_req: int) -> LogprobsTensors:
+    """vLLM's ``Sampler.gather_specific_token_logprobs`` over output slots: values [N * S, V] (slot rows,
+    request-major), requested {request index: token ids}, tokens [N * S] the emitted token of each slot.
+    Column 0 is the emitted token, then the request's ids; -inf pads shorter lists."""
+    num_rows, device = values.shape[0], values.device
+    width = 1 + max(len(ids) for ids in requested.values())
+    ids = torch.zeros((num_rows, width), dtype=torch.long)
+    valid = torch.zeros((num_rows, width), dtype=torch.bool)
+    valid[:, 0] = True
+    for req, token_ids in requested.items():
+        rows = slice(req * slots_per_req, (req + 1) * slots_per_req)
+        ids[rows, 1:1 + len(token_ids)] = torch.as_tensor(token_ids, dtype=torch.long)
+        valid[rows, 1:1 + len(token_ids)] = True
+    ids, valid = ids.to(device), valid.to(device)
+    ids[:, 0] = tokens
+    gathered = values.gather(-1, ids).masked_fill(~valid, float("-inf"))
+    ranks = (values >= values.gather(-1, tokens[:, None])).sum(-1)  # vLLM's rank (batched_count_greater_than)
+    return LogprobsTensors(logprob_token_ids=ids.to(torch.int32), logprobs=gathered, selected_token_ranks=ranks)
