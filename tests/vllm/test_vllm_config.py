@@ -173,6 +173,11 @@ def test_unsupported_request_options():
         # the V1 runner applies every one of them per node (a grammar along each node's path); MRV2 none yet
         assert unsupported_options(SamplingParams(**kwargs)) == [], name
         assert unsupported_options(SamplingParams(**kwargs), runner="mrv2") == [name], name
+    # repetition detection: the scheduler's stop check after every accepted token, on both runners
+    from vllm.sampling_params import RepetitionDetectionParams
+    repeated = SamplingParams(repetition_detection=RepetitionDetectionParams(max_pattern_size=4, min_count=3))
+    assert unsupported_options(repeated) == unsupported_options(repeated, runner="mrv2") == []
+    assert unsupported_options(SamplingParams(thinking_token_budget=8)) == ["thinking_token_budget"]
     # logprobs: served by the V1 runner's tree sampler, not yet on Model Runner V2
     assert unsupported_options(SamplingParams(logprobs=2)) == []
     assert unsupported_options(SamplingParams(logprobs=2), runner="mrv2") == ["logprobs"]

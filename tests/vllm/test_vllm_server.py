@@ -224,11 +224,10 @@ def test_metrics_and_rejected_options(servers):
     assert got.json()["choices"][0]["message"]["content"] == want.json()["choices"][0]["message"]["content"]
     # an option trees cannot serve yet: a 400 naming it
     response = post(ubtree, "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}],
-                                                     "max_tokens": 4,
-                                                     "repetition_detection": {"max_pattern_size": 4, "min_count": 3}})
+                                                     "max_tokens": 4, "thinking_token_budget": 8})
     assert response.status_code == 400
     assert "not supported with speculative decoding method 'ubtree'" in response.text
-    assert "repetition_detection" in response.text
+    assert "thinking_token_budget" in response.text
 
 
 @pytest.mark.parametrize(("spec", "message"), [

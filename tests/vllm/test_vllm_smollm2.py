@@ -7,6 +7,7 @@ tied embeddings, 49k vocabulary). The prompt-lookup branch is on (tree/lookup.py
 copying prompts it is what gets drafts accepted, through the V1 runner's real token history.
 Logprobs of the emitted tokens (top ones and `logprob_token_ids`), and greedy text under presence/frequency/repetition penalties,
 bad words, logit bias, allowed token ids and min_tokens (each applied along every node's path),
+under repetition detection,
 and under structured output (JSON schema, regex, choice: the grammar advanced along every node's
 path, vllm/structured_output.py) are compared with plain decoding's; the JSON must parse and fit.
 """
@@ -16,6 +17,7 @@ import pytest
 from chat_prompts import CHAT_PROMPTS, COPY_PROMPTS
 from transformers import AutoTokenizer
 from vllm import LLM, SamplingParams
+from vllm.sampling_params import RepetitionDetectionParams
 from vllm.inputs import TokensPrompt
 
 from vllm_engines import ENGINE_KWARGS, spec_counts
@@ -34,6 +36,7 @@ def prompts(default_target_dir):
 
 
 PENALTIES = dict(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.2)
+REPETITION = dict(repetition_detection=RepetitionDetectionParams(max_pattern_size=6, min_count=2))
 
 
 def generate(llm: LLM, prompts, logprobs: int | None = None, **options):
@@ -109,6 +112,7 @@ def test_smollm2_greedy_batch_is_token_identical(default_target_dir, prompts, vl
     expected_lp = generate(plain, prompts[-3:], logprobs=3)  # the copying prompts: rounds of several tokens
     expected_ids = generate_scored(plain, prompts[-3:])
     expected_pen = generate(plain, prompts[-3:], **PENALTIES)
+    expected_rep = generate(plain, prompts, **REPETITION)
     processors = processor_cases(expected[-3:], AutoTokenizer.from_pretrained(default_target_dir))
     expected_proc = {name: generate(plain, prompts[-3:], **options) for name, options in processors.items()}
     expected_struct = {name: generate_structured(plain, prompts, **c) for name, c in STRUCTURED.items()}
@@ -129,6 +133,10 @@ def test_smollm2_greedy_batch_is_token_identical(default_target_dir, prompts, vl
     # penalties: each node's logits penalised over the outputs plus the node's own path
     assert generate(ubtree, prompts[-3:], **PENALTIES) == expected_pen
     assert expected_pen != expected_lp[0]  # the penalties changed the greedy text
+    # repetition detection: vLLM's scheduler checks it after each accepted token, as for a chain
+    tokens = generate(ubtree, prompts, **REPETITION)
+    assert tokens == expected_rep
+    assert any(len(t) < MAX_TOKENS for t in expected_rep)  # it stopped some answers early: the test can fail
     # vLLM's logits processors (bad words, logit bias, allowed tokens, min_tokens), each along every node's path
     for name, options in processors.items():
         assert generate(ubtree, prompts[-3:], **options) == expected_proc[name], name

@@ -13,9 +13,10 @@ non-speculative decoding:
   does not apply or report them yet (the V1 runner's does, each along every node's own path;
   logprobs in the raw logprobs modes; grammars in ``ubtree_vllm/vllm/structured_output.py``);
 * thinking_token_budget -- a vLLM state machine that assumes a chain of drafts;
-* trace replay and repetition detection -- not exercised with trees.
+* trace replay (trace_decode_token_ids) -- not exercised with trees.
 
-On the V1 runner penalties, ``logprobs`` and ``logprob_token_ids``, ``bad_words``, ``allowed_token_ids``, ``logit_bias``,
+On both runners ``repetition_detection`` is served (vLLM's scheduler checks it after every accepted
+token, as for a chain). On the V1 runner penalties, ``logprobs`` and ``logprob_token_ids``, ``bad_words``, ``allowed_token_ids``, ``logit_bias``,
 ``min_p``, ``min_tokens`` (``ubtree_vllm/vllm/sampler.py``) and structured outputs (JSON schema,
 JSON object, regex, grammar, choice; ``ubtree_vllm/vllm/structured_output.py``) are served exactly, and on both
 runners ``prompt_logprobs``, ``n``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos`` and
@@ -48,7 +49,6 @@ def unsupported_options(params: Any, runner: str = "v1") -> list[str]:
         ("thinking_token_budget", getattr(params, "thinking_token_budget", None) is not None),
         ("structured_outputs", params.structured_outputs is not None and runner != "v1"),
         ("trace_decode_token_ids", bool(getattr(params, "trace_decode_token_ids", None))),
-        ("repetition_detection", getattr(params, "repetition_detection", None) is not None),
     )
     return [name for name, used in checks if used]
 
