@@ -146,7 +146,7 @@ def test_time_launches_on_cpu_gives_one_sample_per_iteration():
 
 def test_which_all_is_every_entry_and_only_the_drafter_entries_need_the_drafter():
     assert parse_which("all") == tuple(MICROBENCHES) == ("draft-postprocess", "tree-attention-vs-flash",
-                                                         "verify-forward", "draft-stage", "projection")
+                                                         "verify-forward", "draft-stage", "projection", "grammar-rows")
     assert parse_which("verify-forward, draft-postprocess") == ("verify-forward", "draft-postprocess")
     assert [n for n, m in MICROBENCHES.items() if m.uses_drafter] == ["draft-postprocess", "draft-stage"]
     assert [n for n, m in MICROBENCHES.items() if m.gpu_only] == ["tree-attention-vs-flash", "verify-forward",
@@ -155,7 +155,7 @@ def test_which_all_is_every_entry_and_only_the_drafter_entries_need_the_drafter(
 
 @pytest.mark.parametrize("names,pattern", [
     (("verify",), r"--which: unknown microbenchmark 'verify'; allowed: draft-postprocess, tree-attention-vs-flash, "
-                  r"verify-forward, draft-stage, projection, all"),
+                  r"verify-forward, draft-stage, projection, grammar-rows, all"),
     (("draft-postprocess", "draft-postprocess"), r"--which lists a microbenchmark twice"),
     (("draft-postprocess",), r"--drafter is required for --which draft-postprocess"),
 ])

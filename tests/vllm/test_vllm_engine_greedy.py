@@ -91,12 +91,9 @@ def test_stop_and_max_tokens_inside_an_accepted_path(plain_llm, ubtree_llm, refe
 
 
 def test_options_trees_cannot_serve_are_rejected(ubtree_llm):
-    from vllm.sampling_params import StructuredOutputsParams
-
-    json_mode = StructuredOutputsParams(json_object=True)
-    with pytest.raises(VLLMValidationError, match=r"\['structured_outputs'\] are not supported with speculative "
+    with pytest.raises(VLLMValidationError, match=r"\['thinking_token_budget'\] are not supported with speculative "
                                                   r"decoding method 'ubtree'"):
-        generate(ubtree_llm, PROMPTS[:1], SamplingParams(max_tokens=4, structured_outputs=json_mode, detokenize=False))
+        generate(ubtree_llm, PROMPTS[:1], SamplingParams(max_tokens=4, thinking_token_budget=2, detokenize=False))
     assert len(generate(ubtree_llm, PROMPTS[:1])[0]) == MAX_TOKENS  # the engine keeps serving
 
 
