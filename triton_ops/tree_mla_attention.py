@@ -37,6 +37,20 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 if triton is not None:
     @triton.jit
+    def _fold_latent_tile(q_lat, q_rope, c, kr, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+        """Fold one tile of latent rows c [N, L] / RoPE keys kr [N, R] into the running (max, sum, acc) of
+        q_lat [BLOCK_H, L] / q_rope [BLOCK_H, R]; valid broadcasts to [BLOCK_H, N]; statistics in base 2."""
+        s = (tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
+             + tl.dot(q_rope, tl.trans(kr), input_precision=DOT_PRECISION)) * qk_scale  # [BLOCK_H, N]
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: m_i starts at -1e30
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _tree_mla_attention_kernel(
             out_ptr, stride_out_t, stride_out_h,
             q_lat_ptr, stride_ql_t, stride_ql_h,
@@ -75,15 +89,8 @@ if triton is not None:
                 base = block_id * stride_c_block + (pos % BLOCK_SIZE) * stride_c_slot  # [BLOCK_N]
                 c = tl.load(cache_ptr + base[:, None] + offs_l[None, :], mask=valid[:, None], other=0.0)
                 kr = tl.load(cache_ptr + base[:, None] + LATENT + offs_r[None, :], mask=valid[:, None], other=0.0)
-                s = (tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
-                     + tl.dot(q_rope, tl.trans(kr), input_precision=DOT_PRECISION)) * qk_scale  # [BLOCK_H, N]
-                s = tl.where(valid[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
-                m_i = m_new
+                m_i, l_i, acc = _fold_latent_tile(q_lat, q_rope, c, kr, valid[None, :], m_i, l_i, acc, qk_scale,
+                                                  DOT_PRECISION)
             # (b) ancestors-or-self: the path's fresh rows gathered as one tile
             offs_p = tl.arange(0, PATH_PAD)
             path = tl.load(row_path_ptr + entry * stride_path_row + offs_p, mask=offs_p < path_len,
@@ -93,14 +100,8 @@ if triton is not None:
             c = tl.load(kv_lat_ptr + prow[:, None] * stride_kl_t + offs_l[None, :], mask=on_path[:, None], other=0.0)
             kr = tl.load(k_rope_ptr + prow[:, None] * stride_kr_t + offs_r[None, :], mask=on_path[:, None],
                          other=0.0)
-            s = (tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
-                 + tl.dot(q_rope, tl.trans(kr), input_precision=DOT_PRECISION)) * qk_scale  # [BLOCK_H, PATH_PAD]
-            s = tl.where(on_path[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
+            m_i, l_i, acc = _fold_latent_tile(q_lat, q_rope, c, kr, on_path[None, :], m_i, l_i, acc, qk_scale,
+                                              DOT_PRECISION)
             l_i = tl.where(l_i > 0.0, l_i, 1.0)  # nothing to attend to -> zeros
             tl.store(out_ptr + row * stride_out_t + heads[:, None] * stride_out_h + offs_l[None, :],
                      (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=hm[:, None])

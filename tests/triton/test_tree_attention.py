@@ -20,11 +20,8 @@ from ubtree_vllm.triton_ops import tree_attention
 from ubtree_vllm.triton_ops.reference import tree_attention_reference
 from ubtree_vllm.triton_ops.tree_attention_inputs import TreeAttentionInputs, make_inputs, random_parents
 
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no CUDA device and TRITON_INTERPRET is not 1 (set it before triton is imported)",
-                allow_module_level=True)
+from kernel_device import CUDA, DEVICE, assert_written_rows
+
 
 # Per request: (committed context length, parents of its tree nodes, root first).
 # Context lengths: empty, shorter than a block, not a multiple of the block size, more than
@@ -52,11 +49,7 @@ def run_both(case: TreeAttentionInputs, out_dtype=None) -> tuple[torch.Tensor, t
 
 
 def assert_rows_match(got: torch.Tensor, ref: torch.Tensor, case: TreeAttentionInputs, atol: float, rtol: float) -> None:
-    rows = case.row_index.long()
-    torch.testing.assert_close(got[rows], ref[rows], atol=atol, rtol=rtol)
-    untouched = torch.ones(got.shape[0], dtype=torch.bool, device=got.device)
-    untouched[rows] = False
-    assert torch.isnan(got[untouched]).all(), "rows outside row_index were written"
+    assert_written_rows(got, ref, case.row_index, atol, rtol)
 
 
 @pytest.mark.parametrize("head_size", [64, 128])

@@ -7,8 +7,6 @@ Without CUDA the kernel runs under the Triton interpreter on CPU tensors (tests/
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -18,11 +16,8 @@ from ubtree_vllm.triton_ops.reference import tree_mla_attention_reference
 from ubtree_vllm.triton_ops.tree_attention_inputs import make_inputs, random_parents
 from ubtree_vllm.triton_ops.tree_mla_attention import tree_mla_attention
 
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no CUDA device and TRITON_INTERPRET is not 1 (set it before triton is imported)",
-                allow_module_level=True)
+from kernel_device import CUDA, DEVICE, assert_written_rows
+
 
 # (committed context length, parents of its nodes, root first): empty context, partial block, several tiles
 REQUESTS = [(0, [-1, 0, 0, 1]), (5, [-1, 0, 1, 2, 0, 4]), (37, [-1, 0, 0, 0]), (70, [-1, 0, 1])]
@@ -52,21 +47,13 @@ def run_both(args):
     return got, ref
 
 
-def assert_rows_match(got, ref, row_index, atol, rtol):
-    rows = row_index[row_index >= 0].long()
-    torch.testing.assert_close(got[rows], ref[rows], atol=atol, rtol=rtol)
-    untouched = torch.ones(got.shape[0], dtype=torch.bool, device=got.device)
-    untouched[rows] = False
-    assert torch.isnan(got[untouched]).all(), "rows outside row_index were written"
-
-
 @pytest.mark.parametrize("num_heads,latent,rope", [(4, 64, 16), (20, 512, 64)])
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_kernel_matches_reference(num_heads, latent, rope, block_size):
     """Head tiles (20 heads: a partial second tile), DeepSeek/Ling-sized latent (512 + 64), block sizes."""
     args = mla_case(REQUESTS, num_heads, latent, rope, block_size, torch.float32)
     got, ref = run_both(args)
-    assert_rows_match(got, ref, args[6], atol=1e-4, rtol=1e-4)
+    assert_written_rows(got, ref, args[6], atol=1e-4, rtol=1e-4)
 
 
 def test_skipped_entries_deep_paths_and_random_trees():
@@ -78,14 +65,14 @@ def test_skipped_entries_deep_paths_and_random_trees():
     row_index[::3] = -1
     args[6] = row_index
     got, ref = run_both(tuple(args))
-    assert_rows_match(got, ref, row_index, atol=1e-4, rtol=1e-4)
+    assert_written_rows(got, ref, row_index, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(not CUDA, reason="bf16 tensor cores need CUDA (the interpreter runs fp32)")
 def test_bf16_on_cuda():
     args = mla_case(REQUESTS, 16, 512, 64, 64, torch.bfloat16)
     got, ref = run_both(args)
-    assert_rows_match(got.float(), ref.float(), args[6], atol=2e-2, rtol=2e-2)
+    assert_written_rows(got.float(), ref.float(), args[6], atol=2e-2, rtol=2e-2)
 
 
 def test_reference_is_attention_over_the_node_path():

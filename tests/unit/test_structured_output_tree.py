@@ -14,9 +14,9 @@ import pytest
 import torch
 
 xgr = pytest.importorskip("xgrammar")
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar  # noqa: E402
 
+from ubtree_vllm.bench.grammar_bench import bitmask_manager  # noqa: E402
 from ubtree_vllm.vllm.structured_output import (PARENTS_ATTR, TreeDraftTokenIds, fill_tree_rows,  # noqa: E402
                                                 keep_tree_parents, tree_grammar_bitmask)
 
@@ -47,10 +47,7 @@ def reasoning_bounds(_request, path):
 
 
 def manager(rows: int, bounds):
-    m = types.SimpleNamespace(_grammar_bitmask=xgr.allocate_token_bitmask(rows, len(VOCAB)),
-                              _full_mask=torch.tensor(-1, dtype=torch.int32), _get_constraint_bounds=bounds)
-    m._fill_bitmasks = types.MethodType(StructuredOutputManager._fill_bitmasks, m)
-    return m
+    return bitmask_manager(rows, len(VOCAB), bounds)
 
 
 def random_tree(rng: random.Random, n: int, tokens: list[int]) -> tuple[list[int], list[int]]:

@@ -47,17 +47,23 @@ def hf_target(vocab8):
     return AutoModelForCausalLM.from_pretrained(vocab8[0], dtype=torch.float32).eval()
 
 
+def draw_samples(llm: LLM, params: SamplingParams) -> torch.Tensor:
+    """[NUM_SAMPLES, HORIZON] continuations of PROMPT; asserts drafts were accepted (> 0.3 accepted tokens per
+    round), since losslessness is only tested where trees are partly accepted."""
+    drafts_before, accepted_before = spec_counts(llm)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)] * NUM_SAMPLES, params, use_tqdm=False)
+    drafts, accepted = spec_counts(llm)
+    assert (accepted - accepted_before) > 0.3 * (drafts - drafts_before), (accepted, drafts)
+    samples = torch.tensor([list(o.outputs[0].token_ids) for o in outs])
+    assert samples.shape == (NUM_SAMPLES, HORIZON)
+    return samples
+
+
 @pytest.mark.parametrize("sampling", CASES, ids=str)
 def test_samples_follow_the_target_distribution(llm, hf_target, sampling):
     params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                             max_tokens=HORIZON, ignore_eos=True, detokenize=False)
-    drafts_before, accepted_before = spec_counts(llm)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)] * NUM_SAMPLES, params, use_tqdm=False)
-    drafts, accepted = spec_counts(llm)
-    # Losslessness is only tested if drafts were accepted: > 0.3 accepted tokens per round.
-    assert (accepted - accepted_before) > 0.3 * (drafts - drafts_before), (accepted, drafts)
-    samples = torch.tensor([list(o.outputs[0].token_ids) for o in outs])
-    assert samples.shape == (NUM_SAMPLES, HORIZON)
+    samples = draw_samples(llm, params)
     pvals = distribution_pvalues(samples, exact_joint(hf_target, PROMPT, VOCAB, HORIZON, sampling))
     assert min(pvals) > ALPHA / len(pvals), pvals
 
@@ -88,12 +94,8 @@ def test_samples_follow_the_target_distribution_under_vllms_logits_processing(ll
                                                torch.full((num,), 1.3), seqs[:, :t].tolist())
         return logits
 
-    drafts_before, accepted_before = spec_counts(llm)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)] * NUM_SAMPLES, params, use_tqdm=False)
-    drafts, accepted = spec_counts(llm)
-    assert (accepted - accepted_before) > 0.3 * (drafts - drafts_before), (accepted, drafts)
-    samples = torch.tensor([list(o.outputs[0].token_ids) for o in outs])
-    assert samples.shape == (NUM_SAMPLES, HORIZON) and not any((samples == t).any() for t in [*stops, 7])
+    samples = draw_samples(llm, params)
+    assert not any((samples == t).any() for t in [*stops, 7])
     joint = exact_joint(hf_target, PROMPT, VOCAB, HORIZON, SamplingConfig(1.0), process=process, min_p=0.08)
     pvals = distribution_pvalues(samples, joint)
     assert min(pvals) > ALPHA / len(pvals), pvals
@@ -148,12 +150,7 @@ def test_samples_follow_the_target_distribution_under_a_grammar(grammar_llm, hf_
 
     params = SamplingParams(temperature=1.0, max_tokens=HORIZON, detokenize=False,
                             structured_outputs=StructuredOutputsParams(regex=GRAMMAR_REGEX))
-    drafts_before, accepted_before = spec_counts(grammar_llm)
-    outs = grammar_llm.generate([TokensPrompt(prompt_token_ids=PROMPT)] * NUM_SAMPLES, params, use_tqdm=False)
-    drafts, accepted = spec_counts(grammar_llm)
-    assert (accepted - accepted_before) > 0.3 * (drafts - drafts_before), (accepted, drafts)
-    samples = torch.tensor([list(o.outputs[0].token_ids) for o in outs])
-    assert samples.shape == (NUM_SAMPLES, HORIZON)
+    samples = draw_samples(grammar_llm, params)
     joint = exact_joint(hf_target, PROMPT, VOCAB, HORIZON, SamplingConfig(1.0), process=process)
     pvals = distribution_pvalues(samples, joint)
     assert min(pvals) > ALPHA / len(pvals), pvals

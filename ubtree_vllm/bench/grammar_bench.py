@@ -17,6 +17,7 @@ import random
 import statistics
 import time
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,10 +51,21 @@ def word_tokens(tokenizer: Any, limit: int = 2000) -> list[int]:
     return words
 
 
+def bitmask_manager(num_rows: int, vocab_size: int, bounds: Callable[[Any, list[int]], Any]) -> Any:
+    """The parts of vLLM's ``StructuredOutputManager`` that ``fill_tree_rows`` uses: a bitmask of ``num_rows``
+    rows, vLLM's own ``_fill_bitmasks``, and ``bounds(request, path)`` as ``_get_constraint_bounds``."""
+    import xgrammar as xgr
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    manager = types.SimpleNamespace(_grammar_bitmask=xgr.allocate_token_bitmask(num_rows, vocab_size),
+                                    _full_mask=torch.tensor(-1, dtype=torch.int32), _get_constraint_bounds=bounds)
+    manager._fill_bitmasks = types.MethodType(StructuredOutputManager._fill_bitmasks, manager)
+    return manager
+
+
 def grammar_rows(settings: Any) -> list[dict[str, Any]]:
     import xgrammar as xgr
     from transformers import AutoTokenizer
-    from vllm.v1.structured_output import StructuredOutputManager
     from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
 
     from ubtree_vllm.models.default_target import DEFAULT_TARGET_NAME, default_target_path
@@ -74,10 +86,7 @@ def grammar_rows(settings: Any) -> list[dict[str, Any]]:
     refused = [node for node, path in enumerate(paths) if grammar.validate_tokens(path) != path]
     if refused:  # the record states that every node is grammar-valid
         raise RuntimeError(f"grammar-rows: the bench tree has grammar-refused nodes {refused[:8]}")
-    manager = types.SimpleNamespace(_grammar_bitmask=xgr.allocate_token_bitmask(budget + 1, vocab_size),
-                                    _full_mask=torch.tensor(-1, dtype=torch.int32),
-                                    _get_constraint_bounds=lambda _request, _path: (0, 0))
-    manager._fill_bitmasks = types.MethodType(StructuredOutputManager._fill_bitmasks, manager)
+    manager = bitmask_manager(budget + 1, vocab_size, lambda _request, _path: (0, 0))
     request = types.SimpleNamespace(request_id="bench", structured_output_request=types.SimpleNamespace(grammar=grammar))
     times = []
     for i in range(settings.warmup + settings.iters):

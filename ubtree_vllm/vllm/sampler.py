@@ -219,6 +219,7 @@ class TreeRejectionSampler:
         self.logprobs_mode = logprobs_mode
         # tensor parallelism: the driver rank's draws on every rank (vllm/tensor_parallel.py)
         self.share_draws = share_draws
+        self._sampler: Sampler | None = None
 
     def __call__(self, plan: TreeStepPlan, trees: DeviceTrees, logits: torch.Tensor,
                  metadata: SamplingMetadata) -> tuple[SamplerOutput, AcceptResult]:
@@ -261,27 +262,14 @@ class TreeRejectionSampler:
         row_logits = logits[rows].float()
         values = Sampler.compute_logprobs(row_logits) if self.logprobs_mode == "raw_logprobs" else row_logits
         tokens = sampled.flatten().clamp(min=0).long()
-        if metadata.logprob_token_ids:
-            return requested_token_logprobs(values, metadata.logprob_token_ids, tokens, max_nodes)
+        if metadata.logprob_token_ids:  # vLLM's own gather, over output slots (request r's are r * S .. r * S + S - 1)
+            per_slot = {req * max_nodes + k: ids for req, ids in metadata.logprob_token_ids.items()
+                        for k in range(max_nodes)}
+            return self._vllm_sampler().gather_specific_token_logprobs(values, per_slot, tokens)
         return Sampler.gather_logprobs(values, metadata.max_num_logprobs, tokens)
 
-
-def requested_token_logprobs(values: torch.Tensor, requested: dict[int, list[int]], tokens: torch.Tensor,
-                             slots_per_req: int) -> LogprobsTensors:
-    """vLLM's ``Sampler.gather_specific_token_logprobs`` over output slots: values [N * S, V] (slot rows,
-    request-major), requested {request index: token ids}, tokens [N * S] the emitted token of each slot.
-    Column 0 is the emitted token, then the request's ids; -inf pads shorter lists."""
-    num_rows, device = values.shape[0], values.device
-    width = 1 + max(len(ids) for ids in requested.values())
-    ids = torch.zeros((num_rows, width), dtype=torch.long)
-    valid = torch.zeros((num_rows, width), dtype=torch.bool)
-    valid[:, 0] = True
-    for req, token_ids in requested.items():
-        rows = slice(req * slots_per_req, (req + 1) * slots_per_req)
-        ids[rows, 1:1 + len(token_ids)] = torch.as_tensor(token_ids, dtype=torch.long)
-        valid[rows, 1:1 + len(token_ids)] = True
-    ids, valid = ids.to(device), valid.to(device)
-    ids[:, 0] = tokens
-    gathered = values.gather(-1, ids).masked_fill(~valid, float("-inf"))
-    ranks = (values >= values.gather(-1, tokens[:, None])).sum(-1)  # vLLM's rank (batched_count_greater_than)
-    return LogprobsTensors(logprob_token_ids=ids.to(torch.int32), logprobs=gathered, selected_token_ranks=ranks)
+    def _vllm_sampler(self) -> Sampler:
+        """vLLM's sampler, built at the first request for ``logprob_token_ids``."""
+        if self._sampler is None:
+            self._sampler = Sampler(logprobs_mode=self.logprobs_mode)
+        return self._sampler
