@@ -14,8 +14,9 @@ Public launchers only:
 * Model Runner V2's per-step bookkeeping, one launch each (oracles: the torch forms in
   ``vllm.mrv2``): :func:`tree_layout` (tree positions and the attention row buffers),
   :func:`tree_accept_rows` (the walk over MRV2's flat logits rows, with its counts),
-  :func:`accepted_commit_pairs` / :func:`accepted_row_permutation` (where the accepted path's
-  KV and hidden rows move), :func:`node_inputs` (each logits row's token and position for the sampler).
+  :func:`commit_accepted_paths` (the accepted paths' KV in every layer, their hidden-row
+  permutation and linear positions), :func:`node_inputs` (each logits row's token and position for
+  the sampler).
 * Hybrid / MLA targets (kernels with twins and tests, not yet called by the engine; issue 17):
   ``tree_delta_rule.tree_gated_delta_rule`` and ``tree_conv.tree_causal_conv1d`` (each node's
   recurrent state and conv window from its parent's), ``tree_mla_attention.tree_mla_attention``
@@ -37,7 +38,7 @@ package still imports and the launchers raise a clear error when called. On CPU 
 the kernels run under the Triton interpreter, which ``TRITON_INTERPRET=1`` selects when
 set before triton is first imported.
 """
-from ubtree_vllm.triton_ops.accepted_rows import accepted_commit_pairs, accepted_row_permutation
+from ubtree_vllm.triton_ops.accepted_rows import commit_accepted_paths
 from ubtree_vllm.triton_ops.head_loss_rows import head_loss_rows
 from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers, kv_path_commit
 from ubtree_vllm.triton_ops.node_inputs import node_inputs
@@ -46,5 +47,5 @@ from ubtree_vllm.triton_ops.tree_attention import tree_attention
 from ubtree_vllm.triton_ops.tree_layout import tree_layout
 from ubtree_vllm.triton_ops.tree_search import tree_search
 
-__all__ = ["accepted_commit_pairs", "accepted_row_permutation", "head_loss_rows", "kv_cache_pointers", "kv_path_commit",
+__all__ = ["commit_accepted_paths", "head_loss_rows", "kv_cache_pointers", "kv_path_commit",
            "node_inputs", "tree_accept", "tree_accept_rows", "tree_attention", "tree_layout", "tree_search"]

@@ -143,16 +143,21 @@ def compile_tree_layout(max_depth: int, arch: int) -> int:
     return _compile("tree_layout", "_tree_layout_kernel", launch_meta(max_depth), kind, arch)
 
 
-def compile_accepted_rows(max_depth: int, write_pairs: bool, arch: int) -> int:
-    """`_accepted_rows_kernel` in one of its launchers' forms (the permutation with the positions); returns the
+def compile_commit_accepted(max_depth: int, dtype: torch.dtype, heads: int, elems: int, write_pos: bool,
+                            arch: int) -> int:
+    """`_commit_accepted_kernel` with MRV2's dtypes (int32 logits rows, int64 slots and positions); returns the
     cubin size."""
-    from ubtree_vllm.triton_ops.accepted_rows import _meta
+    from ubtree_vllm.triton_ops.accepted_rows import launch_meta
 
-    pointers = {"logits_indices_ptr": "*i32", "cu_ptr": "*i32", "moves_ptr": "*i1" if write_pairs else "*i64"}
-    meta = {**_meta(max_depth), "WRITE_PAIRS": write_pairs, "WRITE_PERM": not write_pairs,
-            "WRITE_POS": not write_pairs}
-    return _compile("accepted_rows", "_accepted_rows_kernel", meta,
-                    lambda name: pointers.get(name, "*i64") if name.endswith("_ptr") else "i64", arch)
+    pointers = {"logits_indices_ptr": "*i32", "cu_ptr": "*i32"}
+
+    def kind(name: str) -> str:
+        if name.endswith("_ptr") or name == "kv_cache_ptrs":
+            return pointers.get(name, "*i64")
+        return "i32" if name in ("num_layers", "block_size") else "i64"
+
+    return _compile("accepted_rows", "_commit_accepted_kernel", launch_meta(max_depth, dtype, heads, elems, write_pos),
+                    kind, arch)
 
 
 def compile_tree_delta_rule(dk: int, dv: int, per_channel: bool, delta: bool, arch: int) -> int:
@@ -238,11 +243,11 @@ def main() -> int:
     for max_depth in (16, 4):
         size = compile_tree_layout(max_depth, args.arch)
         print(f"tree_layout sm_{args.arch} depth {max_depth}: cubin {size} bytes")
-    for max_depth in (16, 5):
-        for write_pairs in (True, False):
-            size = compile_accepted_rows(max_depth, write_pairs, args.arch)
-            print(f"accepted_rows sm_{args.arch} depth {max_depth} {'pairs' if write_pairs else 'permutation'}: "
-                  f"cubin {size} bytes")
+    for max_depth, (dtype, heads, elems), write_pos in ((16, KV_PATH_COMMIT_CONFIGS[0], True),
+                                                         (5, KV_PATH_COMMIT_CONFIGS[1], False)):
+        size = compile_commit_accepted(max_depth, dtype, heads, elems, write_pos, args.arch)
+        print(f"commit_accepted sm_{args.arch} depth {max_depth} {str(dtype).removeprefix('torch.')} heads {heads} "
+              f"elems {elems}{' positions' if write_pos else ''}: cubin {size} bytes")
     for dk, dv, per_channel, delta in ((128, 128, False, True), (128, 128, True, True), (128, 64, False, False)):
         size = compile_tree_delta_rule(dk, dv, per_channel, delta, args.arch)  # GDN, KDA, Mamba2 heads
         print(f"tree_delta_rule sm_{args.arch} Dk {dk} Dv {dv} {'per-channel' if per_channel else 'per-head'} gate "

@@ -14,7 +14,10 @@
 #            SLICE_INIT=fresh starts a fresh drafter instead of continuing the committed one.
 #            GEN_MINUTES=N instead runs gen-data alone for N minutes of generation (after its engine is up) first
 #            (GEN_WORKERS engines side by side, each its own shards of the folder)
-#            and then the trainer alone: on
+#            and then the trainer alone. SLICE_DEADLINE_S=S caps the whole phase at S seconds from its start:
+#            the trainer gets min(SLICE_MINUTES, what is left less SLICE_EXPORT_MARGIN_S, default 60) so it
+#            exports before an outer timeout could kill it (on 2026-12-02 `timeout 560` killed a trainer
+#            20 s before its export, after the engines' staggered starts had eaten the margin). On
 #            2026-12-01 the trainer beside gen-data (the slices' train records) ran at well under half the label
 #            rows/s that scripts/gpu/profile_train_step.py measured for it alone
 #   eval     tau with the lossless reference decoder (single path vs UBTree, T=0 and T=1)
@@ -34,7 +37,7 @@
 #   mrv2test tests/vllm/test_vllm_mrv2_gpu.py: UBTree on Model Runner V2: greedy equality, T > 0, sync guard
 #   servertest tests/vllm/test_vllm_server_gpu.py: examples/serve.sh (default runner, B=64, graphs) vs `vllm serve`
 #            over HTTP, multiprocess engine (GPU_SERVER_START_TIMEOUT_S per server, default 300)
-#   tests    the GPU tests of triton_ops (bf16/fp16 kernel vs its PyTorch reference) and of the
+#   tests    the GPU tests of triton_ops (bf16/fp16 kernel vs its PyTorch reference), of the MRV2 draft body and of the
 #            draft-stage CUDA graphs
 #   bench    `ubtree bench e2e` at batch 1 (ar, dflash-chain, ubtree-mrv2 and ubtree (V1) B=16/32/64); METHODS, BUDGETS,
 #            BENCH_DATASETS, BENCH_TEMPS and BENCH_PROMPTS (per set, default 10) select a slice so
@@ -122,6 +125,7 @@ for phase in "$@"; do
     train) ubtree train --config "$CONFIG" --max-minutes "${TRAIN_MINUTES:-4}" ;;
     slice)
       mkdir -p runs
+      slice_start=$(date +%s)
       # a new seed per slice (the day number was reused by two slices of one day: the same prompt order, so the
       # same greedy answers twice); the seed shuffles the prompts and seeds the T = 1 draws
       seed=${SLICE_SEED:-$(date +%s)}
@@ -147,8 +151,14 @@ for phase in "$@"; do
       init=(); [ "${SLICE_INIT:-}" = fresh ] && init=(--set init_drafter=null)
       # sequential: the shards are all there already, so a missing one is an error, not a wait
       [ -n "${GEN_MINUTES:-}" ] && init+=(--set stream_wait_minutes=0.2)
+      train_minutes=${SLICE_MINUTES:-7}
+      if [ -n "${SLICE_DEADLINE_S:-}" ]; then  # what the deadline leaves, less the export margin
+        train_minutes=$(python3 -c "print(round(max(0.5, min($train_minutes, ($slice_start + $SLICE_DEADLINE_S \
+          - $(date +%s) - ${SLICE_EXPORT_MARGIN_S:-60}) / 60)), 2))")
+        echo "slice: the trainer gets $train_minutes minutes (SLICE_DEADLINE_S=$SLICE_DEADLINE_S)"
+      fi
       ubtree train --config "$CONFIG" --data-dir runs/smollm2/slice-data-$seed --set records_path="$RECORDS" \
-        --set progress=false --max-minutes "${SLICE_MINUTES:-7}" "${init[@]}" || rc=$?
+        --set progress=false --max-minutes "$train_minutes" "${init[@]}" || rc=$?
       [ -n "$gen" ] && { kill "$gen" 2>/dev/null; wait "$gen" 2>/dev/null || true; }
       grep -E "wrote shard|Error|error" runs/gen-data.log | tail -n 5 || true
       python3 -c "import json,sys; m=json.load(open(sys.argv[1])); print('generated', m['num_samples'], 'samples,', m['num_response_tokens'], 'response tokens')" \
@@ -186,7 +196,7 @@ for phase in "$@"; do
       # -n 4 where pytest-xdist is installed (the device image has it): the kernel tests are compile-bound
       workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-4}")
       ( cd /tmp && python3 -m pytest -q -rfE "${workers[@]}" -p no:cacheprovider --rootdir "$R" \
-          "$R/tests/triton" "$R/tests/unit/test_draft_graphs.py" ) ;;
+          "$R/tests/triton" "$R/tests/unit/test_draft_graphs.py" "$R/tests/unit/test_mrv2_speculator.py" ) ;;
     bench)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization 0.25 \

@@ -1,4 +1,4 @@
-"""triton_ops.tree_layout and triton_ops.accepted_rows against their torch forms (``vllm.mrv2.tree_layout``,
+"""triton_ops.tree_layout, triton_ops.accepted_rows and triton_ops.node_inputs against their torch forms (``vllm.mrv2.tree_layout``,
 themselves checked against Python loops in tests/unit/test_mrv2_tree_layout.py), on the random MRV2 batches
 of tests/mrv2_batches.py plus serving-sized ones (gamma = 16, B = 64).
 
@@ -13,11 +13,13 @@ import pytest
 import torch
 from mrv2_batches import SEEDS, Batch, Request, random_acceptance, random_batch, random_tree, run_layout_with
 
-from ubtree_vllm.triton_ops.accepted_rows import accepted_commit_pairs, accepted_row_permutation
+from ubtree_vllm.triton_ops.accepted_rows import commit_accepted_paths
+from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers
 from ubtree_vllm.triton_ops.node_inputs import node_inputs
+from ubtree_vllm.triton_ops.reference import kv_path_commit_reference
 from ubtree_vllm.triton_ops.tree_layout import tree_layout
 from ubtree_vllm.vllm.mrv2.rejection_sampler import gather_node_inputs
-from ubtree_vllm.vllm.mrv2.tree_layout import commit_pairs, lay_out_tree_rows, linear_logits_positions_, linearise_rows
+from ubtree_vllm.vllm.mrv2.tree_layout import commit_pairs, lay_out_tree_rows, linearise_rows
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 
@@ -57,30 +59,43 @@ def test_tree_layout_matches_torch(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("whole_tree,stale", [(False, False), (True, True)])
-def test_accepted_rows_match_torch(device, whole_tree, stale):
+def test_commit_accepted_paths_matches_torch(device, whole_tree, stale):
+    """One launch == commit_pairs + kv_path_commit_reference (every layer) + linearise_rows with positions."""
     num_moves = 0
+    heads, elems, block_size = 2, 8, 4
     for k, batch in enumerate(batches()):
         t = batch.tensors()
         accepted_path, num_accepted = random_acceptance(batch, random.Random(k), whole_tree, stale)
-        slot_mapping = torch.randperm(4 * batch.padded_tokens, generator=torch.Generator().manual_seed(k))
-        slot_mapping = slot_mapping[:batch.padded_tokens]
+        gen = torch.Generator().manual_seed(k)
+        num_slots = 4 * batch.padded_tokens
+        slot_mapping = torch.randperm(num_slots, generator=gen)[:batch.padded_tokens]
         args = (t["logits_indices"], t["cu_num_logits"], accepted_path, num_accepted, batch.max_depth)
         on_device = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
-        want = commit_pairs(slot_mapping, *args)
-        got = accepted_commit_pairs(slot_mapping.to(device), *on_device)
-        for name, w, g in zip(("src", "dst", "moves"), want, got):
-            assert g.dtype == w.dtype and g.cpu().tolist() == w.tolist(), (k, name)
-        want_perm = linearise_rows(batch.padded_tokens, *args)
-        got_perm = accepted_row_permutation(batch.padded_tokens, *on_device)
-        assert got_perm.dtype == torch.int64 and got_perm.cpu().tolist() == want_perm.tolist(), k
-        # with positions: the same permutation, and the logits rows' linear positions restored in place
-        tree_positions = t["positions"] + torch.randint(0, 3, t["positions"].shape, generator=torch.Generator())
+        # [num_blocks, H_kv, block_size, E] viewed from [num_blocks, block_size, H_kv, E], as vLLM's FLASH_ATTN
+        num_blocks = num_slots // block_size + 1
+        caches = [torch.randn(num_blocks, block_size, heads, elems, generator=gen).to(device).transpose(1, 2)
+                  for _ in range(3)]
+        want_caches = [c.cpu().clone() for c in caches]
+        src, dst, moves = commit_pairs(slot_mapping, *args)
+        kv_path_commit_reference(want_caches, src, dst, moves, batch.max_depth)
+        tree_positions = t["positions"] + torch.randint(0, 3, t["positions"].shape, generator=gen)
         want_pos = tree_positions.clone()
-        linear_logits_positions_(want_pos, t["logits_indices"], t["expanded_local_pos"])
+        want_perm = linearise_rows(batch.padded_tokens, *args, positions=want_pos,
+                                   expanded_local_pos=t["expanded_local_pos"])
         got_pos = tree_positions.to(device)
-        got_perm = accepted_row_permutation(batch.padded_tokens, *on_device, positions=got_pos)
-        assert got_perm.cpu().tolist() == want_perm.tolist() and got_pos.cpu().tolist() == want_pos.tolist(), k
-        num_moves += int(want[2].sum())
+        got_perm = commit_accepted_paths(kv_cache_pointers(caches), caches[0], slot_mapping.to(device),
+                                         batch.padded_tokens, *on_device, positions=got_pos)
+        assert got_perm.dtype == torch.int64 and got_perm.cpu().tolist() == want_perm.tolist(), k
+        assert got_pos.cpu().tolist() == want_pos.tolist(), k
+        for got, want in zip(caches, want_caches):
+            torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+        # without positions: the same moves and permutation, positions untouched
+        caches = [c.cpu().clone().to(device) for c in want_caches]
+        untouched = tree_positions.to(device)
+        perm = commit_accepted_paths(kv_cache_pointers(caches), caches[0], slot_mapping.to(device),
+                                     batch.padded_tokens, *on_device)
+        assert perm.cpu().tolist() == want_perm.tolist() and torch.equal(untouched.cpu(), tree_positions), k
+        num_moves += int(moves.sum())
     assert num_moves > 30
 
 
@@ -97,9 +112,14 @@ def test_launchers_check_their_contract():
         tree_layout(t["positions"], t["logits_indices"], t["cu_num_logits"], t["expanded_idx_mapping"],
                     t["expanded_local_pos"], t["tree_parents"], t["tree_depth"], batch.max_depth + 1, *bufs, path)
     accepted_path, num_accepted = random_acceptance(batch, random.Random(0), False, False)
+    cache = torch.zeros(4, 2, 4, 8)
+    slot_mapping = torch.arange(batch.padded_tokens)
     with pytest.raises(AssertionError, match="num_accepted"):
-        accepted_row_permutation(batch.num_tokens, t["logits_indices"], t["cu_num_logits"], accepted_path,
-                                 num_accepted[:0], batch.max_depth)
+        commit_accepted_paths(kv_cache_pointers([cache]), cache, slot_mapping, batch.num_tokens, t["logits_indices"],
+                              t["cu_num_logits"], accepted_path, num_accepted[:0], batch.max_depth)
+    with pytest.raises(AssertionError, match="kv cache"):
+        commit_accepted_paths(kv_cache_pointers([cache]), cache[0], slot_mapping, batch.num_tokens,
+                              t["logits_indices"], t["cu_num_logits"], accepted_path, num_accepted, batch.max_depth)
 
 
 @pytest.mark.parametrize("device", DEVICES)

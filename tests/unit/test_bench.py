@@ -96,17 +96,19 @@ def test_e2e_record_is_valid_and_carries_the_tree_fields(tmp_path):
     settings = E2ESettings(drafter="checkpoints/d", block_size=16)
     record = e2e_record(ubtree_run(settings, 32), result, target="smollm2-135m-instruct", drafter="checkpoints/d",
                         dataset="mt_bench", temperature=1, concurrency=4, max_new_tokens=256, cuda_graphs=True,
-                        speedup=2.5)
+                        speedup=2.5, drafter_training={"cumulative_label_rows": 7, "cumulative_distinct_tokens": 5})
     written = rec.append_record(record, tmp_path / "records.jsonl")
+    assert (written["cumulative_label_rows"], written["cumulative_distinct_tokens"]) == (7, 5)  # the drafter's
     assert written["output_tokens_per_s"] == 2048.0 and written["tau"] == 3.4568 and written["speedup_vs_ar"] == 2.5
     assert (written["tree_budget"], written["beam_width"], written["top_k"], written["block_size"]) == (32, 12, 64, 16)
     assert written["temperature"] == 1.0 and written["batch_size"] == written["concurrency"] == 4
     assert "246 accepted / 100 drafts" in written["notes"] and written["drafter"] == "checkpoints/d"
     ar = e2e_record(MethodRun("ar"), RunResult(80, 20480, 20.0, 2.5, None, 0, 0), target="t", drafter="checkpoints/d",
                     dataset="mt_bench", temperature=0.0, concurrency=1, max_new_tokens=256, cuda_graphs=False,
-                    speedup=1.0)
+                    speedup=1.0, drafter_training={"cumulative_label_rows": 7})
     rec.validate_record({**dict.fromkeys(rec.FIELDS), **ar})
     assert ar["tau"] is None and ar["drafter"] is None and ar["tree_budget"] is None
+    assert "cumulative_label_rows" not in ar  # no drafter, no training amount
     assert "no speculation" in ar["notes"]
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from ubtree_vllm.bench.profile import profiled, run_name
+from ubtree_vllm.bench.profile import profiled, python_profiled, run_name
 from ubtree_vllm.bench.settings import BenchArgumentError, E2ESettings, validate
 from ubtree_vllm.vllm.stage_clock import StageClock
 
@@ -34,6 +34,24 @@ def test_profiled_block_writes_stage_table_and_trace(tmp_path, monkeypatch):
     assert "aten::mm" in text and "aten::_softmax" in text
     with gzip.open(tmp_path / "run.trace.json.gz") as f:
         assert any(e.get("name") == "ubtree:draft" for e in json.load(f)["traceEvents"])
+
+
+def _busy_python(n: int) -> int:
+    return sum(i * i for i in range(n))
+
+
+def test_python_profile_names_the_host_functions_per_step(tmp_path):
+    steps = [0]
+    with python_profiled(tmp_path, "run", steps):
+        for _ in range(5):
+            _busy_python(20_000)
+        steps[0] = 5
+    text = (tmp_path / "run.py.txt").read_text()
+    assert text.startswith("# run: 5 engine steps under cProfile")
+    own, cumulative = text.split("## functions by cumulative")
+    row = next(line for line in cumulative.splitlines() if "(_busy_python)" in line)
+    assert float(row.split()[-3]) == 1.0  # one call per step
+    assert "test_bench_profile.py" in row and "(_busy_python)" in own
 
 
 def test_ranges_mode_neither_syncs_nor_sums(monkeypatch):

@@ -4,8 +4,8 @@ The class itself needs a CUDA engine (vLLM's DFlash model, attention metadata, g
 it imports on the CPU build and overrides DFlash methods with their signatures; its pure
 helpers (tree drafting from the block's hidden states, the linearisation of a verified tree
 step, the target embedding/LM head lookup) run on CPU tensors; and its glue
-(``_generate_draft``'s row mapping, ``propose``'s pending-accept and topology scatter) runs on
-an instance whose vLLM parts are replaced by stubs.
+(``_generate_draft``'s row mapping and topology scatter, ``propose``'s pending permutation and
+draft slots) runs on an instance whose vLLM parts are replaced by stubs.
 """
 from __future__ import annotations
 
@@ -26,13 +26,13 @@ from ubtree_vllm.vllm.mrv2 import speculator as spec_mod
 from ubtree_vllm.vllm.mrv2.rejection_sampler import TreeTopology
 from ubtree_vllm.vllm.mrv2.speculator import (
     UBTreeSpeculator,
-    linearise_target_rows,
+    permute_target_rows,
     root_only_,
     target_embedding_and_head,
     tree_rows_from_hidden,
     ubtree_settings,
 )
-from ubtree_vllm.vllm.mrv2.tree_layout import linear_logits_positions_
+from ubtree_vllm.vllm.mrv2.tree_layout import linear_logits_positions_, linearise_rows
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 VOCAB, HIDDEN, GAMMA, B = 97, 64, 4, 12
@@ -159,23 +159,29 @@ def test_linear_positions_restored():
     assert torch.equal(batch.positions, linear)
 
 
-def test_linearise_target_rows_moves_the_accepted_path():
+def step_permutation(batch, accepted_path, num_accepted) -> torch.Tensor:
+    """The permutation the runner's commit hands over (torch oracle of commit_accepted_paths), positions restored."""
+    return linearise_rows(batch.num_tokens, batch.logits_indices, batch.cu_num_logits, accepted_path, num_accepted,
+                          GAMMA, positions=batch.positions, expanded_local_pos=batch.expanded_local_pos)
+
+
+def test_permute_target_rows_moves_the_accepted_path():
     batch, linear, accepted_path, num_accepted = tree_step_batch()
+    perm = step_permutation(batch, accepted_path, num_accepted)
+    assert torch.equal(batch.positions, linear)
     aux = [torch.arange(15.0)[:, None].expand(-1, 3) + 100 * i for i in range(2)]  # [T_pad, 3], row id in column
     last = torch.randn(15, 3)
-    new_aux, new_last = linearise_target_rows(batch, aux, last, accepted_path, num_accepted, GAMMA)
+    new_aux, new_last = permute_target_rows(batch.num_tokens, aux, last, perm)
     assert new_last is last
     want_rows = [0, 1, 2, 3, 5, 7, 6, 7, 8, 9, 10, 11, 12]  # a: row 4 <- node 2 (row 5), row 5 <- node 4 (row 7)
     for i, h in enumerate(new_aux):
         assert h.shape == (13, 3)
         assert h[:, 0].tolist() == [r + 100 * i for r in want_rows]
-    assert torch.equal(batch.positions, linear)
-    _, new_last = linearise_target_rows(tree_step_batch()[0], None, last, accepted_path, num_accepted, GAMMA)
+    _, new_last = permute_target_rows(batch.num_tokens, None, last, perm)
     assert torch.equal(new_last, last[want_rows])
     # with DFlash's combine: the aux states combined as DFlash would, then one permutation; no aux states left
     fc = nn.Linear(6, 3)
-    no_aux, combined = linearise_target_rows(tree_step_batch()[0], aux, last, accepted_path, num_accepted, GAMMA,
-                                             combine=fc)
+    no_aux, combined = permute_target_rows(batch.num_tokens, aux, last, perm, combine=fc)
     assert no_aux is None
     with torch.no_grad():
         torch.testing.assert_close(combined, fc(torch.cat(aux, dim=-1)[:13])[want_rows], rtol=0, atol=0)
@@ -211,18 +217,20 @@ MAX_REQS = 6
 
 
 def stub_speculator(drafter: UBTreeDrafter, last_hidden: torch.Tensor) -> UBTreeSpeculator:
-    """The attributes DFlash's constructor would set, then our buffer setup; `_run_model` returns `last_hidden`."""
+    """The attributes DFlash's constructor would set, then our buffer setup; `_run_model` returns `last_hidden`
+    (on its device)."""
     spec = object.__new__(UBTreeSpeculator)
-    spec.device, spec.max_num_reqs, spec.max_num_tokens = torch.device("cpu"), MAX_REQS, 64
+    device = last_hidden.device
+    spec.device, spec.max_num_reqs, spec.max_num_tokens = device, MAX_REQS, 64
     spec.num_speculative_steps = B
     spec.tree_budget, spec.gamma, spec.tree_cfg = B, GAMMA, TREE
-    spec.input_buffers = SimpleNamespace(input_ids=torch.zeros(64, dtype=torch.int32))
-    spec.sample_indices = torch.zeros(MAX_REQS * B, dtype=torch.int64)
-    spec.draft_tokens = torch.zeros(MAX_REQS, B, dtype=torch.int64)
+    spec.input_buffers = SimpleNamespace(input_ids=torch.zeros(64, dtype=torch.int32, device=device))
+    spec.sample_indices = torch.zeros(MAX_REQS * B, dtype=torch.int64, device=device)
+    spec.draft_tokens = torch.zeros(MAX_REQS, B, dtype=torch.int64, device=device)
     spec._split_block_from_slots()
     spec._init_tree_buffers()
     spec.ubtree_drafter = drafter
-    spec.pending_accept = None
+    spec.pending_perm = None
     spec._run_model = lambda *args, **kwargs: last_hidden
     return spec
 
@@ -242,30 +250,35 @@ def test_block_and_slots_are_split():
     assert spec.sample_col.tolist() == list(range(GAMMA)) * MAX_REQS
     assert spec.draft_tokens.shape == (MAX_REQS, B)
     assert isinstance(spec.topology, TreeTopology)
-    assert spec.topology.parents.shape == spec.topology.depth.shape == (MAX_REQS, B + 1)
+    assert spec.topology.parents.shape == spec.topology.depth.shape == (MAX_REQS + 1, B + 1)  # + scratch slot
     assert spec.topology.parents.dtype == spec.topology.depth.dtype == torch.int32
     assert spec.topology.parents[:, 0].eq(-1).all() and spec.topology.parents[:, 1:].eq(-2).all()
     assert spec._num_graph_context_tokens(3) == 3 * (B + 1)
     assert spec._num_graph_context_tokens(5) == 64  # capped at max_num_batched_tokens
 
 
-def test_generate_draft_reads_the_sample_rows_and_anchors():
+def test_generate_draft_reads_the_sample_rows_and_anchors_and_scatters_the_topology():
     drafter = make_drafter()
     num_reqs = 3
     last_hidden = torch.randn(num_reqs * (GAMMA + 1) + 2, HIDDEN)  # padded rows at the end
     spec = stub_speculator(drafter, last_hidden)
     anchors = torch.tensor([5, 17, 96])
     fill_like_prepare_kernel(spec, anchors)
-    spec._generate_draft(num_reqs, last_hidden.shape[0], None, None, None)
+    spec._draft_slots[:num_reqs] = torch.tensor([4, 0, 2])
+    spec._generate_draft(num_reqs + 1, last_hidden.shape[0], None, None, None)  # + one graph-padding row
     rows = torch.tensor([[r * (GAMMA + 1) + d for d in range(1, GAMMA + 1)] for r in range(num_reqs)])
     with torch.no_grad():
         tokens, parents, depth = tree_rows_from_hidden(drafter, TREE, last_hidden[rows], anchors)
     assert torch.equal(spec.draft_tokens[:num_reqs], tokens)
-    assert torch.equal(spec._stage_parents[:num_reqs], parents)
-    assert torch.equal(spec._stage_depth[:num_reqs], depth)
+    for b, slot in enumerate([4, 0, 2]):
+        assert torch.equal(spec.topology.parents[slot], parents[b])
+        assert torch.equal(spec.topology.depth[slot], depth[b])
+    assert spec.topology.parents[spec.scratch_slot, 1:].ne(-2).any()  # the padding row's tree went there
+    for slot in (1, 3, 5):
+        assert spec.topology.parents[slot].tolist() == [-1] + [-2] * B
 
 
-def test_propose_linearises_then_scatters_the_topology(monkeypatch):
+def test_propose_permutes_the_rows_and_drafts_into_the_batch_slots(monkeypatch):
     drafter = make_drafter()
     batch, linear, accepted_path, num_accepted = tree_step_batch()
     last_hidden = torch.randn(3 * (GAMMA + 1), HIDDEN)
@@ -276,8 +289,8 @@ def test_propose_linearises_then_scatters_the_topology(monkeypatch):
 
     def dflash_propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
                        *args, dummy_run=False, **kwargs):
-        seen["aux"], seen["positions"] = aux_hidden_states, input_batch.positions.clone()
-        seen["last"] = last_hidden_states
+        seen["aux"], seen["last"] = aux_hidden_states, last_hidden_states
+        seen["slots"] = self._draft_slots.clone()
         self._generate_draft(input_batch.num_reqs, last_hidden.shape[0], None, None, None)
         return self.draft_tokens[:input_batch.num_reqs]
 
@@ -290,25 +303,30 @@ def test_propose_linearises_then_scatters_the_topology(monkeypatch):
         return spec.propose(batch, {}, {}, torch.zeros(15, 3), aux, zeros, zeros, zeros, zeros, zeros, zeros,
                             dummy_run=dummy_run)
 
-    spec.pending_accept = SimpleNamespace(accepted_path=accepted_path, num_accepted=num_accepted)
-    drafts = propose(dummy_run=True)  # stale request slots: no linearisation, no scatter
-    assert spec.pending_accept is not None and seen["aux"] is aux
-    assert spec.topology.parents[:, 1:].eq(-2).all()
+    perm = spec.pending_perm = step_permutation(batch, accepted_path, num_accepted)
+    drafts = propose(dummy_run=True)  # stale request slots: no permutation, every row drafts into scratch
+    assert spec.pending_perm is perm and seen["aux"] is aux
+    assert seen["slots"].eq(spec.scratch_slot).all()
+    assert spec.topology.parents[:MAX_REQS, 1:].eq(-2).all()
 
     drafts = propose(dummy_run=False)
-    assert spec.pending_accept is None
-    assert torch.equal(seen["positions"], linear)
+    assert spec.pending_perm is None
     # the aux states combined as DFlash would, then permuted once; DFlash gets them as its features
     assert seen["aux"] is None
     assert seen["last"][:, 0].tolist() == [1000 + r for r in [0, 1, 2, 3, 5, 7, 6, 7, 8, 9, 10, 11, 12]]
+    assert seen["slots"][:3].tolist() == [4, 0, 2] and seen["slots"][3:].eq(spec.scratch_slot).all()
     assert drafts.shape == (3, B)
-    for b, slot in enumerate([4, 0, 2]):
-        assert torch.equal(spec.topology.parents[slot], spec._stage_parents[b])
-        assert torch.equal(spec.topology.depth[slot], spec._stage_depth[b])
+    for slot in (4, 0, 2):
+        assert spec.topology.parents[slot, 1:].ne(-2).any()
     for slot in (1, 3, 5):
         assert spec.topology.parents[slot].tolist() == [-1] + [-2] * B
     spec.reset_request(0)
     assert spec.topology.parents[0].tolist() == [-1] + [-2] * B and not spec.topology.depth[0].any()
+
+    batch.num_reqs = 1  # the batch shrank: the rows it left point at the scratch slot again
+    propose(dummy_run=False)
+    assert seen["slots"][:1].tolist() == [4] and seen["slots"][1:].eq(spec.scratch_slot).all()
+    assert spec.topology.parents[0].tolist() == [-1] + [-2] * B
 
 
 @pytest.mark.gpu
@@ -333,10 +351,40 @@ def test_tree_rows_capture_in_a_cuda_graph():
         assert torch.equal(g, w)
 
 
+@pytest.mark.gpu
+def test_generate_draft_with_its_topology_scatter_captures_in_a_cuda_graph():
+    """The draft graph's body (tree rows, lookup gather, topology index_copy_) captures and replays exactly."""
+    drafter = make_drafter("cuda")
+    num_reqs = 3
+    last_hidden = torch.randn(num_reqs * (GAMMA + 1), HIDDEN, device="cuda")
+    spec = stub_speculator(drafter, last_hidden)
+    spec.tree_cfg = LOOKUP_TREE
+    states = request_states(HISTORIES)
+    spec.req_states = SimpleNamespace(all_token_ids=SimpleNamespace(gpu=states.all_token_ids.gpu.cuda()),
+                                      total_len=SimpleNamespace(gpu=states.total_len.gpu.cuda()))
+    anchors = torch.tensor([HISTORIES[s][-1] for s in (4, 0, 2)])
+    fill_like_prepare_kernel(spec, anchors)
+    spec._draft_slots[:num_reqs] = torch.tensor([4, 0, 2], device="cuda")
+    with torch.inference_mode():
+        spec._generate_draft(num_reqs + 1, last_hidden.shape[0], None, None, None)  # eager, + one padding row
+        want = spec.draft_tokens.clone(), spec.topology.parents.clone(), spec.topology.depth.clone()
+        root_only_(spec.topology.parents, spec.topology.depth)
+        spec.draft_tokens.zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            spec._generate_draft(num_reqs + 1, last_hidden.shape[0], None, None, None)
+        root_only_(spec.topology.parents, spec.topology.depth)
+        spec.draft_tokens.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+    for got, expected in zip((spec.draft_tokens, spec.topology.parents, spec.topology.depth), want):
+        assert torch.equal(got, expected)
+
+
 def test_module_has_no_host_sync_in_drafting():
     """The captured path (tree_rows_from_hidden, _generate_draft) reads no device value on the host."""
-    for fn in (tree_rows_from_hidden, UBTreeSpeculator._generate_draft, linearise_target_rows,
-               linear_logits_positions_, UBTreeSpeculator._commit_topology):
+    for fn in (tree_rows_from_hidden, UBTreeSpeculator._generate_draft, permute_target_rows,
+               linear_logits_positions_, UBTreeSpeculator._set_draft_slots):
         source = inspect.getsource(fn)
         for call in (".item()", ".tolist()", ".cpu()", "nonzero", ".numpy()"):
             assert call not in source, (fn.__name__, call)
@@ -385,15 +433,17 @@ def test_generate_draft_with_lookup_injects_each_rows_chain():
     spec.req_states = request_states(HISTORIES)
     anchors = torch.tensor([HISTORIES[s][-1] for s in (4, 0, 2)])
     fill_like_prepare_kernel(spec, anchors)
-    spec._lookup_slots[:num_reqs] = torch.tensor([4, 0, 2])
-    spec._generate_draft(num_reqs, last_hidden.shape[0], None, None, None)
+    spec._draft_slots[:num_reqs] = torch.tensor([4, 0, 2])
+    # + one graph-padding row: its scratch slot reads a (clamped) valid history
+    spec._generate_draft(num_reqs + 1, last_hidden.shape[0], None, None, None)
     rows = torch.tensor([[r * (GAMMA + 1) + d for d in range(1, GAMMA + 1)] for r in range(num_reqs)])
     chain = spec_mod.lookup_chain(spec.req_states.all_token_ids.gpu, spec.req_states.total_len.gpu,
                                   torch.tensor([4, 0, 2]), LOOKUP_TREE)
     with torch.no_grad():
         tokens, parents, depth = tree_rows_from_hidden(drafter, LOOKUP_TREE, last_hidden[rows], anchors, chain)
         plain, _, _ = tree_rows_from_hidden(drafter, LOOKUP_TREE, last_hidden[rows], anchors)
-    assert torch.equal(spec.draft_tokens[:num_reqs], tokens) and torch.equal(spec._stage_parents[:num_reqs], parents)
+    assert torch.equal(spec.draft_tokens[:num_reqs], tokens)
+    assert all(torch.equal(spec.topology.parents[slot], parents[b]) for b, slot in enumerate([4, 0, 2]))
     assert not torch.equal(tokens, plain)  # the chains changed the trees
     # with edge log-prob 0 the whole chain is a root path of the tree: depth-1 node = chain[0], and so on
     for b in (0, 2):
@@ -414,13 +464,12 @@ def test_propose_hands_the_batch_slots_to_the_lookup(monkeypatch):
     seen = {}
 
     def dflash_propose(self, input_batch, *args, dummy_run=False, **kwargs):
-        seen["slots"] = self._lookup_slots[:input_batch.num_reqs].clone()
+        seen["slots"] = self._draft_slots[:input_batch.num_reqs].clone()
         return self.draft_tokens[:input_batch.num_reqs]
 
     monkeypatch.setattr(DFlashSpeculator, "propose", dflash_propose)
-    monkeypatch.setattr(UBTreeSpeculator, "_commit_topology", lambda self, idx, n: None)
     zeros = torch.zeros(3, dtype=torch.int32)
     spec.propose(batch, {}, {}, torch.zeros(15, 3), None, zeros, zeros, zeros, zeros, zeros, zeros, dummy_run=True)
-    assert seen["slots"].tolist() == [0, 0, 0]  # dummy runs leave the slots alone
+    assert seen["slots"].eq(spec.scratch_slot).all()  # dummy runs name no request
     spec.propose(batch, {}, {}, torch.zeros(15, 3), None, zeros, zeros, zeros, zeros, zeros, zeros)
     assert seen["slots"].tolist() == [4, 0, 2]

@@ -71,6 +71,7 @@ def test_report_regenerates_tables_and_plots(tmp_path):
     rec.append_record({**E2E, "method": "ubtree-single", "top_k": 1, "beam_width": 1, "tree_budget": 16,
                        "tau": 2.5}, path=path)
     rec.append_record({**E2E, "temperature": 1.0, "tau": 3.1}, path=path)
+    rec.append_record({**E2E, "temperature": 1.0, "tau": 3.3, "cumulative_label_rows": 9}, path=path)  # another training
     rec.append_record({"kind": "train", "method": "ubtree", "target": "t", "drafter": "checkpoints/d", "loss": 1.25,
                        "tokens_seen": 1000, "wall_time_s": 120.0, "steps": 50}, path=path)
     files = regenerate(path)
@@ -79,6 +80,7 @@ def test_report_regenerates_tables_and_plots(tmp_path):
     assert "### mt_bench, T = 0.0" in readme and "### mt_bench, T = 1.0" in readme
     assert "of which 1 superseded" in readme and "| 3.00 |" not in readme.split("## Training")[0].split("T = 1.0")[0]
     assert "| 1.40 |" in readme  # ubtree tau 3.5 / single-path tau 2.5
+    assert "| 3.10 |" in readme and "| 3.30 |" in readme  # two trainings of one drafter folder: both shown
     assert "## Training runs" in readme and "| 1.25 |" in readme
     assert {f.name for f in files} == {"README.md", "tau_T0.png", "tau_T1.png"}
     assert all(f.stat().st_size > 0 for f in files)

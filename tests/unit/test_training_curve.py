@@ -36,3 +36,17 @@ def test_a_fresh_drafter_starts_a_new_lineage():
     got = [(p["lineage"], p["label_rows"], p["tau"]) for p in curve_points(records)]
     assert got == [("2026-12-01 a", 100, 2.0), ("2026-12-01 a", 300, 2.2), ("2026-12-01 b", 50, 2.5),
                    ("2026-12-01 b", 80, 2.6), ("2026-12-01 d", 40, 1.5)]
+
+
+def test_a_measurement_naming_its_drafters_training_is_placed_there():
+    """An A/B of the folder before and after a slice, the older drafter measured last: its tau goes to its amount."""
+    shipped = "checkpoints/d"
+
+    def tau(value, rows=None):
+        return {**e2e("ubtree-mrv2", 1.0, value, budget=64), "drafter": shipped, "cumulative_label_rows": rows}
+
+    records = [{"kind": "train", "drafter": shipped, "tokens_seen": 100, "cumulative_label_rows": 100},
+               {"kind": "train", "drafter": shipped, "tokens_seen": 50, "cumulative_label_rows": 150},
+               tau(3.0, rows=150), tau(2.0, rows=100), tau(4.0)]
+    got = [(p["label_rows"], p["tau"]) for p in curve_points(records)]
+    assert got == [(100, 2.0), (150, 3.5)]

@@ -39,7 +39,7 @@ from typing import Any
 from ubtree_vllm.bench.agreement import agreement_record, tokens_in_prompt_order
 from ubtree_vllm.bench.measurement import RunResult, SpeedupTable, e2e_record, spec_counters, summarize_run
 from ubtree_vllm.bench.profile import STAGE_TIMING_MODE as PROFILE_MODE
-from ubtree_vllm.bench.profile import profiled, run_name
+from ubtree_vllm.bench.profile import profiled, python_profiled, run_name
 from ubtree_vllm.bench.prompts import PromptSet, dataset_prompt_sets
 from ubtree_vllm.bench.round_cost import round_cost_records
 from ubtree_vllm.bench.settings import (TREE_METHODS, BenchArgumentError, E2ESettings, MethodRun, dflash_chain_run,
@@ -159,6 +159,7 @@ def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path
     import torch
 
     from ubtree_vllm.bench.records import append_record
+    from ubtree_vllm.drafter.io import training_totals
 
     if not prompt_sets or any(not ps.prompts for ps in prompt_sets):
         raise BenchArgumentError("every dataset needs at least one prompt")
@@ -171,6 +172,7 @@ def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path
     warmup = dataclasses.replace(prompt_sets[0], prompts=prompt_sets[0].prompts[:1])
     rows: list[dict[str, Any]] = []
     greedy_ar: dict[tuple[str, int], list[list[int]]] = {}  # --agreement: ar's outputs per (dataset, concurrency)
+    drafter_training = training_totals(settings.drafter) if settings.drafter else None
     with tempfile.TemporaryDirectory(prefix="ubtree-bench-") as scratch:
         for label in planned_methods(settings):
             log(f"bench e2e: starting engine for {label}")
@@ -196,13 +198,21 @@ def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path
                                                  settings.max_new_tokens, outputs)
                                 steps[0] = result.engine_steps
                             traced = True
+                            if profiling:  # the same cell again under cProfile alone: the host code's shares
+                                py_steps = [0]
+                                with python_profiled(Path(settings.profile_dir),
+                                                     run_name(label, prompt_set.dataset, temperature, concurrency),
+                                                     py_steps):
+                                    py_steps[0] = measure(llm, prompt_set, temperature, concurrency,
+                                                          settings.max_new_tokens).engine_steps
                             speedup = speedups.speedup(run.method, prompt_set.dataset, temperature, concurrency,
                                                        result.tokens_per_s)
                             where = dict(target=target, drafter=settings.drafter, dataset=prompt_set.dataset,
                                          temperature=temperature, concurrency=concurrency,
                                          max_new_tokens=settings.max_new_tokens, cuda_graphs=cuda_graphs,
                                          tp=settings.tensor_parallel_size)
-                            record = e2e_record(run, result, speedup=speedup, **where)
+                            record = e2e_record(run, result, speedup=speedup, drafter_training=drafter_training,
+                                                **where)
                             log(f"bench e2e: {summary_line(record)}")
                             if profiling:  # the profiler slows the steps: tables only, no records
                                 new = []

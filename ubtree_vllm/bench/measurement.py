@@ -105,8 +105,10 @@ class SpeedupTable:
 
 def e2e_record(run: MethodRun, result: RunResult, *, target: str, drafter: str | None, dataset: str,
                temperature: float, concurrency: int, max_new_tokens: int, cuda_graphs: bool,
-               speedup: float | None, tp: int = 1) -> dict[str, Any]:
-    """The e2e record of one measurement (provenance is filled by records.append_record)."""
+               speedup: float | None, tp: int = 1, drafter_training: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """The e2e record of one measurement (provenance is filled by records.append_record). A method with a
+    drafter also names the drafter's training amount, ``drafter_training`` (``drafter/io.py:training_totals``:
+    cumulative_label_rows, cumulative_distinct_tokens), so the records of two trainings of one folder stay apart."""
     counters = (f"{result.num_accepted} accepted / {result.num_drafts} drafts" if run.speculative_config
                 else "no speculation")
     notes = (f"vLLM offline LLM engine, at most {concurrency} request(s) in flight (sliding window), 1 warm-up "
@@ -125,5 +127,6 @@ def e2e_record(run: MethodRun, result: RunResult, *, target: str, drafter: str |
         "output_tokens_per_s": round(result.tokens_per_s, 3),
         "tpot_ms": None if result.tpot_ms is None else round(result.tpot_ms, 4),
         "speedup_vs_ar": None if speedup is None else round(speedup, 4),
+        **(dict(drafter_training) if run.uses_drafter and drafter_training else {}),
         "notes": notes,
     }

@@ -9,6 +9,13 @@ writes ``DIR/<engine>_<dataset>_T<t>_c<c>.txt`` (:func:`summary_text`) and, for 
 each engine, the Chrome trace ``.trace.json.gz``. No records: the profiler adds a few
 microseconds of host time per op, so these runs are slower than the e2e ones.
 
+:func:`python_profiled` runs the same cell again under ``cProfile`` alone and writes
+``DIR/<name>.py.txt``: the Python functions with the most own and cumulative time per engine
+step. The torch profiler names the kernels and launches but not the Python that issues them;
+this names the host code (vLLM's scheduler, output processing, the runner's bookkeeping) that
+bounds a step whose device is idle most of the time. cProfile slows every call about alike,
+so read the shares, not the absolute times.
+
 The summary, all per engine step (``LLMEngine.step`` calls of the run):
   wall ms; device busy ms (sum of kernel and memcpy/memset durations: one stream at batch 1,
   so the gap to the wall time is the device's idle time, the host-bound share); kernels and
@@ -19,7 +26,10 @@ The summary, all per engine step (``LLMEngine.step`` calls of the run):
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import gzip
+import io
+import pstats
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -33,6 +43,7 @@ API_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLau
              "cudaMemcpyAsync", "cudaMemsetAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize",
              "cudaEventSynchronize", "cudaStreamWaitEvent")
 TOP_OPS = 30
+TOP_FUNCTIONS = 60
 
 
 def run_name(label: str, dataset: str, temperature: float, concurrency: int) -> str:
@@ -60,6 +71,45 @@ def profiled(out_dir: Path, name: str, steps: list[int], trace: bool) -> Iterato
         with raw.open("rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
         raw.unlink()
+
+
+@contextlib.contextmanager
+def python_profiled(out_dir: Path, name: str, steps: list[int]) -> Iterator[None]:
+    """cProfile the block; then write ``out_dir/name.py.txt`` (:func:`python_summary_text`; ``steps[0]`` as for
+    :func:`profiled`)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.py.txt").write_text(python_summary_text(profiler, max(steps[0], 1), name))
+
+
+def python_summary_text(profiler: cProfile.Profile, steps: int, title: str) -> str:
+    """The top functions by own time and by cumulative time, per engine step (ms), of a cProfile run."""
+    stats = pstats.Stats(profiler)
+    total_s = stats.total_tt  # type: ignore[attr-defined]
+    lines = [f"# {title}: {steps} engine steps under cProfile",
+             f"profiled time per step   {total_s / steps * 1e3:9.3f} ms  (cProfile-slowed)"]
+    # pstats' table: (file, line, function) -> (primitive calls, calls, own s, cumulative s, callers)
+    table = stats.stats  # type: ignore[attr-defined]
+    for key_index, title_part in ((2, "own"), (3, "cumulative")):
+        ranked = sorted(table.items(), key=lambda item: -item[1][key_index])[:TOP_FUNCTIONS]
+        lines += ["", f"## functions by {title_part} time per step   calls/step  own ms  cum ms"]
+        for (path, line, func), (_, calls, own, cum, _) in ranked:
+            where = f"{_short_path(path)}:{line}({func})"
+            lines.append(f"{where[:100]:<100} {calls / steps:8.2f} {own / steps * 1e3:7.3f} {cum / steps * 1e3:7.3f}")
+    return "\n".join(lines) + "\n"
+
+
+def _short_path(path: str) -> str:
+    """A source path from its package root on (``.../site-packages/vllm/x.py`` -> ``vllm/x.py``)."""
+    for marker in ("site-packages/", "dist-packages/", "ub-site/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return path
 
 
 def _is_device(event: Any) -> bool:

@@ -1,8 +1,8 @@
 """`ubtree report`: regenerate `docs/benchmarks/README.md` and its plots from records.jsonl.
 
 Tables are grouped by kind, then (for e2e) by dataset and temperature. When several
-records describe the same configuration (same kind, method, target, drafter, dataset,
-temperature, tree settings, batch, concurrency and hardware), the latest one in file order
+records describe the same configuration (same kind, method, target, drafter and its training
+amount, dataset, temperature, tree settings, batch, concurrency and hardware), the latest one in file order
 is shown and the older ones are counted. The `vs single` column divides a row's tau by the
 tau of the single-path row (method in SINGLE_PATH_METHODS) with the same target, drafter,
 dataset and temperature from the same kind of measurement (:func:`measurement`: a speed run
@@ -47,9 +47,10 @@ SHIPPED_PREFIX = "checkpoints/"
 # Row order of the speed table within one (hardware, target, dataset, T, concurrency) group.
 METHOD_ORDER = ("ar", NGRAM_METHOD, "dflash-chain", "ubtree-chain", "ubtree-single", "ubtree", "ubtree-mrv2",
                 "ubtree-lookup", "ubtree-mrv2-lookup")
+# cumulative_label_rows: a train record's, or a bench record's drafter training (two trainings of one folder differ)
 _IDENTITY = ("kind", "method", "target", "drafter", "dataset", "temperature", "tree_budget", "beam_width", "top_k",
              "block_size", "batch_size", "concurrency", "tp", "cuda_graphs", "num_prompts", "max_new_tokens",
-             "hardware", "metric")
+             "hardware", "metric", "cumulative_label_rows")
 
 
 def latest(records: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:

@@ -5,7 +5,10 @@ folder sets that folder's cumulative label rows (`cumulative_label_rows`, or `to
 records from before that field); every later tree tau measurement of the same folder
 (e2e records of the tree methods at B = 64, batch 1; bench and the reference decoder's
 eval-tau alike) is a point of the curve at that training amount, until the next `train` record
-of the folder. Only folders under `checkpoints/` (the shipped drafter) are plotted.
+of the folder. A measurement that names its drafter's training amount (`cumulative_label_rows`, written
+since 2026-12-02) is placed there instead, whatever its place in the file (an A/B of the folder before
+and after a slice, measured in either order). Only folders under `checkpoints/` (the shipped drafter)
+are plotted.
 
 A train record of a fresh drafter (notes `init=fresh`, or fewer cumulative rows than the
 folder had) starts a new *lineage*, named by that record's date and commit: a drafter trained
@@ -46,7 +49,8 @@ def curve_points(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             cumulative[drafter] = rows
         elif (r["kind"] == "e2e" and drafter in cumulative and r.get("tau") and r.get("method") in TREE_METHODS
               and r.get("tree_budget") == BUDGET and r.get("concurrency") in (1, None)):
-            taus[(lineage[drafter], r["dataset"], r["temperature"], cumulative[drafter])].append(r["tau"])
+            rows = r.get("cumulative_label_rows") or cumulative[drafter]
+            taus[(lineage[drafter], r["dataset"], r["temperature"], rows)].append(r["tau"])
     return [{"lineage": name, "dataset": d, "temperature": t, "label_rows": rows, "tau": sum(v) / len(v)}
             for (name, d, t, rows), v in sorted(taus.items(),
                                                   key=lambda kv: (kv[0][2], order[kv[0][0]], kv[0][1], kv[0][3]))]

@@ -76,6 +76,20 @@ def load_drafter(directory: str | Path, device: torch.device | str = "cpu",
     return drafter.to(device=device, dtype=dtype).eval()
 
 
+def training_totals(drafter_dir: str | Path | None) -> dict[str, int]:
+    """``{"cumulative_label_rows", "cumulative_distinct_tokens"}`` behind a drafter folder, from its
+    ``ubtree_meta.json`` (zeros for None or a folder without training metadata). Drafters from before the
+    cumulative counts: their ``tokens_seen``, and every response token of their dataset as trained on."""
+    if not drafter_dir:
+        return {"cumulative_label_rows": 0, "cumulative_distinct_tokens": 0}
+    meta_path = Path(drafter_dir) / META_FILE
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    training, data = meta.get("training", {}), meta.get("data", {})
+    rows = training.get("cumulative_label_rows", training.get("tokens_seen", 0))
+    distinct = training.get("cumulative_distinct_tokens", data.get("num_response_tokens", data.get("num_tokens", 0)))
+    return {"cumulative_label_rows": int(rows), "cumulative_distinct_tokens": int(distinct)}
+
+
 def export_dflash_proposer(drafter_dir: str | Path, out_dir: str | Path) -> Path:
     """Copy the proposer part of a UBTree drafter folder into a vLLM `dflash` folder."""
     src, dst = Path(drafter_dir), Path(out_dir)

@@ -169,6 +169,7 @@ def evaluate(drafter_dir: str | Path, target: str = "default", datasets: Sequenc
                     f"K={tree.top_k}): tau {result.tau:.3f} over {rounds} rounds, {result.wall_s:.0f}s")
                 if records_path:
                     from ubtree_vllm.bench.records import append_record
+                    from ubtree_vllm.drafter.io import training_totals
 
                     append_record({
                         "kind": "e2e", "method": METHODS[method], "target": drafter.cfg.target_name,
@@ -177,6 +178,7 @@ def evaluate(drafter_dir: str | Path, target: str = "default", datasets: Sequenc
                         "batch_size": batch_size, "tp": 1, "cuda_graphs": False,
                         "tree_budget": tree.tree_budget, "beam_width": tree.beam_width, "top_k": tree.top_k,
                         "block_size": tree.block_size, "tau": round(result.tau, 4),
+                        **training_totals(drafter_dir),
                         "notes": (f"tau from the HF reference decoder (lossless tree verification), not the vLLM "
                                   f"speed path: {tokens} tokens / {rounds} verification rounds{notes}"),
                     }, path=records_path)

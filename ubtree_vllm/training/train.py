@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from ubtree_vllm.drafter.config import DrafterConfig
-from ubtree_vllm.drafter.io import META_FILE, load_drafter
+from ubtree_vllm.drafter.io import load_drafter, training_totals
 from ubtree_vllm.drafter.proposer import UBTreeDrafter
 from ubtree_vllm.training import checkpoint as ckpt
 from ubtree_vllm.training.data import (ShardStream, TokenDataset, epoch_permutation, manifest_summary, read_manifest,
@@ -318,19 +318,6 @@ def _feature_scale(target: FrozenTarget, dataset: TokenDataset, cfg: TrainConfig
     return 1.0 / rms.clamp(min=1e-3)
 
 
-def _prior_totals(init_drafter: str | None) -> dict[str, int]:
-    """Cumulative label rows / distinct tokens behind an init drafter (0 for a fresh one)."""
-    if not init_drafter:
-        return {"cumulative_label_rows": 0, "cumulative_distinct_tokens": 0}
-    meta_path = Path(init_drafter) / META_FILE
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    training, data = meta.get("training", {}), meta.get("data", {})
-    rows = training.get("cumulative_label_rows", training.get("tokens_seen", 0))
-    # Drafters from before these counts: every response token of their dataset was trained on.
-    distinct = training.get("cumulative_distinct_tokens", data.get("num_response_tokens", data.get("num_tokens", 0)))
-    return {"cumulative_label_rows": int(rows), "cumulative_distinct_tokens": int(distinct)}
-
-
 def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str], None] = print) -> TrainResult:
     """Run (or resume) training; see the module docstring. `stop_at_step` pauses early (tests)."""
     from transformers import AutoConfig, AutoTokenizer
@@ -414,7 +401,7 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
     sums: dict[str, torch.Tensor] = {}
     window = 0
     last_ckpt: Path | None = existing[-1] if existing else None
-    prior = _prior_totals(cfg.init_drafter)
+    prior = training_totals(cfg.init_drafter)
 
     def save() -> Path:
         payload = {"model": drafter.state_dict(), "feature_scale": drafter.backbone.feature_scale.cpu(),

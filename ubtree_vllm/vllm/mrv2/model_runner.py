@@ -13,9 +13,11 @@ through a method MRV2 already calls:
    K/V goes to the slot of row root + j), the tree layout rewrites the positions to
    root + depth and fills the row buffers; the tree-aware FLASH_ATTN impl
    (``ubtree_vllm/vllm/attention/flash.py``) then recomputes the tree rows' attention.
-4. ``postprocess_sampled``: after vLLM's bookkeeping, the accepted nodes' K/V move to the
-   slots of their depths (one ``kv_path_commit`` launch over all target layers), and the
-   accepted paths are handed to the speculator, which linearises the rows it drafts from.
+4. ``postprocess_sampled``: after vLLM's bookkeeping, one launch commits the accepted paths
+   (``triton_ops/accepted_rows.py:commit_accepted_paths``): the accepted nodes' K/V move to the
+   slots of their depths in every target layer, the logits rows' linear positions are restored,
+   and the hidden-row permutation is handed to the speculator, which drafts from the rows as a
+   chain would have left them.
 
 Everything on the decode path is fixed-shape device work; shapes depend on host-known sizes.
 With ``UBTREE_STAGE_TIMING=1`` the stages of a step are timed (:mod:`ubtree_vllm.vllm.stage_clock`):
@@ -30,12 +32,13 @@ from typing import Any
 import torch
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers, kv_path_commit
+from ubtree_vllm.triton_ops.accepted_rows import commit_accepted_paths
+from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers
 from ubtree_vllm.vllm.attention.state import RowBuffers, bind_tree_layers, tree_forward_state
 from ubtree_vllm.vllm.config import from_vllm_config
 from ubtree_vllm.vllm.mrv2.rejection_sampler import UBTreeRejectionSampler
 from ubtree_vllm.vllm.mrv2.speculator import UBTreeSpeculator
-from ubtree_vllm.vllm.mrv2.tree_layout import commit_pairs, lay_out_tree_rows
+from ubtree_vllm.vllm.mrv2.tree_layout import lay_out_tree_rows
 from ubtree_vllm.vllm.stage_clock import StageClock
 
 
@@ -148,15 +151,14 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         if accept is None or step is None:
             return
         input_batch, slot_mappings = step
-        max_depth = accept.accepted_path.shape[1] - 1
-        src, dst, moves = commit_pairs(slot_mappings[self._target_group], input_batch.logits_indices,
-                                       input_batch.cu_num_logits, accept.accepted_path, accept.num_accepted,
-                                       max_depth)
         caches = [m.kv_cache for m in self._target_layers]
         if self._kv_cache_ptrs is None:  # the caches are allocated before the first step and never move
             self._kv_cache_ptrs = kv_cache_pointers(caches)
-        kv_path_commit(self._kv_cache_ptrs, caches[0], src, dst, moves, num_depths=max_depth)
-        self.speculator.pending_accept = accept
+        # nothing reads the positions between here and the drafter, which needs them linear
+        self.speculator.pending_perm = commit_accepted_paths(
+            self._kv_cache_ptrs, caches[0], slot_mappings[self._target_group], input_batch.num_tokens,
+            input_batch.logits_indices, input_batch.cu_num_logits, accept.accepted_path, accept.num_accepted,
+            accept.accepted_path.shape[1] - 1, positions=input_batch.positions)
 
     # ---- request lifecycle --------------------------------------------------------------------
     def add_requests(self, scheduler_output: Any) -> None:

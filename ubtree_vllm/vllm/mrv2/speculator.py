@@ -31,16 +31,21 @@ B >= gamma is required (vLLM reserves B + 1 lookahead KV slots; the block writes
 What the runner must do (``ubtree_vllm/vllm/mrv2/model_runner.py``): replace MRV2's
 speculator by this class before ``load_model``; hand ``self.topology`` to the tree layout and
 the rejection sampler (the tensors are never reallocated); call :meth:`reset_request` for
-each request added; after verifying a step, set :attr:`UBTreeSpeculator.pending_accept` to
-the step's ``AcceptResult`` (``accepted_path [R, gamma + 1]``, ``num_accepted [R]``) before
-MRV2 calls :meth:`propose`, so the drafter's context rows are linearised (target rows of the
-accepted path moved to ``root + 1 .. root + k``, linear positions restored).
+each request added; after verifying a step, commit the accepted paths
+(``triton_ops/accepted_rows.py:commit_accepted_paths``: KV moved, linear positions restored) and
+set :attr:`UBTreeSpeculator.pending_perm` to the permutation it returns before MRV2 calls
+:meth:`propose`, so the drafter's context rows are linearised (target rows of the accepted path
+moved to ``root + 1 .. root + k``).
 
 With ``prompt_lookup`` the runner also hands over its ``req_states`` (MRV2's ``RequestState``):
 after vLLM's ``post_update`` its ``all_token_ids[slot, :total_len[slot]]`` is the request's
 prompt + output ending at the anchor, the history ``tree/lookup.py`` matches (the same history
-as the V1 runner's ``drafter/proposer.py:context_history``). :meth:`propose` copies the step's
-request slots into a static buffer, and the draft graph gathers the histories from it.
+as the V1 runner's ``drafter/proposer.py:context_history``).
+
+:meth:`propose` copies the step's request state slots into a static buffer (``_draft_slots``;
+rows past the step's requests, and every row of a dummy run, name a scratch topology row), and
+the draft graph gathers the lookup histories from it and scatters each tree's topology to its
+request's slot: the draft's FULL CUDA graph writes ``topology`` itself, no launch after it.
 
 Everything inside :meth:`UBTreeSpeculator._generate_draft` is fixed-shape device work (it is
 captured in the draft's FULL CUDA graph); :meth:`propose` adds only fixed-shape launches.
@@ -64,7 +69,6 @@ from ubtree_vllm.drafter.proposer import UBTreeDrafter
 from ubtree_vllm.tree.lookup import lookup_continuation
 from ubtree_vllm.vllm.config import ADDITIONAL_CONFIG_KEY, UBTreeVllmConfig, from_vllm_config
 from ubtree_vllm.vllm.mrv2.rejection_sampler import TreeTopology
-from ubtree_vllm.vllm.mrv2.tree_layout import linearise_rows
 from ubtree_vllm.vllm.stage_clock import StageClock
 
 logger = init_logger(__name__)
@@ -128,36 +132,26 @@ def lookup_chain(
     return lookup_continuation(history, length, tree_cfg.block_size, tree_cfg.lookup_min_n, tree_cfg.lookup_max_n)
 
 
-def linearise_target_rows(
-        # MRV2 InputBatch of the verified step: positions (mutated), logits_indices, cu_num_logits,
-        # expanded_local_pos, num_tokens
-        input_batch: Any,
-        # num_layers x [T_pad, H] (or None), [T_pad, H]: the target's outputs for that batch
+def permute_target_rows(
+        num_tokens: int,
+        # num_layers x [T_pad, H] (or None), [T_pad, H]: the target's outputs for the verified batch
         aux_hidden_states: list[torch.Tensor] | None, last_hidden_states: torch.Tensor,
-        # [R, gamma + 1] int64, [R] int64: the step's accepted node per depth and accepted count
-        accepted_path: torch.Tensor, num_accepted: torch.Tensor,
-        max_depth: int,
+        # [num_tokens] int64: the step's row permutation (commit_accepted_paths / tree_layout.linearise_rows)
+        perm: torch.Tensor,
         # DFlash's combine_hidden_states ([T, layers * H] -> [T, H], row-wise); None: permute each aux state
         combine: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[list[torch.Tensor] | None,
                                                                                torch.Tensor]:
     """Make a verified tree step look like a verified chain to DFlash's ``propose``.
 
-    DFlash treats rows ``[ctx_start, ctx_end - num_rejected)`` as the accepted context and
-    reads their positions. After a tree step, the accepted node at depth d sits at row
-    ``root + path[d]`` (position root + d). This (1) permutes the target's hidden states so
-    row ``root + d`` holds that node (``tree_layout.linearise_rows``; returned as new tensors,
-    ``num_tokens`` rows: the aux states if there are any, else the last hidden states, i.e.
-    whichever DFlash consumes) and (2) rewrites ``input_batch.positions`` in place to the
-    linear ``positions[root] + j`` at every logits row (the root keeps its position; a row
-    that was already linear is unchanged). With ``combine`` and aux states, the aux states are
-    first combined as DFlash would (concatenated, ``combine``) and the one result is permuted:
-    returns ``(None, combined[perm])``, which DFlash takes as its context features (one row
-    gather instead of one per aux layer).
+    DFlash treats rows ``[ctx_start, ctx_end - num_rejected)`` as the accepted context. After a
+    tree step, the accepted node at depth d sits at row ``root + path[d]``; ``hidden[perm]``
+    holds it at row ``root + d``, as a chain would (the linear positions DFlash reads were
+    restored by the same commit that produced ``perm``). Returns new tensors of ``num_tokens``
+    rows: the aux states if there are any, else the last hidden states, i.e. whichever DFlash
+    consumes. With ``combine`` and aux states, the aux states are first combined as DFlash would
+    (concatenated, ``combine``) and the one result is permuted: returns ``(None, combined[perm])``,
+    which DFlash takes as its context features (one row gather instead of one per aux layer).
     """
-    num_tokens = input_batch.num_tokens
-    perm = linearise_rows(num_tokens, input_batch.logits_indices, input_batch.cu_num_logits, accepted_path,
-                          num_accepted, max_depth, positions=input_batch.positions,
-                          expanded_local_pos=input_batch.expanded_local_pos)  # [T]
     if aux_hidden_states and combine is not None:  # row-wise, so permuting after combining is the same
         return None, combine(torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)).index_select(0, perm)
     if aux_hidden_states:
@@ -223,8 +217,8 @@ class UBTreeSpeculator(DFlashSpeculator):
         self.draft_logits = None
         self._init_tree_buffers()
         self.ubtree_drafter: UBTreeDrafter | None = None  # selector + bound LM head, set by load_draft_model
-        # Set by the runner after verification, consumed by the next propose (see the module docstring).
-        self.pending_accept: Any | None = None
+        # [num_tokens] int64, set by the runner after verification, consumed by the next propose (module docstring)
+        self.pending_perm: torch.Tensor | None = None
         self.req_states: Any | None = None  # MRV2's RequestState, handed over by the runner (prompt_lookup)
 
     @staticmethod
@@ -255,17 +249,18 @@ class UBTreeSpeculator(DFlashSpeculator):
         self.sample_col = torch.arange(self.gamma, dtype=torch.int32, device=self.device).repeat(self.max_num_reqs)
 
     def _init_tree_buffers(self) -> None:
-        shape = (self.max_num_reqs, self.tree_budget + 1)
-        # Per request state slot, read by the tree layout and the rejection sampler.
+        # Per request state slot, read by the tree layout and the rejection sampler; the extra last
+        # row (scratch_slot) absorbs the draft graph's writes for rows that are no request's.
+        self.scratch_slot = self.max_num_reqs
+        shape = (self.max_num_reqs + 1, self.tree_budget + 1)
         self.topology = TreeTopology(parents=torch.empty(shape, dtype=torch.int32, device=self.device),
                                      depth=torch.empty(shape, dtype=torch.int32, device=self.device))
         root_only_(self.topology.parents, self.topology.depth)
-        # Per batch row, written inside _generate_draft (static addresses for the CUDA graph).
-        self._stage_parents = torch.empty(shape, dtype=torch.int32, device=self.device)
-        self._stage_depth = torch.empty(shape, dtype=torch.int32, device=self.device)
-        root_only_(self._stage_parents, self._stage_depth)
-        # Request state slot of each batch row, read by the draft graph's lookup branch (prompt_lookup).
-        self._lookup_slots = torch.zeros(self.max_num_reqs, dtype=torch.int64, device=self.device)
+        # [max_reqs] request state slot of each batch row, read inside _generate_draft (a static address for
+        # the CUDA graph): the lookup branch's histories and the slot its tree's topology goes to
+        self._draft_slots = torch.full((self.max_num_reqs,), self.scratch_slot, dtype=torch.int64,
+                                       device=self.device)
+        self._rows_with_slots = 0  # host: leading rows of _draft_slots that may hold request slots
 
     @torch.inference_mode()
     def reset_request(self, req_state_idx: int) -> None:
@@ -314,10 +309,10 @@ class UBTreeSpeculator(DFlashSpeculator):
         num_tokens_across_dp: torch.Tensor | None,
         cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
     ) -> None:
-        """Block forward, then a tree per request into ``draft_tokens[:num_reqs]`` and the staging topology.
+        """Block forward, then a tree per request into ``draft_tokens[:num_reqs]`` and ``topology[_draft_slots]``.
 
         ``num_reqs`` may include CUDA-graph padding (their rows read query row 0 and stale
-        anchors; :meth:`propose` scatters only the real requests' topology).
+        anchors); :meth:`propose` points those rows' ``_draft_slots`` at the scratch slot.
         """
         last_hidden_states = self._run_model(num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp,
                                              cudagraph_runtime_mode)  # [T_pad, H]
@@ -328,14 +323,17 @@ class UBTreeSpeculator(DFlashSpeculator):
         anchor = self.input_buffers.input_ids[:num_reqs * step:step]  # [R] int32
         assert self.ubtree_drafter is not None, "load_model() must run before drafting"
         chain = None
+        slots = self._draft_slots[:num_reqs]  # [R] int64, scratch_slot past the step's requests
         if self.tree_cfg.prompt_lookup:
             assert self.req_states is not None, "prompt_lookup needs the runner's req_states"
             chain = lookup_chain(self.req_states.all_token_ids.gpu, self.req_states.total_len.gpu,
-                                 self._lookup_slots[:num_reqs], self.tree_cfg)
+                                 slots.clamp(max=self.max_num_reqs - 1), self.tree_cfg)  # scratch rows: any history
         tokens, parents, depth = tree_rows_from_hidden(self.ubtree_drafter, self.tree_cfg, hidden, anchor, chain)
         self.draft_tokens[:num_reqs] = tokens  # [R, B]
-        self._stage_parents[:num_reqs] = parents  # [R, B + 1]
-        self._stage_depth[:num_reqs] = depth
+        # [R, B + 1] to the requests' slots (index_copy_: no host sync, capturable); rows that are no
+        # request's all land in scratch_slot
+        self.topology.parents.index_copy_(0, slots, parents)
+        self.topology.depth.index_copy_(0, slots, depth)
 
     @torch.inference_mode()
     def propose(
@@ -366,34 +364,34 @@ class UBTreeSpeculator(DFlashSpeculator):
         is_profile: bool = False,
         num_speculative_tokens: int | None = None,
     ) -> torch.Tensor:
-        """DFlash's propose over linearised target rows, then the trees' topology into ``self.topology``.
+        """DFlash's propose over linearised target rows; the draft writes the trees' tokens and topology.
 
         Returns ``draft_tokens[:num_reqs]`` ``[R, B]`` int64 (nodes 1..B of each tree). Dummy
-        runs (profiling, capture warm-up, DP padding) neither consume ``pending_accept`` nor
-        touch ``self.topology``: their ``idx_mapping`` names stale request slots.
+        runs (profiling, capture warm-up, DP padding) neither consume ``pending_perm`` nor
+        touch a request's topology: their ``idx_mapping`` names stale request slots, so every
+        row of theirs drafts into the scratch slot.
         """
         clock = _UNTIMED if dummy_run else self.stage_clock
         with clock.stage("draft_context"):
-            if not dummy_run and self.tree_cfg.prompt_lookup:  # padded graph rows keep stale (valid) slots
-                num_reqs = input_batch.num_reqs
-                self._lookup_slots[:num_reqs].copy_(input_batch.idx_mapping[:num_reqs].clamp(min=0))
-            if not dummy_run and self.pending_accept is not None:
-                accept, self.pending_accept = self.pending_accept, None
-                aux_hidden_states, last_hidden_states = linearise_target_rows(
-                    input_batch, aux_hidden_states, last_hidden_states, accept.accepted_path, accept.num_accepted,
-                    self.gamma, combine=self.model.combine_hidden_states)
+            self._set_draft_slots(input_batch, dummy_run)
+            if not dummy_run and self.pending_perm is not None:
+                perm, self.pending_perm = self.pending_perm, None
+                aux_hidden_states, last_hidden_states = permute_target_rows(
+                    input_batch.num_tokens, aux_hidden_states, last_hidden_states, perm,
+                    combine=self.model.combine_hidden_states)
         with clock.stage("draft"):
-            draft_tokens = super().propose(
+            return super().propose(
                 input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled,
                 num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, dp_sync_state=dp_sync_state,
                 dummy_run=dummy_run, skip_attn_for_dummy_run=skip_attn_for_dummy_run, mm_inputs=mm_inputs,
                 is_profile=is_profile, num_speculative_tokens=num_speculative_tokens)
-            if not dummy_run:
-                self._commit_topology(input_batch.idx_mapping, input_batch.num_reqs)
-        return draft_tokens
 
-    def _commit_topology(self, idx_mapping: torch.Tensor, num_reqs: int) -> None:
-        """``topology[idx_mapping] = staging[:num_reqs]`` (after the draft ran or its graph replayed)."""
-        slots = idx_mapping[:num_reqs].long()  # [R]
-        self.topology.parents[slots] = self._stage_parents[:num_reqs]
-        self.topology.depth[slots] = self._stage_depth[:num_reqs]
+    def _set_draft_slots(self, input_batch: Any, dummy_run: bool) -> None:
+        """``_draft_slots[:R] = idx_mapping[:R]``, scratch_slot after (none for a dummy run); one launch at a steady
+        batch size (rows past R are reset only when the batch shrank)."""
+        num_reqs = 0 if dummy_run else input_batch.num_reqs
+        if num_reqs:
+            self._draft_slots[:num_reqs].copy_(input_batch.idx_mapping[:num_reqs])
+        if self._rows_with_slots > num_reqs:
+            self._draft_slots[num_reqs:self._rows_with_slots].fill_(self.scratch_slot)
+        self._rows_with_slots = num_reqs

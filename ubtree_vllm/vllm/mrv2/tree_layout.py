@@ -15,16 +15,16 @@ stock causal attention at their linear positions, which is exact for a chain.
 
 Every function uses fixed-shape torch ops only (no ``.item()``/``.cpu()``/``nonzero``/mask
 indexing, no loop over requests): shapes depend on host-known sizes, never on device values.
-On CUDA tensors :func:`lay_out_tree_rows`, :func:`commit_pairs` and :func:`linearise_rows` run
-as one Triton launch each (``triton_ops/tree_layout.py``, ``triton_ops/accepted_rows.py``; the
-torch bodies here are their test oracles): the torch forms are ~200 / ~30 / ~30 small kernels,
-whose launch cost dominated a batch-1 verification step of a small target.
+On CUDA tensors :func:`lay_out_tree_rows` runs as one Triton launch (``triton_ops/tree_layout.py``;
+the torch form is ~200 small kernels, whose launch cost dominated a batch-1 verification step of
+a small target). After the acceptance walk the runner commits the accepted paths with one launch,
+``triton_ops/accepted_rows.py:commit_accepted_paths``, whose oracle is :func:`commit_pairs` +
+``kv_path_commit_reference`` + :func:`linearise_rows` (with positions).
 """
 from __future__ import annotations
 
 import torch
 
-from ubtree_vllm.triton_ops.accepted_rows import accepted_commit_pairs, accepted_row_permutation
 from ubtree_vllm.triton_ops.tree_layout import tree_layout
 
 
@@ -95,9 +95,6 @@ def commit_pairs(
     length, where the node is already there, and for rows outside the request (both slots are
     then the root's). Ready for ``kv_path_commit(..., num_depths=max_depth)``.
     """
-    if slot_mapping.is_cuda:
-        return accepted_commit_pairs(slot_mapping, logits_indices, cu_num_logits, accepted_path, num_accepted,
-                                     max_depth)
     root, depth, node, accepted = _accepted_nodes(logits_indices, cu_num_logits, accepted_path, num_accepted,
                                                   max_depth)
     src = slot_mapping[root + torch.where(accepted, node, 0)].long()  # [R, D]
@@ -118,11 +115,8 @@ def linearise_rows(
 
     ``hidden[perm]`` holds the accepted path's rows at ``root + 1 .. root + k``, as a chain would.
     Given ``positions``, every logits row's linear position is restored too
-    (:func:`linear_logits_positions_`; on CUDA inside the same launch).
+    (:func:`linear_logits_positions_`).
     """
-    if logits_indices.is_cuda:
-        return accepted_row_permutation(num_tokens, logits_indices, cu_num_logits, accepted_path, num_accepted,
-                                        max_depth, positions=positions)
     if positions is not None:
         assert expanded_local_pos is not None, "restoring the positions needs expanded_local_pos"
         linear_logits_positions_(positions, logits_indices, expanded_local_pos)
