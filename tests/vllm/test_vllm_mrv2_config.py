@@ -47,7 +47,7 @@ def test_speculator_splits_the_block_from_the_draft_slots(tiny_target, tiny_draf
     assert (speculator.gamma, speculator.tree_budget) == (4, 8)
     assert (speculator.num_speculative_steps, speculator.num_query_per_req) == (4, 5)  # the DFlash block: gamma
     assert tuple(speculator.draft_tokens.shape) == (max_reqs, 8)  # the verified slots: B
-    assert tuple(speculator.topology.parents.shape) == (max_reqs, 9)
+    assert tuple(speculator.topology.parents.shape) == (max_reqs + 1, 9)  # + the scratch slot of padding rows
     assert speculator._num_graph_context_tokens(2) == 18  # B + 1 target rows per request
     parents = speculator.topology.parents
     assert bool((parents[:, 0] == -1).all()) and bool((parents[:, 1:] == -2).all())  # every slot a lone root
