@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import cProfile
 import gzip
-import io
 import pstats
 import shutil
 from collections.abc import Iterator, Sequence
