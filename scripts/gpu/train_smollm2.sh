@@ -42,7 +42,7 @@
 #   bench    `ubtree bench e2e` at batch 1 (ar, dflash-chain, ubtree-mrv2 and ubtree (V1) B=16/32/64); METHODS, BUDGETS,
 #            BENCH_DATASETS, BENCH_TEMPS and BENCH_PROMPTS (per set, default 10) select a slice so
 #            each call stays < 10 minutes
-#   sweep    `ubtree bench e2e` concurrency 1,4,16,32 on MT-Bench (SWEEP_PROMPTS, default 64), T=0;
+#   sweep    `ubtree bench e2e` concurrency SWEEP_CONCURRENCY (default 1,4,16,32) on MT-Bench (SWEEP_PROMPTS, default 64), T=0;
 #            SWEEP_METHODS (default ar,ubtree-mrv2) and SWEEP_BUDGETS (default 64) select the runs
 #   stages   `ubtree bench e2e --stage-timing`: mean time per engine step of each UBTree runner stage, V1 and MRV2
 #            (ar for the step wall time; same selectors as bench, default mt_bench, T=0, 4 prompts, B=16,64;
@@ -210,7 +210,7 @@ for phase in "$@"; do
         --gpu-memory-utilization 0.25 \
         --datasets mt_bench --temperatures 0 --num-prompts "${SWEEP_PROMPTS:-64}" --max-new-tokens 256 \
         --methods "${SWEEP_METHODS:-ar,ngram,ubtree-mrv2}" \
-        --tree-budgets "${SWEEP_BUDGETS:-64}" --beam-width 12 --top-k 64 --concurrency 1,4,16,32 ;;
+        --tree-budgets "${SWEEP_BUDGETS:-64}" --beam-width 12 --top-k 64 --concurrency "${SWEEP_CONCURRENCY:-1,4,16,32}" ;;
     stages)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization 0.25 --stage-timing \
