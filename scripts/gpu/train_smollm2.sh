@@ -43,7 +43,8 @@
 #            BENCH_DATASETS, BENCH_TEMPS and BENCH_PROMPTS (per set, default 10) select a slice so
 #            each call stays < 10 minutes
 #   sweep    `ubtree bench e2e` concurrency SWEEP_CONCURRENCY (default 1,4,16,32) on MT-Bench (SWEEP_PROMPTS, default 64), T=0;
-#            SWEEP_METHODS (default ar,ubtree-mrv2) and SWEEP_BUDGETS (default 64) select the runs
+#            SWEEP_METHODS (default ar,ngram,ubtree-mrv2) and SWEEP_BUDGETS (default 64) select the runs;
+#            BUDGET_SCHEDULE (e.g. 1-4:64,5-16:32,17-64:16) makes the tree methods' budget load-adaptive
 #   stages   `ubtree bench e2e --stage-timing`: mean time per engine step of each UBTree runner stage, V1 and MRV2
 #            (ar for the step wall time; same selectors as bench, default mt_bench, T=0, 4 prompts, B=16,64;
 #            STAGE_CONCURRENCY, default 1, e.g. 1,32 with BENCH_PROMPTS >= 32)
@@ -210,7 +211,8 @@ for phase in "$@"; do
         --gpu-memory-utilization 0.25 \
         --datasets mt_bench --temperatures 0 --num-prompts "${SWEEP_PROMPTS:-64}" --max-new-tokens 256 \
         --methods "${SWEEP_METHODS:-ar,ngram,ubtree-mrv2}" \
-        --tree-budgets "${SWEEP_BUDGETS:-64}" --beam-width 12 --top-k 64 --concurrency "${SWEEP_CONCURRENCY:-1,4,16,32}" ;;
+        --tree-budgets "${SWEEP_BUDGETS:-64}" --beam-width 12 --top-k 64 --concurrency "${SWEEP_CONCURRENCY:-1,4,16,32}" \
+        ${BUDGET_SCHEDULE:+--budget-schedule "$BUDGET_SCHEDULE"} ;;
     stages)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization 0.25 --stage-timing \

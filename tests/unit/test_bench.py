@@ -208,6 +208,31 @@ def test_mrv2_runs_build_their_engine_under_the_runner_switch(monkeypatch):
     assert "UBTREE_VLLM_RUNNER" not in os.environ
 
 
+def test_budget_schedule_reaches_the_tree_engines_and_their_records(drafter_dir, tmp_path):
+    settings = settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ar,ngram,ubtree-mrv2", tree_budgets="16",
+                                           top_k=16, budget_schedule="1-4:16, 5-32:8".replace(" ", "")))
+    assert settings.budget_schedule == ((1, 4, 16), (5, 32, 8))
+    run = ubtree_run(settings, 16, "ubtree-mrv2")
+    assert run.speculative_config["num_speculative_tokens_per_batch_size"] == [[1, 4, 16], [5, 32, 8]]
+    assert run.budget_schedule == "1-4:16,5-32:8" and "load-adaptive budget 1-4:16,5-32:8" in run.note
+    assert "num_speculative_tokens_per_batch_size" not in ngram_run(settings).speculative_config  # trees only
+    result = RunResult(num_requests=8, output_tokens=800, wall_s=1.0, tpot_ms=1.0, tau=3.0, num_drafts=10,
+                       num_accepted=20)
+    record = e2e_record(run, result, target="t", drafter=str(drafter_dir), dataset="mt_bench", temperature=0.0,
+                        concurrency=8, max_new_tokens=100, cuda_graphs=True, speedup=1.5)
+    assert rec.append_record(record, tmp_path / "r.jsonl")["budget_schedule"] == "1-4:16,5-32:8"
+    pinned = e2e_record(ubtree_run(E2ESettings(drafter="d", block_size=4), 16), result, target="t", drafter="d",
+                        dataset="mt_bench", temperature=0.0, concurrency=8, max_new_tokens=100, cuda_graphs=True,
+                        speedup=1.5)
+    assert pinned["budget_schedule"] is None
+    from ubtree_vllm.bench.report import budget_label, latest
+
+    assert budget_label(record) == "16 (1-4:16,5-32:8)" and budget_label(pinned) == 16
+    shown, hidden = latest([{**dict.fromkeys(rec.FIELDS), **record}, {**dict.fromkeys(rec.FIELDS), **pinned,
+                                                                       "drafter": str(drafter_dir)}])
+    assert len(shown) == 2 and hidden == 0  # a scheduled run and a pinned one are two configurations
+
+
 @pytest.mark.parametrize("overrides,pattern", [
     ({"methods": "ar,medusa"}, r"--methods: unknown method 'medusa'; allowed: ar, ngram, dflash-chain, ubtree, "
                                r"ubtree-mrv2"),
@@ -231,6 +256,12 @@ def test_mrv2_runs_build_their_engine_under_the_runner_switch(monkeypatch):
     ({"ngram_lookup_min": 0, "methods": "ngram"}, r"--ngram-lookup-min must be >= 1, got 0"),
     ({"ngram_lookup_max": 1}, r"--ngram-lookup-max must be >= --ngram-lookup-min \(2\), got 1"),
     ({"drafter": "/no/such/drafter"}, r"--drafter: drafter folder not found: /no/such/drafter"),
+    ({"budget_schedule": "1-4"}, r"--budget-schedule must be comma-separated FIRST-LAST:BUDGET entries "
+                                 r"\(e.g. 1-4:64,5-32:16\), got '1-4'"),
+    ({"budget_schedule": "4-1:8"}, r"--budget-schedule: entry '4-1:8' needs 1 <= FIRST <= LAST and BUDGET >= 1"),
+    ({"budget_schedule": "1-4:32"}, r"--budget-schedule verifies up to 32 nodes per tree; every --tree-budgets "
+                                    r"value must be >= it, got 16"),
+    ({"budget_schedule": "1-4:8", "methods": "ar,ngram"}, r"--budget-schedule applies to the tree methods"),
 ])
 def test_bad_e2e_flags_name_the_flag_and_the_allowed_values(drafter_dir, overrides, pattern):
     args = e2e_args(drafter=str(drafter_dir), top_k=16, tree_budgets="16")

@@ -48,6 +48,17 @@ def test_mrv2_lookup_branch_greedy_equality_smollm2(mrv2, default_target_dir, tm
         assert tau > 1.5, tau
 
 
+def test_mrv2_load_adaptive_budget_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path):
+    """vLLM's dynamic speculative decoding picks each step's budget from the batch size: the 8 prompts run
+    together verify the first 5 nodes of each tree (a parents-first prefix), the lone timing prompt all 16."""
+    from test_vllm_gpu import TREE
+
+    tree = {**TREE, "prompt_lookup": True, "num_speculative_tokens_per_batch_size": [[1, 4, 16], [5, 64, 5]]}
+    plain_tps, ubtree_tps, tau = run_pair(default_target_dir, smollm2_drafter(default_target_dir, tmp_path), tree=tree)
+    print(f"MRV2 load-adaptive SmolLM2: no speculation {plain_tps:.1f} tok/s, ubtree {ubtree_tps:.1f} tok/s, "
+          f"tau {tau:.2f}")
+
+
 def test_mrv2_sampling_distribution_cuda_graphs(mrv2, tmp_path):
     check_sampling_distribution(tmp_path)
 

@@ -36,6 +36,9 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
                              "ubtree-lookup (ubtree with the prompt-lookup branch, V1 runner), "
                              "ubtree-mrv2-lookup (the same branch on Model Runner V2; CUDA)")
     parser.add_argument("--tree-budgets", default="16,32,64", help="comma-separated tree budgets B for ubtree")
+    parser.add_argument("--budget-schedule", default=None, metavar="FIRST-LAST:BUDGET,...",
+                        help="load-adaptive tree budget for the tree methods (vLLM's num_speculative_tokens_per_batch"
+                             "_size), e.g. 1-4:64,5-32:16: with 5-32 requests in flight each tree verifies 16 nodes")
     parser.add_argument("--beam-width", type=int, default=12, help="W (capped at B)")
     parser.add_argument("--top-k", type=int, default=64, help="K")
     parser.add_argument("--ngram-k", type=int, default=8,

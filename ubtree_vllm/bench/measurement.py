@@ -122,7 +122,7 @@ def e2e_record(run: MethodRun, result: RunResult, *, target: str, drafter: str |
         "dataset": dataset, "num_prompts": result.num_requests, "max_new_tokens": max_new_tokens,
         "temperature": float(temperature), "batch_size": concurrency, "concurrency": concurrency, "tp": tp,
         "cuda_graphs": cuda_graphs, "tree_budget": run.tree_budget, "beam_width": run.beam_width,
-        "top_k": run.top_k, "block_size": run.block_size,
+        "top_k": run.top_k, "block_size": run.block_size, "budget_schedule": run.budget_schedule,
         "tau": None if result.tau is None else round(result.tau, 4),
         "output_tokens_per_s": round(result.tokens_per_s, 3),
         "tpot_ms": None if result.tpot_ms is None else round(result.tpot_ms, 4),

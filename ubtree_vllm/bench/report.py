@@ -50,7 +50,13 @@ METHOD_ORDER = ("ar", NGRAM_METHOD, "dflash-chain", "ubtree-chain", "ubtree-sing
 # cumulative_label_rows: a train record's, or a bench record's drafter training (two trainings of one folder differ)
 _IDENTITY = ("kind", "method", "target", "drafter", "dataset", "temperature", "tree_budget", "beam_width", "top_k",
              "block_size", "batch_size", "concurrency", "tp", "cuda_graphs", "num_prompts", "max_new_tokens",
-             "hardware", "metric", "cumulative_label_rows")
+             "hardware", "metric", "cumulative_label_rows", "budget_schedule")
+
+
+def budget_label(r: dict[str, Any]) -> Any:
+    """The B cell: the tree budget, with the per-batch-size schedule where the run had one (load-adaptive)."""
+    schedule = r.get("budget_schedule")
+    return f"{r['tree_budget']} ({schedule})" if schedule else r["tree_budget"]
 
 
 def latest(records: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
@@ -150,7 +156,7 @@ def _speed_section(e2e: Sequence[dict[str, Any]]) -> list[str]:
     lines += _table(["method", "target", "drafter", "B", "W", "K", "dataset", "T", "concurrency", "tau", "tok/s",
                      "TPOT ms", "speedup vs AR", "CUDA graphs", "hardware", "commit", "date"],
                     [[r["method"], r["target"], drafter_label(r["drafter"]) if r["drafter"] else None,
-                      r["tree_budget"], r["beam_width"], r["top_k"], r["dataset"], _fmt(r["temperature"], 1),
+                      budget_label(r), r["beam_width"], r["top_k"], r["dataset"], _fmt(r["temperature"], 1),
                       r["concurrency"],
                       r["tau"], r["output_tokens_per_s"], r["tpot_ms"], r["speedup_vs_ar"], r["cuda_graphs"],
                       r["hardware"], r["commit"], r["date"]] for r in rows])
@@ -169,7 +175,8 @@ def _step_section(micro: Sequence[dict[str, Any]]) -> list[str]:
     runs: dict[tuple, dict[str, Any]] = {}
     for r in steps:
         key = (r["hardware"], r["target"], r["method"], r["tree_budget"] or 0, r["beam_width"] or 0, r["top_k"] or 0,
-               str(r["dataset"]), r["temperature"] or 0.0, r["concurrency"] or 0, str(r["commit"]))
+               str(r["dataset"]), r["temperature"] or 0.0, r["concurrency"] or 0, str(r["commit"]),
+               str(r.get("budget_schedule") or ""))
         runs.setdefault(key, {"first": r})[r["metric"]] = r["value"]
     lines = ["## Step time by stage", "",
              "Records of `ubtree bench e2e --stage-timing`: mean ms per engine step of each UBTree runner stage "
@@ -183,7 +190,7 @@ def _step_section(micro: Sequence[dict[str, Any]]) -> list[str]:
     for key in sorted(runs, key=lambda k: (k[0], k[1], METHOD_ORDER.index(k[2]) if k[2] in METHOD_ORDER else 99,
                                            k[3:])):
         first = runs[key]["first"]
-        rows.append([first["method"], first["tree_budget"], first["beam_width"], first["top_k"], first["dataset"],
+        rows.append([first["method"], budget_label(first), first["beam_width"], first["top_k"], first["dataset"],
                      first["temperature"], first["concurrency"], first["tau"]]
                     + [runs[key].get(m) for m in metrics])
     hardware = sorted({r["hardware"] for r in steps})
@@ -245,7 +252,7 @@ def _cell_goal_rows(key: tuple, cell: Sequence[dict[str, Any]]) -> list[list[Any
     for tree in trees:
         runner = {"ubtree-mrv2": " (MRV2)", "ubtree-lookup": " (lookup branch)",
                   "ubtree-mrv2-lookup": " (MRV2, lookup branch)"}.get(tree["method"], "")
-        label = f"{where}, B={tree['tree_budget']}{runner}"
+        label = f"{where}, B={budget_label(tree)}{runner}"
         if temperature == 0 and concurrency == 1 and single is not None and tree["speedup_vs_ar"]:
             rows.append(_over_baseline(f"UBTree speedup >= {GOAL_TREE_OVER_SINGLE}x the single path's (T=0)", label,
                                        tree, single, GOAL_TREE_OVER_SINGLE))
@@ -315,7 +322,7 @@ def render(records: Sequence[dict[str, Any]], plots: Sequence[str] = (), source:
             lines += _table(
                 ["method", "target", "drafter", "B", "W", "K", "γ", "prompts", "batch", "tau", "vs single", "tok/s",
                  "TPOT ms", "speedup vs AR", "hardware", "commit", "date"],
-                [[r["method"], r["target"], r["drafter"], r["tree_budget"], r["beam_width"], r["top_k"],
+                [[r["method"], r["target"], r["drafter"], budget_label(r), r["beam_width"], r["top_k"],
                   r["block_size"], r["num_prompts"], r["batch_size"], r["tau"],
                   (r["tau"] / s if r["tau"] and (s := singles.get(_tau_key(r))) else None),
                   r["output_tokens_per_s"], r["tpot_ms"], r["speedup_vs_ar"], r["hardware"], r["commit"], r["date"]]
@@ -331,7 +338,7 @@ def render(records: Sequence[dict[str, Any]], plots: Sequence[str] = (), source:
         lines += _table(["metric", "value", "unit", "method", "target", "drafter", "B", "W", "K", "γ", "batch",
                          "dataset", "T", "hardware", "commit", "date"],
                         [[r["metric"], r["value"], r["unit"], r["method"], r["target"],
-                          drafter_label(r["drafter"]) if r["drafter"] else None, r["tree_budget"], r["beam_width"],
+                          drafter_label(r["drafter"]) if r["drafter"] else None, budget_label(r), r["beam_width"],
                           r["top_k"], r["block_size"], r["batch_size"], r["dataset"], r["temperature"],
                           r["hardware"], r["commit"], r["date"]]
                          for r in micro])
@@ -364,19 +371,21 @@ def _pyplot() -> Any:
     return plt
 
 
-def _series_key(r: dict[str, Any]) -> tuple[str, str, int]:
-    return r["method"], drafter_label(r["drafter"]) if r["drafter"] else "", r["tree_budget"] or 0
+def _series_key(r: dict[str, Any]) -> tuple[str, str, int, str]:
+    return (r["method"], drafter_label(r["drafter"]) if r["drafter"] else "", r["tree_budget"] or 0,
+            r.get("budget_schedule") or "")
 
 
-def _ordered_series(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str, int]]:
-    """The rows' (method, drafter, B) series, in METHOD_ORDER."""
-    return sorted({_series_key(r) for r in rows}, key=lambda s: (_method_rank(s[0]), s[0], s[1], s[2]))
+def _ordered_series(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str, int, str]]:
+    """The rows' (method, drafter, B, budget schedule) series, in METHOD_ORDER."""
+    return sorted({_series_key(r) for r in rows}, key=lambda s: (_method_rank(s[0]), *s))
 
 
-def _series_label(method: str, drafter: str, budget: int, series: Sequence[tuple[str, str, int]]) -> str:
+def _series_label(method: str, drafter: str, budget: int, schedule: str,
+                  series: Sequence[tuple[str, str, int, str]]) -> str:
     label = method
-    if len({s[2] for s in series if s[0] == method}) > 1:
-        label += f" B={budget}"
+    if len({s[2:] for s in series if s[0] == method}) > 1:
+        label += f" B={budget}" + (f" ({schedule})" if schedule else "")
     if len({s[1] for s in series if s[1]}) > 1 and drafter:
         label += f" ({drafter})"
     return label

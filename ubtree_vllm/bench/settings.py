@@ -72,6 +72,8 @@ class MethodRun:
     note: str = ""
     # environment variables set while the engine is built (the runner switch of ubtree-mrv2)
     env: dict[str, str] = field(default_factory=dict)
+    # load-adaptive tree budget, in --budget-schedule's form ("1-4:64,5-32:16"); None: always tree_budget
+    budget_schedule: str | None = None
 
     @property
     def uses_drafter(self) -> bool:
@@ -118,6 +120,8 @@ class E2ESettings:
     # --profile DIR: torch.profiler summaries per run instead of records (bench/profile.py)
     profile_dir: str | None = None
     tensor_parallel_size: int = 1
+    # --budget-schedule: ((first batch size, last batch size, B'), ...) for every tree method, None: B pinned
+    budget_schedule: tuple[tuple[int, int, int], ...] | None = None
     # Drafter facts read from its config.json (None without a drafter).
     block_size: int | None = field(default=None, compare=False)
     vocab_size: int | None = field(default=None, compare=False)
@@ -133,6 +137,31 @@ def parse_list(flag: str, text: str, convert: Callable[[str], Any], what: str) -
         return tuple(convert(item) for item in items)
     except ValueError:
         raise BenchArgumentError(f"{flag} must be a comma-separated list of {what}, got {text!r}") from None
+
+
+def parse_budget_schedule(text: str | None) -> tuple[tuple[int, int, int], ...] | None:
+    """'1-4:64,5-32:16' -> ((1, 4, 64), (5, 32, 16)): requests in flight first-last verify B' nodes per tree
+    (vLLM's num_speculative_tokens_per_batch_size); None or '' -> None. BenchArgumentError on a bad entry."""
+    if not text:
+        return None
+    entries = []
+    for item in str(text).split(","):
+        try:
+            sizes, budget = item.split(":")
+            first, last = sizes.split("-")
+            entry = (int(first), int(last), int(budget))
+        except ValueError:
+            raise BenchArgumentError(f"--budget-schedule must be comma-separated FIRST-LAST:BUDGET entries "
+                                     f"(e.g. 1-4:64,5-32:16), got {item!r}") from None
+        if not 1 <= entry[0] <= entry[1] or entry[2] < 1:
+            raise BenchArgumentError(f"--budget-schedule: entry {item!r} needs 1 <= FIRST <= LAST and BUDGET >= 1")
+        entries.append(entry)
+    return tuple(entries)
+
+
+def schedule_text(schedule: tuple[tuple[int, int, int], ...]) -> str:
+    """The --budget-schedule form of a parsed schedule (what records carry)."""
+    return ",".join(f"{first}-{last}:{budget}" for first, last, budget in schedule)
 
 
 def _check_members(flag: str, values: Sequence[str], allowed: Sequence[str], what: str) -> None:
@@ -187,6 +216,9 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
     if settings.profile_dir is not None and (settings.agreement or settings.stage_timing):
         raise BenchArgumentError("--profile, --stage-timing and --agreement are separate modes; pass one")
 
+    if settings.budget_schedule is not None and not any(m in TREE_METHODS for m in settings.methods):
+        raise BenchArgumentError(f"--budget-schedule applies to the tree methods ({', '.join(TREE_METHODS)}); "
+                                 f"--methods has none")
     if all(m in DRAFTER_FREE_METHODS for m in settings.methods):
         return settings
     if settings.drafter is None:
@@ -216,6 +248,11 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
                                          f"{cfg.block_size}; method ubtree-mrv2 needs B >= gamma")
         if len(set(settings.tree_budgets)) != len(settings.tree_budgets):
             raise BenchArgumentError(f"--tree-budgets lists a budget twice: {settings.tree_budgets}")
+        if settings.budget_schedule is not None:
+            top = max(entry[2] for entry in settings.budget_schedule)
+            if min(settings.tree_budgets) < top:
+                raise BenchArgumentError(f"--budget-schedule verifies up to {top} nodes per tree; every "
+                                         f"--tree-budgets value must be >= it, got {min(settings.tree_budgets)}")
     return dataclasses.replace(settings, block_size=cfg.block_size, vocab_size=cfg.vocab_size,
                                target_name=cfg.target_name)
 
@@ -242,6 +279,7 @@ def settings_from_args(args: argparse.Namespace, check_datasets: bool = True) ->
         agreement=getattr(args, "agreement", False),
         profile_dir=getattr(args, "profile", None),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        budget_schedule=parse_budget_schedule(getattr(args, "budget_schedule", None)),
     ), check_datasets=check_datasets)
 
 
@@ -258,8 +296,13 @@ def ubtree_run(settings: E2ESettings, budget: int, method: str = "ubtree") -> Me
         note += f" prompt-lookup branch, lookup window {settings.ngram_lookup_min}-{settings.ngram_lookup_max} tokens"
     else:  # the plain tree, whatever the serving default
         spec["prompt_lookup"] = False
+    schedule = None
+    if settings.budget_schedule is not None:
+        spec["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in settings.budget_schedule]
+        schedule = schedule_text(settings.budget_schedule)
+        note += f" load-adaptive budget {schedule} (requests in flight FIRST-LAST: nodes verified per tree)"
     return MethodRun(method, spec, tree_budget=budget, beam_width=width, top_k=settings.top_k,
-                     block_size=settings.block_size, note=note, env=dict(env))
+                     block_size=settings.block_size, note=note, env=dict(env), budget_schedule=schedule)
 
 
 def ngram_run(settings: E2ESettings) -> MethodRun:
