@@ -7,8 +7,9 @@ every request, in the process that accepts it (``LLM`` or the API server), so a
 ``VLLMValidationError`` raised here becomes an exception from ``LLM.generate`` or an HTTP 400
 from the server -- never different tokens. For the rewritten ``ubtree`` speculative config the
 wrapper replaces vLLM's check by :func:`ubtree_vllm.vllm.request_support.unsupported_options`:
-the V1 tree sampler applies min_p and logit_bias at every node (so vLLM's rejection is lifted
-there), Model Runner V2's still rejects them (by that list); every other method keeps vLLM's check.
+both tree samplers apply min_p and logit_bias at every node (so vLLM's rejection is lifted for
+``ubtree``; on Model Runner V2 through vLLM's own per-row ``apply_sampling_params`` at the nodes'
+depth positions); every other method keeps vLLM's check.
 """
 from __future__ import annotations
 

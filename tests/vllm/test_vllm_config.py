@@ -164,15 +164,18 @@ def test_unsupported_request_options():
 
     assert unsupported_options(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1, n=2, stop=["x"])) == []
     cases = {
-        "bad_words": dict(bad_words=["foo"]), "allowed_token_ids": dict(allowed_token_ids=[1, 2]),
-        "logit_bias": dict(logit_bias={1: 1.0}), "min_p": dict(min_p=0.1), "min_tokens": dict(min_tokens=3),
+        "bad_words": dict(bad_words=["foo"]),
         "structured_outputs": dict(structured_outputs=StructuredOutputsParams(regex="a+")),
         "logprob_token_ids": dict(logprob_token_ids=[1, 2]),
     }
     for name, kwargs in cases.items():
-        # the V1 runner applies every one of them per node (a grammar along each node's path); MRV2 none yet
+        # the V1 runner applies every one of them per node (a grammar along each node's path); MRV2 not yet
         assert unsupported_options(SamplingParams(**kwargs)) == [], name
         assert unsupported_options(SamplingParams(**kwargs), runner="mrv2") == [name], name
+    # functions of a row's request and position only: both runners (MRV2 through vLLM's per-row sampler)
+    per_row = dict(allowed_token_ids=[1, 2], logit_bias={1: 1.0}, min_p=0.1, min_tokens=3)
+    assert unsupported_options(SamplingParams(**per_row)) == unsupported_options(SamplingParams(**per_row),
+                                                                                 runner="mrv2") == []
     # repetition detection: the scheduler's stop check after every accepted token, on both runners
     from vllm.sampling_params import RepetitionDetectionParams
     repeated = SamplingParams(repetition_detection=RepetitionDetectionParams(max_pattern_size=4, min_count=3))

@@ -161,15 +161,18 @@ def test_greedy_equality_and_speed_smollm2(default_target_dir, tmp_path):
 # across a top-k / top-p boundary), so the reference is the same target in the same engine without
 # speculation: a two-sample chi-square per position and per adjacent pair.
 VOCAB, HORIZON, NUM_SAMPLES, PROMPT, ALPHA = 8, 4, 10000, [1, 2, 3], 1e-3
-SAMPLING_CASES = [SamplingConfig(1.0), SamplingConfig(0.8, top_k=5), SamplingConfig(1.2, top_p=0.85),
-                  SamplingConfig(1.0, top_k=6, top_p=0.9)]
+# (sampling, per-row logits options): min_p and logit_bias are applied at every node (both runners)
+SAMPLING_CASES = [(SamplingConfig(1.0), {}), (SamplingConfig(0.8, top_k=5), {}), (SamplingConfig(1.2, top_p=0.85), {}),
+                  (SamplingConfig(1.0, top_k=6, top_p=0.9), {}),
+                  (SamplingConfig(1.0), {"min_p": 0.1, "logit_bias": {3: 1.5, 6: -1.0}})]
 
 
-def sample_continuations(llm: LLM, sampling: SamplingConfig) -> "torch.Tensor":
+def sample_continuations(llm: LLM, case: tuple[SamplingConfig, dict]) -> "torch.Tensor":
     import torch
 
+    sampling, options = case
     params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                            max_tokens=HORIZON, ignore_eos=True, detokenize=False)
+                            max_tokens=HORIZON, ignore_eos=True, detokenize=False, **options)
     outs = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)] * NUM_SAMPLES, params, use_tqdm=False)
     return torch.tensor([list(o.outputs[0].token_ids) for o in outs])
 

@@ -1,4 +1,5 @@
-"""Model Runner V2 (UBTREE_VLLM_RUNNER=mrv2): greedy equality, T > 0 and the host-sync guard on the H200.
+"""Model Runner V2 (UBTREE_VLLM_RUNNER=mrv2): greedy equality (also with a load-adaptive budget and with the
+per-row logits options), T > 0 (with min_p and logit_bias among the cases) and the host-sync guard on the H200.
 
 Skipped without CUDA (``gpu`` marker). Greedy: the first engine runs eagerly, the second with CUDA
 graphs (vLLM's default), each against the same target without speculation in the same process, with
@@ -57,6 +58,42 @@ def test_mrv2_load_adaptive_budget_greedy_equality_smollm2(mrv2, default_target_
     plain_tps, ubtree_tps, tau = run_pair(default_target_dir, smollm2_drafter(default_target_dir, tmp_path), tree=tree)
     print(f"MRV2 load-adaptive SmolLM2: no speculation {plain_tps:.1f} tok/s, ubtree {ubtree_tps:.1f} tok/s, "
           f"tau {tau:.2f}")
+
+
+def test_mrv2_per_row_options_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path):
+    """allowed_token_ids, logit_bias and min_tokens through vLLM's MRV2 sampler at every node (depth positions):
+    each option changes plain decoding's greedy text and UBTree reproduces it (bf16 near-tie rule)."""
+    from collections import Counter
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from test_vllm_gpu import MAX_TOKENS, TREE, assert_greedy_equal_up_to_near_ties, engine, prompts_for
+
+    def params(**options):
+        return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False, **options)
+
+    plain = engine(default_target_dir, logprobs_mode="raw_logits")
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts_for(plain.llm_engine.model_config.get_vocab_size(), 4)]
+    base = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params(), use_tqdm=False)]
+    counts = Counter(t for tokens in base for t in tokens)
+    frequent = [t for t, _ in counts.most_common(3)]
+    cases = {"logit_bias": {"logit_bias": {frequent[1]: 6.0, frequent[2]: -100.0}},
+             "allowed_token_ids": {"allowed_token_ids": sorted(set(counts) - {frequent[0]})},
+             "min_tokens": {"stop_token_ids": [frequent[0]], "min_tokens": MAX_TOKENS}}
+    reference = {name: plain.generate(prompts, params(logprobs=2, **options), use_tqdm=False)
+                 for name, options in cases.items()}
+    del plain
+    gc.collect()
+    ubtree = engine(default_target_dir, {"method": "ubtree", "model": str(smollm2_drafter(default_target_dir, tmp_path)),
+                                         **TREE, "prompt_lookup": True})
+    got = {name: [list(o.outputs[0].token_ids) for o in ubtree.generate(prompts, params(**options), use_tqdm=False)]
+           for name, options in cases.items()}
+    del ubtree
+    gc.collect()
+    for name in cases:
+        assert [list(o.outputs[0].token_ids) for o in reference[name]] != base, f"{name} did not change the text"
+        assert_greedy_equal_up_to_near_ties(got[name], reference[name])
 
 
 def test_mrv2_sampling_distribution_cuda_graphs(mrv2, tmp_path):

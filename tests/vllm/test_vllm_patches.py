@@ -246,10 +246,11 @@ def test_sampling_params_rejects_options_trees_cannot_serve():
     mrv2 = types.SimpleNamespace(method=MRV2_VLLM_METHOD, model=f"/cache/{MRV2_PROPOSERS_DIR}/abc")
     with pytest.raises(VLLMValidationError, match=r"\['presence_penalty', 'logprobs'\] are not supported"):
         SamplingParams(presence_penalty=1.0, logprobs=1)._validate_spec_decode(mrv2)
-    with pytest.raises(VLLMValidationError, match=r"\['bad_words', 'allowed_token_ids', 'logit_bias', 'min_p', "
-                                                  r"'min_tokens'\] are not supported"):
+    with pytest.raises(VLLMValidationError, match=r"\['bad_words'\] are not supported"):
         SamplingParams(bad_words=["x"], allowed_token_ids=[1, 2], logit_bias={1: 2.0}, min_p=0.1, min_tokens=3
                        )._validate_spec_decode(mrv2)
+    # per-row options: vLLM's MRV2 sampler applies them at every node (its depth position)
+    SamplingParams(allowed_token_ids=[1, 2], logit_bias={1: 2.0}, min_p=0.1, min_tokens=3)._validate_spec_decode(mrv2)
     with pytest.raises(VLLMValidationError, match=r"\['structured_outputs'\] are not supported"):
         SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))._validate_spec_decode(mrv2)
     assert getattr(SamplingParams._validate_spec_decode, MARK) == "sampling_params_spec_decode"

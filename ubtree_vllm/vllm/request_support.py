@@ -9,13 +9,17 @@ admission (HTTP 400 in the server) instead of getting different tokens than
 non-speculative decoding:
 
 * on Model Runner V2: penalties (presence, frequency, repetition), logprobs, bad_words,
-  allowed_token_ids, logit_bias, min_p, min_tokens, logprob_token_ids and structured outputs -- its tree sampler
-  does not apply or report them yet (the V1 runner's does, each along every node's own path;
+  logprob_token_ids and structured outputs -- they depend on a node's path or report per-token data, and
+  its tree sampler does not apply or report them yet (the V1 runner's does, each along every node's own path;
   logprobs in the raw logprobs modes; grammars in ``ubtree_vllm/vllm/structured_output.py``);
 * thinking_token_budget -- a vLLM state machine that assumes a chain of drafts;
 * trace replay (trace_decode_token_ids) -- not exercised with trees.
 
-On both runners ``repetition_detection`` is served (vLLM's scheduler checks it after every accepted
+On Model Runner V2 ``allowed_token_ids``, ``logit_bias``, ``min_tokens`` and ``min_p`` are served by vLLM's own
+``Sampler.apply_sampling_params`` at every node: each is a function of the row's request and position
+only (min_tokens masks the stop tokens while ``pos + 1 < prompt_len + min_tokens``), and a node's
+position is its depth position, the one plain decoding samples that token at
+(``ubtree_vllm/vllm/mrv2/rejection_sampler.py``). On both runners ``repetition_detection`` is served (vLLM's scheduler checks it after every accepted
 token, as for a chain). On the V1 runner penalties, ``logprobs`` and ``logprob_token_ids``, ``bad_words``, ``allowed_token_ids``, ``logit_bias``,
 ``min_p``, ``min_tokens`` (``ubtree_vllm/vllm/sampler.py``) and structured outputs (JSON schema,
 JSON object, regex, grammar, choice; ``ubtree_vllm/vllm/structured_output.py``) are served exactly, and on both
@@ -42,10 +46,6 @@ def unsupported_options(params: Any, runner: str = "v1") -> list[str]:
         ("logprobs", params.logprobs is not None and runner != "v1"),
         ("logprob_token_ids", bool(getattr(params, "logprob_token_ids", None)) and runner != "v1"),
         ("bad_words", bool(params.bad_words) and runner != "v1"),
-        ("allowed_token_ids", params.allowed_token_ids is not None and runner != "v1"),
-        ("logit_bias", bool(params.logit_bias) and runner != "v1"),
-        ("min_p", params.min_p > _EPS and runner != "v1"),
-        ("min_tokens", params.min_tokens > 0 and runner != "v1"),
         ("thinking_token_budget", getattr(params, "thinking_token_budget", None) is not None),
         ("structured_outputs", params.structured_outputs is not None and runner != "v1"),
         ("trace_decode_token_ids", bool(getattr(params, "trace_decode_token_ids", None))),
@@ -58,6 +58,6 @@ def unsupported_message(names: list[str]) -> str:
     return (f"sampling option(s) {names} are not supported with speculative decoding method 'ubtree' "
             "(tree verification would not reproduce non-speculative decoding exactly); remove them or "
             "use a server without speculative decoding. Supported: temperature, top_k, top_p, seed, n, "
-            "stop, stop_token_ids, ignore_eos, max_tokens, prompt_logprobs, and on the V1 runner "
-            "(UBTREE_VLLM_RUNNER=v1) also penalties, logprobs, logprob_token_ids, bad_words, allowed_token_ids, logit_bias, min_p, "
-            "min_tokens and structured outputs.")
+            "stop, stop_token_ids, ignore_eos, max_tokens, prompt_logprobs, allowed_token_ids, logit_bias, min_p, "
+            "min_tokens, and on the V1 runner (UBTREE_VLLM_RUNNER=v1) also penalties, logprobs, logprob_token_ids, "
+            "bad_words and structured outputs.")
