@@ -81,6 +81,19 @@ def compile_node_inputs(arch: int) -> int:
                     lambda name: pointers.get(name, "*i32") if name.endswith("_ptr") else "i32", arch)
 
 
+_TREE_PENALTIES_KINDS = {"logits_ptr": "*fp32", "state_ptr": "*i64", "local_pos_ptr": "*i32", "token_ptr": "*i32",
+                         "parents_ptr": "*i32", "repetition_ptr": "*fp32", "frequency_ptr": "*fp32",
+                         "presence_ptr": "*fp32", "prompt_mask_ptr": "*i32", "counts_ptr": "*i32"}
+
+
+def compile_tree_penalties(max_depth: int, arch: int) -> int:
+    """`_tree_penalties_kernel` with MRV2's dtypes (fp32 logits, int32 tokens and counts); returns the cubin size."""
+    from ubtree_vllm.triton_ops.tree_penalties import BLOCK
+
+    return _compile("tree_penalties", "_tree_penalties_kernel", {"MAX_DEPTH": max_depth, "BLOCK": BLOCK},
+                    lambda name: _TREE_PENALTIES_KINDS.get(name, "i32"), arch)
+
+
 # (cache dtype, H_kv, E) configurations of kv_path_commit to compile.
 KV_PATH_COMMIT_CONFIGS = ((torch.bfloat16, 8, 256), (torch.float16, 3, 128))
 _KV_PATH_COMMIT_KINDS = {"kv_cache_ptrs": "*i64", "src_slot_ptr": "*i64", "dst_slot_ptr": "*i64",
@@ -227,6 +240,8 @@ def main() -> int:
               f"block {block_size} {splits} splits: cubin {size} bytes, combine cubin {combine} bytes")
     size = compile_node_inputs(args.arch)
     print(f"node_inputs sm_{args.arch}: cubin {size} bytes")
+    size = compile_tree_penalties(16, args.arch)
+    print(f"tree_penalties sm_{args.arch} depth 16: cubin {size} bytes")
     for dtype, heads, elems in KV_PATH_COMMIT_CONFIGS:
         size = compile_kv_path_commit(dtype, heads, elems, args.arch)
         print(f"kv_path_commit sm_{args.arch} {str(dtype).removeprefix('torch.')} heads {heads} elems {elems}: "

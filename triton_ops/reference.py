@@ -168,3 +168,29 @@ def head_loss_rows_reference(logits, teacher_logits, labels, row_weight, kl_weig
     g = row_weight[:, None] * ((kl_weight + ce_weight) * log_q.exp() - kl_weight * p - ce_weight * onehot)
     stats = torch.stack([lse_q, kl, ce, lse_p], dim=1)
     return g.to(grad_dtype or logits.dtype), stats, s.argmax(-1)
+
+
+def tree_penalties_reference(logits, expanded_idx_mapping, local_pos, node_tokens, parents, repetition, frequency,
+                             presence, prompt_mask, output_counts, max_depth):
+    """Twin of :func:`ubtree_vllm.triton_ops.tree_penalties.tree_penalties`: per row, the request's output counts
+    plus the tokens of the nodes on its path (root excluded), then vLLM's penalty rule. In place, same arguments."""
+    vocab = logits.shape[1]
+    bits = torch.arange(32, device=prompt_mask.device)
+    for m in range(logits.shape[0]):
+        state, node = int(expanded_idx_mapping[m]), int(local_pos[m])
+        rep, freq, pres = float(repetition[state]), float(frequency[state]), float(presence[state])
+        if rep == 1.0 and freq == 0.0 and pres == 0.0:
+            continue
+        counts = output_counts[state].clone()
+        root, hops = m - node, 0
+        while node > 0 and hops < max_depth:
+            token = int(node_tokens[root + node])
+            if token >= 0:
+                counts[token] += 1
+            node, hops = int(parents[state, node]), hops + 1
+        in_prompt = ((prompt_mask[state][:, None] >> bits) & 1).flatten()[:vocab].bool()
+        seen = counts > 0
+        row = logits[m].float()
+        scale = torch.where(in_prompt | seen, torch.tensor(rep), torch.tensor(1.0))
+        row = torch.where(row > 0, row / scale, row * scale)
+        logits[m] = row - freq * counts - pres * seen.float()

@@ -167,3 +167,49 @@ def test_min_tokens_masks_the_stop_token_by_each_nodes_depth_position():
     # root and node 2: stop banned -> 7 (nodes 2 and 3 accepted); node 3 (position 12): the stop token again
     assert out.sampled_token_ids[0, :3].tolist() == [second, second, stop]
     assert out.num_sampled.tolist() == [3]
+
+
+class ProcessorSampler(IdentitySampler):
+    """``apply_sampling_params`` as vLLM's MRV2 sampler runs it: its processor list over a LogitsContext."""
+
+    def __init__(self, prefill_len: list[int], processors: list):
+        super().__init__(prefill_len)
+        self.logits_processors = processors
+
+    def apply_sampling_params(self, logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, pos, input_ids,
+                              expanded_local_pos, *args):
+        super().apply_sampling_params(logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, pos, input_ids)
+        ctx = SimpleNamespace(expanded_idx_mapping=expanded_idx_mapping, idx_mapping=idx_mapping,
+                              idx_mapping_np=idx_mapping_np, expanded_local_pos=expanded_local_pos,
+                              input_ids=input_ids, pos=pos)
+        logits = logits.float().clone()
+        for processor in self.logits_processors:
+            logits = processor.apply(logits, ctx)
+        return logits
+
+
+def test_penalties_count_each_nodes_own_path():
+    """Frequency penalty 10 on request slot 0; the target prefers 5, then 7, then 11 at every node. Tree
+    0 -> {1, 2}, 2 -> 3 with tokens [1, 7, 5, 7]: the root draws 5 (node 2), node 2 (path [5]) draws 7 (node 3),
+    node 3 (path [5, 7]) draws 11. vLLM's chain count would also penalise node 1's 7 at node 2 and stop there."""
+    from ubtree_vllm.vllm.mrv2.tree_penalties import TreePenalties, install_tree_penalties
+
+    topo = topology({0: [-1, 0, 0, 2]})
+    batch, _ = make_batch([(0, 30, [1, 7, 5, 7], [0] * 4, 34)], topo)
+    logits = torch.full((4, V), -5.0)
+    logits[:, 5], logits[:, 7], logits[:, 11] = 3.0, 2.0, 1.0
+    vllm_state = SimpleNamespace(
+        use_penalty=np.array([True, False, False, False]),
+        repetition_penalty=SimpleNamespace(gpu=torch.ones(4)), presence_penalty=SimpleNamespace(gpu=torch.zeros(4)),
+        frequency_penalty=SimpleNamespace(gpu=torch.tensor([10.0, 0, 0, 0])),
+        prompt_bin_mask=torch.zeros(4, (V + 31) // 32, dtype=torch.int32),
+        output_bin_counts=torch.zeros(4, V, dtype=torch.int32))
+    sampler = ProcessorSampler([0], ["logit_bias", vllm_state, "bad_words"])
+    sampler.penalties_state = vllm_state
+    installed = install_tree_penalties(sampler, topo.parents, max_depth=B)
+    assert isinstance(installed, TreePenalties) and sampler.logits_processors[1] is installed
+    assert installed.use_penalty is vllm_state.use_penalty  # vLLM's state, delegated
+    sampler.logits_processors = [installed]
+    out = UBTreeRejectionSampler(sampler, topo, max_depth=B, draw=argmax_draw)(logits, batch)
+    assert out.sampled_token_ids[0, :3].tolist() == [5, 7, 11]
+    assert out.num_sampled.tolist() == [3]

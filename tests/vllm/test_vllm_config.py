@@ -9,7 +9,8 @@ import pytest
 
 from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, MAX_TREE_BUDGET, MRV2_PROPOSERS_DIR, MRV2_VLLM_METHOD,
                                      PROPOSER_CLASS_PATH, SPEC_KEYS, VLLM_METHOD, TargetInfo, UBTreeVllmConfig,
-                                     from_vllm_config, is_ubtree_speculative_config, parse_speculative_config)
+                                     check_hybrid_engine, from_vllm_config, is_ubtree_speculative_config,
+                                     parse_speculative_config)
 from ubtree_vllm.vllm.request_support import unsupported_options
 
 TINY = TargetInfo(architectures=("LlamaForCausalLM",), vocab_size=512, hidden_size=64, num_layers=4)
@@ -105,14 +106,36 @@ def test_unsupported_architecture_is_rejected(tiny_drafter):
         parse_speculative_config(spec(tiny_drafter), target)
 
 
-@pytest.mark.parametrize("arch,layer", [("Qwen3NextForCausalLM", "QwenGatedDeltaNetAttention"),
-                                        ("BailingMoeV3ForCausalLM", "BailingMoeV3KimiDeltaAttention"),
+@pytest.mark.parametrize("arch,layer", [("BailingMoeV3ForCausalLM", "BailingMoeV3KimiDeltaAttention"),
                                         ("NemotronHForCausalLM", "MambaMixer2")])
 def test_hybrid_target_is_refused_naming_its_stateful_layers(tiny_drafter, arch, layer):
-    """Ling-3.0 (MLA + KDA), Qwen3-Next (GDN), Mamba2 hybrids: refused before any engine exists, naming the layer."""
+    """Ling-3.0 (MLA + KDA), Mamba2 hybrids: refused before any engine exists, naming the layer."""
     with pytest.raises(ValueError, match=rf"'{arch}'\] is not supported by method 'ubtree': its .*{layer}.* layers "
                                          r"have no tree verification yet"):
         parse_speculative_config(spec(tiny_drafter), TargetInfo((arch,), 512, 64, 4))
+
+
+@pytest.mark.parametrize("arch", ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"])
+def test_qwen3_5_is_refused_saying_its_gdn_layers_run_for_qwen3_next_only(tiny_drafter, arch):
+    with pytest.raises(ValueError, match=rf"'{arch}'\] is not supported by method 'ubtree': its "
+                                         r"QwenGatedDeltaNetAttention \(Gated DeltaNet\) layers verify trees on the "
+                                         r"CPU for Qwen3-Next only"):
+        parse_speculative_config(spec(tiny_drafter), TargetInfo((arch,), 512, 64, 4))
+
+
+def test_qwen3_next_is_served_on_the_cpu_on_one_rank_without_prefix_caching(tiny_drafter):
+    """Qwen3-Next (GDN) parses; its engine settings are checked: CPU only, one rank, no recurrent-state caching."""
+    target = TargetInfo(("Qwen3NextForCausalLM",), 512, 64, 4)
+    assert parse_speculative_config(spec(tiny_drafter), target).tree.tree_budget == 8
+    check_hybrid_engine(target, on_cpu=True, tensor_parallel_size=1, enable_prefix_caching=False)
+    check_hybrid_engine(TINY, on_cpu=False, tensor_parallel_size=2, enable_prefix_caching=True)  # not a hybrid
+    for kwargs, pattern in [
+            (dict(on_cpu=False), r"'Qwen3NextForCausalLM' is served by method 'ubtree' on the CPU only"),
+            (dict(tensor_parallel_size=2), r"tensor_parallel_size must be 1 .* 'Qwen3NextForCausalLM'"),
+            (dict(enable_prefix_caching=True), r"enable_prefix_caching must be False .* 'Qwen3NextForCausalLM'")]:
+        with pytest.raises(ValueError, match=pattern):
+            check_hybrid_engine(target, **{**dict(on_cpu=True, tensor_parallel_size=1,
+                                                  enable_prefix_caching=False), **kwargs})
 
 
 def test_missing_or_broken_drafter_folder(tiny_drafter, tmp_path):
@@ -184,10 +207,10 @@ def test_unsupported_request_options():
     # logprobs: served by the V1 runner's tree sampler, not yet on Model Runner V2
     assert unsupported_options(SamplingParams(logprobs=2)) == []
     assert unsupported_options(SamplingParams(logprobs=2), runner="mrv2") == ["logprobs"]
-    # penalties: along each node's path in the V1 runner's tree sampler, not yet on Model Runner V2
+    # penalties: along each node's path in both runners' tree samplers (MRV2: vllm/mrv2/tree_penalties.py)
     penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
     assert unsupported_options(SamplingParams(**penalties)) == []
-    assert unsupported_options(SamplingParams(**penalties), runner="mrv2") == list(penalties)
+    assert unsupported_options(SamplingParams(**penalties), runner="mrv2") == []
 
 
 def test_budget_schedule_reaches_the_config(tiny_drafter):

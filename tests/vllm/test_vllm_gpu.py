@@ -161,10 +161,11 @@ def test_greedy_equality_and_speed_smollm2(default_target_dir, tmp_path):
 # across a top-k / top-p boundary), so the reference is the same target in the same engine without
 # speculation: a two-sample chi-square per position and per adjacent pair.
 VOCAB, HORIZON, NUM_SAMPLES, PROMPT, ALPHA = 8, 4, 10000, [1, 2, 3], 1e-3
-# (sampling, per-row logits options): min_p and logit_bias are applied at every node (both runners)
+# (sampling, logits options): min_p and logit_bias at every node, penalties along each node's path (both runners)
 SAMPLING_CASES = [(SamplingConfig(1.0), {}), (SamplingConfig(0.8, top_k=5), {}), (SamplingConfig(1.2, top_p=0.85), {}),
                   (SamplingConfig(1.0, top_k=6, top_p=0.9), {}),
-                  (SamplingConfig(1.0), {"min_p": 0.1, "logit_bias": {3: 1.5, 6: -1.0}})]
+                  (SamplingConfig(1.0), {"min_p": 0.1, "logit_bias": {3: 1.5, 6: -1.0}}),
+                  (SamplingConfig(1.0), {"presence_penalty": 0.4, "frequency_penalty": 0.3, "repetition_penalty": 1.3})]
 
 
 def sample_continuations(llm: LLM, case: tuple[SamplingConfig, dict]) -> "torch.Tensor":

@@ -1,5 +1,5 @@
 """Model Runner V2 (UBTREE_VLLM_RUNNER=mrv2): greedy equality (also with a load-adaptive budget and with the
-per-row logits options), T > 0 (with min_p and logit_bias among the cases) and the host-sync guard on the H200.
+logits options: allowed ids, logit bias, min_tokens, penalties), T > 0 (min_p with logit_bias, and penalties, among the cases) and the host-sync guard on the H200.
 
 Skipped without CUDA (``gpu`` marker). Greedy: the first engine runs eagerly, the second with CUDA
 graphs (vLLM's default), each against the same target without speculation in the same process, with
@@ -60,9 +60,10 @@ def test_mrv2_load_adaptive_budget_greedy_equality_smollm2(mrv2, default_target_
           f"tau {tau:.2f}")
 
 
-def test_mrv2_per_row_options_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path):
-    """allowed_token_ids, logit_bias and min_tokens through vLLM's MRV2 sampler at every node (depth positions):
-    each option changes plain decoding's greedy text and UBTree reproduces it (bf16 near-tie rule)."""
+def test_mrv2_logits_options_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path):
+    """allowed_token_ids, logit_bias and min_tokens through vLLM's MRV2 sampler at every node (depth positions),
+    penalties along each node's path (vllm/mrv2/tree_penalties.py): each option changes plain decoding's greedy
+    text and UBTree reproduces it (bf16 near-tie rule on the raw logits)."""
     from collections import Counter
 
     from vllm import SamplingParams
@@ -80,7 +81,8 @@ def test_mrv2_per_row_options_greedy_equality_smollm2(mrv2, default_target_dir, 
     frequent = [t for t, _ in counts.most_common(3)]
     cases = {"logit_bias": {"logit_bias": {frequent[1]: 6.0, frequent[2]: -100.0}},
              "allowed_token_ids": {"allowed_token_ids": sorted(set(counts) - {frequent[0]})},
-             "min_tokens": {"stop_token_ids": [frequent[0]], "min_tokens": MAX_TOKENS}}
+             "min_tokens": {"stop_token_ids": [frequent[0]], "min_tokens": MAX_TOKENS},
+             "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3}}
     reference = {name: plain.generate(prompts, params(logprobs=2, **options), use_tqdm=False)
                  for name, options in cases.items()}
     del plain

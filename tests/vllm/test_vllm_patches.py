@@ -244,7 +244,7 @@ def test_sampling_params_rejects_options_trees_cannot_serve():
     with pytest.raises(VLLMValidationError, match="min_p and logit_bias"):  # other methods: vLLM's rules
         SamplingParams(min_p=0.1)._validate_spec_decode(other)
     mrv2 = types.SimpleNamespace(method=MRV2_VLLM_METHOD, model=f"/cache/{MRV2_PROPOSERS_DIR}/abc")
-    with pytest.raises(VLLMValidationError, match=r"\['presence_penalty', 'logprobs'\] are not supported"):
+    with pytest.raises(VLLMValidationError, match=r"\['logprobs'\] are not supported"):
         SamplingParams(presence_penalty=1.0, logprobs=1)._validate_spec_decode(mrv2)
     with pytest.raises(VLLMValidationError, match=r"\['bad_words'\] are not supported"):
         SamplingParams(bad_words=["x"], allowed_token_ids=[1, 2], logit_bias={1: 2.0}, min_p=0.1, min_tokens=3
