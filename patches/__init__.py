@@ -148,6 +148,21 @@ MANIFEST: tuple[PatchSpec, ...] = (
                            "~0.11) or an attention-mask hook in CommonAttentionMetadata."),
         stage="worker",
     ),
+    PatchSpec(
+        name="cpu_gdn_tree_forward",
+        vllm_symbol="vllm.model_executor.layers.mamba.ops.cpu.gdn_attention._spec_forward",
+        why=("vLLM's CPU Gated DeltaNet serves a request's speculative tokens as one chain (conv over the "
+             "chain, state after token t in slot t); a tree node needs its parent's state and its "
+             "ancestors' conv inputs, and vLLM has no hook for a draft topology."),
+        how=("Rebinds the module-level name that _cpu_gdn_attention_spec_aware calls: during a UBTree "
+             "step's target forward the tokens run as the step's trees (ubtree_vllm.vllm.gdn_tree: node j's "
+             "window from its root path, its state from its parent's, written to slot j) and the layer is "
+             "recorded for the runner's commit of the accepted path (ubtree_vllm.vllm.hybrid_state); "
+             "otherwise vLLM's function runs. CPU platform only."),
+        removal_condition=("vLLM's linear-attention backends take a draft topology (tree speculative decoding "
+                           "upstream, e.g. parents in the GDN metadata) or expose a per-node state hook."),
+        stage="worker",
+    ),
 )
 
 _lock = threading.Lock()

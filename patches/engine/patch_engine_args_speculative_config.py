@@ -93,9 +93,11 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
 
     from ubtree_vllm import envs
     from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, PROPOSER_CLASS_PATH, VLLM_METHOD,
-                                         TargetInfo, parse_speculative_config)
+                                         TargetInfo, check_hybrid_engine, parse_speculative_config)
 
-    spec = parse_speculative_config(_merged_user_spec(args), TargetInfo.from_model_config(target_model_config))
+    target = TargetInfo.from_model_config(target_model_config)
+    spec = parse_speculative_config(_merged_user_spec(args), target)
+    check_hybrid_engine(target, current_platform.is_cpu(), args.tensor_parallel_size, bool(args.enable_prefix_caching))
     mrv2 = current_platform.is_cuda() and _runs_on_mrv2(envs.UBTREE_VLLM_RUNNER, spec, args.tensor_parallel_size)
     _check_engine_args(args, mrv2)
     if _user_chose_graph_sizes(args):

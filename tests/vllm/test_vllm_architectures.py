@@ -1,5 +1,6 @@
 """Every architecture in ``SUPPORTED_ARCHITECTURES`` is exercised: Qwen2 and Qwen3 here (Llama
-everywhere else), greedy UBTree with the copying oracle == the same engine without speculation."""
+everywhere else, Qwen3-Next in test_vllm_gdn_hybrid.py), greedy UBTree with the copying oracle ==
+the same engine without speculation."""
 from __future__ import annotations
 
 import pytest

@@ -204,9 +204,9 @@ def test_unsupported_request_options():
     repeated = SamplingParams(repetition_detection=RepetitionDetectionParams(max_pattern_size=4, min_count=3))
     assert unsupported_options(repeated) == unsupported_options(repeated, runner="mrv2") == []
     assert unsupported_options(SamplingParams(thinking_token_budget=8)) == ["thinking_token_budget"]
-    # logprobs: served by the V1 runner's tree sampler, not yet on Model Runner V2
+    # logprobs: both runners score each emitted token on the row of the node that drew it
     assert unsupported_options(SamplingParams(logprobs=2)) == []
-    assert unsupported_options(SamplingParams(logprobs=2), runner="mrv2") == ["logprobs"]
+    assert unsupported_options(SamplingParams(logprobs=2), runner="mrv2") == []
     # penalties: along each node's path in both runners' tree samplers (MRV2: vllm/mrv2/tree_penalties.py)
     penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
     assert unsupported_options(SamplingParams(**penalties)) == []

@@ -1,5 +1,5 @@
 """Model Runner V2 (UBTREE_VLLM_RUNNER=mrv2): greedy equality (also with a load-adaptive budget and with the
-logits options: allowed ids, logit bias, min_tokens, penalties), T > 0 (min_p with logit_bias, and penalties, among the cases) and the host-sync guard on the H200.
+logits options: allowed ids, logit bias, min_tokens, penalties; and logprobs), T > 0 (min_p with logit_bias, and penalties, among the cases) and the host-sync guard on the H200.
 
 Skipped without CUDA (``gpu`` marker). Greedy: the first engine runs eagerly, the second with CUDA
 graphs (vLLM's default), each against the same target without speculation in the same process, with
@@ -63,13 +63,13 @@ def test_mrv2_load_adaptive_budget_greedy_equality_smollm2(mrv2, default_target_
 def test_mrv2_logits_options_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path):
     """allowed_token_ids, logit_bias and min_tokens through vLLM's MRV2 sampler at every node (depth positions),
     penalties along each node's path (vllm/mrv2/tree_penalties.py): each option changes plain decoding's greedy
-    text and UBTree reproduces it (bf16 near-tie rule on the raw logits)."""
+    text and UBTree reproduces it (bf16 near-tie rule on the raw logits); logprobs of the emitted tokens."""
     from collections import Counter
 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from test_vllm_gpu import MAX_TOKENS, TREE, assert_greedy_equal_up_to_near_ties, engine, prompts_for
+    from test_vllm_gpu import MAX_TOKENS, TREE, assert_greedy_equal_up_to_near_ties, bf16_ulp, engine, prompts_for
 
     def params(**options):
         return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False, **options)
@@ -85,17 +85,33 @@ def test_mrv2_logits_options_greedy_equality_smollm2(mrv2, default_target_dir, t
              "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3}}
     reference = {name: plain.generate(prompts, params(logprobs=2, **options), use_tqdm=False)
                  for name, options in cases.items()}
+    expected = plain.generate(prompts, params(logprobs=2), use_tqdm=False)
     del plain
     gc.collect()
     ubtree = engine(default_target_dir, {"method": "ubtree", "model": str(smollm2_drafter(default_target_dir, tmp_path)),
-                                         **TREE, "prompt_lookup": True})
+                                         **TREE, "prompt_lookup": True}, logprobs_mode="raw_logits")
     got = {name: [list(o.outputs[0].token_ids) for o in ubtree.generate(prompts, params(**options), use_tqdm=False)]
            for name, options in cases.items()}
+    scored = ubtree.generate(prompts, params(logprobs=2), use_tqdm=False)
     del ubtree
     gc.collect()
     for name in cases:
         assert [list(o.outputs[0].token_ids) for o in reference[name]] != base, f"{name} did not change the text"
         assert_greedy_equal_up_to_near_ties(got[name], reference[name])
+    # logprobs (raw logits mode on both engines): each emitted token's value from the node row that drew it,
+    # equal to plain decoding's up to bf16 rounding, up to the first (near-tie) divergence
+    assert_greedy_equal_up_to_near_ties([list(o.outputs[0].token_ids) for o in scored], expected)
+    for got_out, want_out in zip(scored, expected):
+        got_tokens, want_tokens = got_out.outputs[0].token_ids, want_out.outputs[0].token_ids
+        for step, (a, b) in enumerate(zip(got_tokens, want_tokens)):
+            if a != b:
+                break
+            got_step, want_step = got_out.outputs[0].logprobs[step], want_out.outputs[0].logprobs[step]
+            for token, value in want_step.items():
+                if token in got_step:
+                    tolerance = 4 * bf16_ulp(value.logprob)
+                    assert abs(got_step[token].logprob - value.logprob) <= tolerance, (step, token)
+            assert a in got_step  # the emitted token is always scored
 
 
 def test_mrv2_sampling_distribution_cuda_graphs(mrv2, tmp_path):

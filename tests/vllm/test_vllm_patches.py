@@ -25,7 +25,7 @@ WORKER_CLASS_PATH = CPU_WORKER_CLASS_PATH if on_cpu() else GPU_WORKER_CLASS_PATH
 cpu_platform_only = pytest.mark.skipif(not on_cpu(), reason="exercises the CPU platform's worker and backend")
 
 TESTED_PATCHES = {"engine_args_speculative_config", "sampling_params_spec_decode", "scheduler_tree_drafts",
-                  "structured_output_tree", "cpu_worker_model_runner", "attention_backends"}
+                  "structured_output_tree", "cpu_worker_model_runner", "attention_backends", "cpu_gdn_tree_forward"}
 
 
 def test_every_manifest_patch_has_a_module_and_a_test_here():
@@ -244,8 +244,7 @@ def test_sampling_params_rejects_options_trees_cannot_serve():
     with pytest.raises(VLLMValidationError, match="min_p and logit_bias"):  # other methods: vLLM's rules
         SamplingParams(min_p=0.1)._validate_spec_decode(other)
     mrv2 = types.SimpleNamespace(method=MRV2_VLLM_METHOD, model=f"/cache/{MRV2_PROPOSERS_DIR}/abc")
-    with pytest.raises(VLLMValidationError, match=r"\['logprobs'\] are not supported"):
-        SamplingParams(presence_penalty=1.0, logprobs=1)._validate_spec_decode(mrv2)
+    SamplingParams(presence_penalty=1.0, logprobs=1)._validate_spec_decode(mrv2)  # penalties, logprobs: served
     with pytest.raises(VLLMValidationError, match=r"\['bad_words'\] are not supported"):
         SamplingParams(bad_words=["x"], allowed_token_ids=[1, 2], logit_bias={1: 2.0}, min_p=0.1, min_tokens=3
                        )._validate_spec_decode(mrv2)
@@ -355,6 +354,35 @@ def test_flash_attention_resolves_to_the_tree_backend_on_cuda():
 
     importlib.import_module("ubtree_vllm.patches.worker.patch_attention_backends").apply()
     assert AttentionBackendEnum.FLASH_ATTN.get_class() is TreeFlashAttentionBackend
+
+
+# --- cpu_gdn_tree_forward --------------------------------------------------------------------
+
+
+@cpu_platform_only
+def test_cpu_gdn_spec_forward_runs_the_tree_form_only_inside_a_ubtree_step(monkeypatch):
+    import vllm.model_executor.layers.mamba.ops.cpu.gdn_attention as gdn_attention
+
+    import ubtree_vllm.vllm.gdn_tree as gdn_tree
+    from ubtree_vllm.vllm.attention.state import tree_forward_state
+
+    module = importlib.import_module("ubtree_vllm.patches.worker.patch_cpu_gdn_tree_forward")
+    module.apply()
+    module.apply()  # idempotent
+    assert getattr(gdn_attention._spec_forward, MARK) == "cpu_gdn_tree_forward"
+    calls = []
+    monkeypatch.setattr(gdn_attention, original_attr_name("_spec_forward"),
+                        lambda layer, md, *args: calls.append(("vllm", args)) or "chain")
+    monkeypatch.setattr(gdn_tree, "tree_spec_forward",
+                        lambda plan, layer, md, *args: (calls.append(("tree", plan, args)) or "tree", "record"))
+    layer, state = types.SimpleNamespace(prefix="model.layers.0.linear_attn"), tree_forward_state()
+    monkeypatch.setattr(state, "step_plan", None)
+    assert gdn_attention._spec_forward(layer, None, 1, 2) == "chain"  # other engines, dummy runs
+    monkeypatch.setattr(state, "step_plan", "plan")
+    monkeypatch.setattr(state, "linear_stash", {})
+    assert gdn_attention._spec_forward(layer, None, 1, 2) == "tree"
+    assert calls == [("vllm", (1, 2)), ("tree", "plan", (1, 2))]
+    assert state.linear_stash == {"model.layers.0.linear_attn": "record"}
 
 
 def test_runner_choice_for_the_lookup_branch(monkeypatch):

@@ -2,6 +2,7 @@
 
 * :func:`save_tiny_llama`        -- random tiny Llama (optionally with a real tokenizer).
 * :func:`save_tiny_qwen`         -- random tiny Qwen2 / Qwen3 (the other supported architectures).
+* :func:`save_tiny_qwen3_next`   -- random tiny bf16 Qwen3-Next (Gated DeltaNet + full attention + MoE).
 * :func:`save_untrained_drafter` -- a UBTree drafter folder with random weights for a target.
 * :func:`save_copy_pair`         -- a hand-built target whose greedy continuation of token t
   is perm(t), perm(perm(t)), ... and a drafter whose *weights* make it propose exactly
@@ -60,6 +61,25 @@ def save_tiny_qwen(path: Path, family: str, *, vocab_size: int = 512, seed: int 
                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
                      tie_word_embeddings=False, initializer_range=0.1)
     model_cls(cfg).float().save_pretrained(path)
+    return Path(path)
+
+
+@torch.no_grad()
+def save_tiny_qwen3_next(path: Path, *, vocab_size: int = 512, seed: int = 0) -> Path:
+    """A random bf16 Qwen3-Next: hidden 64, layers linear / full / linear / full, 4 experts (top 2).
+
+    bf16 and 128-dim linear heads because vLLM's CPU GDN kernels accept nothing else."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                          layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=1,
+                          linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
+                          linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                          shared_expert_intermediate_size=64, max_position_embeddings=1024, tie_word_embeddings=False,
+                          initializer_range=0.1)
+    Qwen3NextForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     return Path(path)
 
 

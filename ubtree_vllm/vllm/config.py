@@ -50,23 +50,28 @@ PROPOSER_CLASS_PATH = "ubtree_vllm.vllm.proposer.UBTreeProposer"
 CPU_WORKER_CLASS_PATH = "ubtree_vllm.vllm.cpu_worker.UBTreeCPUWorker"
 GPU_WORKER_CLASS_PATH = "ubtree_vllm.vllm.gpu_worker.UBTreeGPUWorker"
 
-# Dense decoder-only targets whose vLLM model returns the aux hidden states of chosen
-# layers (SupportsEagle3) with 1-D RoPE positions. Hybrid (Mamba/GDN), M-RoPE and MoE
-# targets need tree support in their layers first.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Decoder-only targets whose vLLM model returns the aux hidden states of chosen layers
+# (SupportsEagle3) with 1-D RoPE positions, and whose stateful layers verify trees (MoE
+# layers are token-wise and need nothing). M-RoPE targets need tree positions first.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3NextForCausalLM")
+# Hybrid families whose recurrent layers verify trees on the CPU only: Qwen3-Next's Gated DeltaNet runs its
+# tree form through vLLM's CPU GDN kernels (ubtree_vllm.vllm.gdn_tree, docs/design/hybrid.md); the CUDA
+# (Triton) GDN path is not wired. Checked with the engine arguments (check_hybrid_engine).
+CPU_ONLY_HYBRIDS = {"Qwen3NextForCausalLM": "QwenGatedDeltaNetAttention (Gated DeltaNet)"}
 # Hybrid families vLLM 0.32 serves, and the vLLM layer classes whose recurrent state a tree would have to fork
-# per node (docs: README "hybrid targets"); their targets are refused naming these layers.
+# per node and does not yet (docs: README "hybrid targets"); their targets are refused naming these layers.
 HYBRID_LAYERS = {
     "BailingMoeV3ForCausalLM": "BailingMoeV3MLAAttention (MLA) and BailingMoeV3KimiDeltaAttention (Kimi Delta "
                                "Attention)",
-    "Qwen3NextForCausalLM": "QwenGatedDeltaNetAttention (Gated DeltaNet)",
-    "Qwen3_5ForCausalLM": "QwenGatedDeltaNetAttention (Gated DeltaNet)",
-    "Qwen3_5MoeForCausalLM": "QwenGatedDeltaNetAttention (Gated DeltaNet)",
     "NemotronHForCausalLM": "MambaMixer2 (Mamba2)",
     "FalconH1ForCausalLM": "MambaMixer2 (Mamba2)",
     "Zamba2ForCausalLM": "MambaMixer2 (Mamba2)",
     "Mamba2ForCausalLM": "MambaMixer2 (Mamba2)",
 }
+# Families refused for a reason of their own.
+_QWEN3_5_REASON = ("its QwenGatedDeltaNetAttention (Gated DeltaNet) layers verify trees on the CPU for Qwen3-Next "
+                   "only: Qwen3.5's flat q/k/v/z layout and its positions have not run under tree verification")
+REFUSED_ARCHITECTURES = {"Qwen3_5ForCausalLM": _QWEN3_5_REASON, "Qwen3_5MoeForCausalLM": _QWEN3_5_REASON}
 # vLLM's V1 rejection sampler bounds the draft length (vllm.v1.sample.rejection_sampler
 # MAX_SPEC_LEN); its dummy sampler run at start-up uses num_speculative_tokens rows.
 MAX_TREE_BUDGET = 128
@@ -202,10 +207,14 @@ def parse_speculative_config(spec: Mapping[str, Any], target: TargetInfo) -> UBT
 
     supported = [a for a in target.architectures if a in SUPPORTED_ARCHITECTURES]
     hybrid = [HYBRID_LAYERS[a] for a in target.architectures if a in HYBRID_LAYERS]
+    refused = [REFUSED_ARCHITECTURES[a] for a in target.architectures if a in REFUSED_ARCHITECTURES]
     if not supported and hybrid:
         raise ValueError(f"target architecture {list(target.architectures)} is not supported by method {METHOD!r}: "
                          f"its {hybrid[0]} layers have no tree verification yet (each tree node would need its "
                          f"parent's recurrent state); supported: {list(SUPPORTED_ARCHITECTURES)}")
+    if not supported and refused:
+        raise ValueError(f"target architecture {list(target.architectures)} is not supported by method {METHOD!r}: "
+                         f"{refused[0]}; supported: {list(SUPPORTED_ARCHITECTURES)}")
     if not supported:
         raise ValueError(f"target architecture {list(target.architectures)} is not supported by method "
                          f"{METHOD!r}; supported: {list(SUPPORTED_ARCHITECTURES)}")
@@ -241,6 +250,31 @@ def parse_speculative_config(spec: Mapping[str, Any], target: TargetInfo) -> UBT
     schedule = _budget_schedule(spec.get("num_speculative_tokens_per_batch_size"), budget)
     return UBTreeVllmConfig(drafter_dir=str(Path(spec["model"]).expanduser().resolve()), tree=tree,
                             drafter=drafter, budget_schedule=schedule)
+
+
+def check_hybrid_engine(target: TargetInfo, on_cpu: bool, tensor_parallel_size: int,
+                        enable_prefix_caching: bool) -> None:
+    """Engine settings a hybrid target (:data:`CPU_ONLY_HYBRIDS`) is served with; ValueError names the setting.
+
+    The tree form of its recurrent layers runs on the CPU only, on one rank, and vLLM's prefix caching of
+    recurrent states (``mamba_cache_mode`` 'align') copies a chain's per-token state slots after each step
+    (and launches a Triton kernel the CPU build lacks).
+    """
+    hybrid = [(a, CPU_ONLY_HYBRIDS[a]) for a in target.architectures if a in CPU_ONLY_HYBRIDS]
+    if not hybrid:
+        return
+    arch, layers = hybrid[0]
+    if not on_cpu:
+        raise ValueError(f"target architecture {arch!r} is served by method {METHOD!r} on the CPU only: the tree form "
+                         f"of its {layers} layers runs through vLLM's CPU kernels; vLLM's CUDA path is not wired yet")
+    if tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size must be 1 with method {METHOD!r} for target architecture {arch!r} "
+                         f"(the tree form of its {layers} layers has not run with tensor parallelism), "
+                         f"got {tensor_parallel_size}")
+    if enable_prefix_caching:
+        raise ValueError(f"enable_prefix_caching must be False with method {METHOD!r} for target architecture "
+                         f"{arch!r}: vLLM's prefix caching of its {layers} states (mamba_cache_mode 'align') "
+                         "commits a chain's per-token state slots, not a tree's accepted path")
 
 
 def _budget_schedule(value: Any, budget: int) -> tuple[tuple[int, int, int], ...] | None:

@@ -8,24 +8,26 @@ sampler does not compute, would be wrong for a tree, so such requests are reject
 admission (HTTP 400 in the server) instead of getting different tokens than
 non-speculative decoding:
 
-* on Model Runner V2: logprobs, bad_words, logprob_token_ids and structured outputs -- they depend on a
-  node's path or report per-token data, and its tree sampler does not apply or report them yet (the V1 runner's does, each along every node's own path;
-  logprobs in the raw logprobs modes; grammars in ``ubtree_vllm/vllm/structured_output.py``);
+* on Model Runner V2: bad_words, logprob_token_ids and structured outputs -- they depend on a node's
+  path or report per-token data, and its tree sampler does not apply or report them yet (the V1
+  runner's does, each along every node's own path; grammars in ``ubtree_vllm/vllm/structured_output.py``);
 * thinking_token_budget -- a vLLM state machine that assumes a chain of drafts;
 * trace replay (trace_decode_token_ids) -- not exercised with trees.
 
-On Model Runner V2 ``allowed_token_ids``, ``logit_bias``, ``min_tokens`` and ``min_p`` are served by vLLM's own
-``Sampler.apply_sampling_params`` at every node: each is a function of the row's request and position
-only (min_tokens masks the stop tokens while ``pos + 1 < prompt_len + min_tokens``), and a node's
-position is its depth position, the one plain decoding samples that token at
-(``ubtree_vllm/vllm/mrv2/rejection_sampler.py``); presence, frequency and repetition penalties count the
-outputs plus each node's own path (``ubtree_vllm/vllm/mrv2/tree_penalties.py``). On both runners ``repetition_detection`` is served (vLLM's scheduler checks it after every accepted
-token, as for a chain). On the V1 runner penalties, ``logprobs`` and ``logprob_token_ids``, ``bad_words``, ``allowed_token_ids``, ``logit_bias``,
-``min_p``, ``min_tokens`` (``ubtree_vllm/vllm/sampler.py``) and structured outputs (JSON schema,
-JSON object, regex, grammar, choice; ``ubtree_vllm/vllm/structured_output.py``) are served exactly, and on both
-runners ``prompt_logprobs``, ``n``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos`` and
-``max_tokens`` (prompt rows carry no tree; stop handling is the scheduler's and sees the same
-accepted tokens as a chain would).
+On Model Runner V2 ``allowed_token_ids``, ``logit_bias``, ``min_tokens`` and ``min_p`` are served by
+vLLM's own ``Sampler.apply_sampling_params`` at every node: each is a function of the row's request and
+position only (min_tokens masks the stop tokens while ``pos + 1 < prompt_len + min_tokens``), and a
+node's position is its depth position, the one plain decoding samples that token at
+(``ubtree_vllm/vllm/mrv2/rejection_sampler.py``); presence, frequency and repetition penalties count
+the outputs plus each node's own path (``ubtree_vllm/vllm/mrv2/tree_penalties.py``); ``logprobs`` are
+scored on the row of the node that drew each emitted token, in every logprobs mode. On the V1 runner
+penalties, ``logprobs`` (raw logprobs modes) and ``logprob_token_ids``, ``bad_words``,
+``allowed_token_ids``, ``logit_bias``, ``min_p``, ``min_tokens`` (``ubtree_vllm/vllm/sampler.py``) and
+structured outputs (JSON schema, JSON object, regex, grammar, choice;
+``ubtree_vllm/vllm/structured_output.py``) are served exactly. On both runners ``repetition_detection``
+(vLLM's scheduler checks it after every accepted token, as for a chain), ``prompt_logprobs``, ``n``,
+``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos`` and ``max_tokens`` are served (prompt rows carry
+no tree; stop handling is the scheduler's and sees the same accepted tokens as a chain would).
 """
 from __future__ import annotations
 
@@ -39,7 +41,6 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
 def unsupported_options(params: Any, runner: str = "v1") -> list[str]:
     """Names of the options of a vLLM ``SamplingParams`` that method 'ubtree' on ``runner`` cannot serve."""
     checks = (
-        ("logprobs", params.logprobs is not None and runner != "v1"),
         ("logprob_token_ids", bool(getattr(params, "logprob_token_ids", None)) and runner != "v1"),
         ("bad_words", bool(params.bad_words) and runner != "v1"),
         ("thinking_token_budget", getattr(params, "thinking_token_budget", None) is not None),
@@ -55,5 +56,5 @@ def unsupported_message(names: list[str]) -> str:
             "(tree verification would not reproduce non-speculative decoding exactly); remove them or "
             "use a server without speculative decoding. Supported: temperature, top_k, top_p, seed, n, "
             "stop, stop_token_ids, ignore_eos, max_tokens, prompt_logprobs, allowed_token_ids, logit_bias, min_p, "
-            "min_tokens, penalties, and on the V1 runner (UBTREE_VLLM_RUNNER=v1) also logprobs, logprob_token_ids, "
+            "min_tokens, penalties, logprobs, and on the V1 runner (UBTREE_VLLM_RUNNER=v1) also logprob_token_ids, "
             "bad_words and structured outputs.")

@@ -12,7 +12,8 @@ the UBTree hooks, in call order:
    K/V is stashed for the commit); the plan is withdrawn right after;
 3. ``_sample``          -- :class:`ubtree_vllm.vllm.sampler.TreeRejectionSampler`;
 4. ``_update_states_after_model_execute`` -- KV commit of the accepted paths
-   (:mod:`ubtree_vllm.vllm.kv_commit`: inside the cache on CUDA, from the stash on CPU);
+   (:mod:`ubtree_vllm.vllm.kv_commit`: inside the cache on CUDA, from the stash on CPU) and,
+   for Gated DeltaNet layers, of their per-node recurrent states (:mod:`ubtree_vllm.vllm.hybrid_state`);
 5. ``propose_draft_token_ids`` (after vLLM's bookkeeping, as for every ``custom_class``
    proposer) -- write the committed rows' aux hidden states into the feature store, draft
    a tree per decoding request and hand vLLM its B nodes as the draft tokens
@@ -39,6 +40,7 @@ from ubtree_vllm.verify.accept import AcceptResult
 from ubtree_vllm.vllm.attention.state import RowBuffers, bind_tree_layers, tree_forward_state
 from ubtree_vllm.vllm.config import from_vllm_config
 from ubtree_vllm.vllm.features import ContextFeatureStore
+from ubtree_vllm.vllm.hybrid_state import commit_accepted_states
 from ubtree_vllm.vllm.kv_commit import commit_accepted_paths, commit_accepted_paths_in_cache
 from ubtree_vllm.vllm.proposer import UBTreeProposer
 from ubtree_vllm.vllm.sampler import TreeRejectionSampler
@@ -169,6 +171,9 @@ class UBTreeRunnerMixin:
             return
         with self.ubtree_stage_clock.stage("kv_commit"):
             self._commit_kv(self._plan, self._accept)
+            # GDN layers: the accepted path's states and conv inputs into chain order
+            commit_accepted_states(self._tree_state.linear_stash.values(), self._accept.accepted_path,
+                                   self._accept.num_accepted)
 
     def _commit_kv(self, plan: TreeStepPlan, accept: AcceptResult) -> None:
         if not self._commit_in_cache:  # CPU_ATTN: replay the stashed K/V

@@ -13,6 +13,11 @@ backend-specific (CPU_ATTN even tiles it per ISA) while the backend's own
 ``do_kv_cache_update`` can write any rows anywhere. :mod:`ubtree_vllm.vllm.kv_commit`
 replays the accepted rows from the stash into their committed slots after sampling. The
 stash lives until the next :meth:`begin`.
+
+Recurrent (GDN) layers read :attr:`TreeForwardState.step_plan` instead: every UBTree step, chains
+included, runs their tree form (:mod:`ubtree_vllm.vllm.gdn_tree`), and each records where it left the
+step's per-node states in :attr:`TreeForwardState.linear_stash` for the commit
+(:mod:`ubtree_vllm.vllm.hybrid_state`).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ubtree_vllm.vllm.hybrid_state import LinearStepLayer
 from ubtree_vllm.vllm.tree_plan import DeviceTrees, TreeStepPlan
 
 
@@ -73,6 +79,10 @@ class TreeForwardState:
         self._trees: DeviceTrees | None = None
         self._in_forward = False
         self.stash: dict[str, StashedLayer] = {}
+        # The UBTree step whose target forward is in flight, with or without tree rows (None outside it)
+        self.step_plan: TreeStepPlan | None = None
+        # GDN layer name -> where its tree forward left the step's per-node states (until the next begin)
+        self.linear_stash: dict[str, LinearStepLayer] = {}
         # Per-step scratch shared by the layers of one forward (e.g. virtual block tables).
         self.step_cache: dict[Any, Any] = {}
 
@@ -83,7 +93,9 @@ class TreeForwardState:
         refilled with this step's tree rows.
         """
         self.stash.clear()
+        self.linear_stash.clear()
         self.step_cache.clear()
+        self.step_plan = plan
         self._plan = plan if plan.has_tree_rows else None
         self._trees = plan.to_device(device) if self._plan is not None else None
         self._in_forward = self._plan is not None
@@ -94,7 +106,9 @@ class TreeForwardState:
         """The next forward has tree rows laid out on the device (Model Runner V2: the row buffers
         were filled by ``mrv2.tree_layout``; there is no host plan and nothing is stashed)."""
         self.stash.clear()
+        self.linear_stash.clear()
         self.step_cache.clear()
+        self.step_plan = None
         self._plan, self._trees = None, None
         self._in_forward = True
 
@@ -106,6 +120,7 @@ class TreeForwardState:
     def end_forward(self) -> None:
         """The target forward is over: attention goes back to stock behaviour."""
         self._in_forward = False
+        self.step_plan = None
         self.step_cache.clear()
 
     def active_plan(self) -> tuple[TreeStepPlan, DeviceTrees] | None:

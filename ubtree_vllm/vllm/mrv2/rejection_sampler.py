@@ -20,7 +20,9 @@ node j >= 1 = draft j; the scheduler may truncate, and a parents-first prefix is
 
 Output (MRV2's ``SamplerOutput``): ``sampled_token_ids [R, max_depth + 1]`` = accepted draft
 tokens then the bonus, ``num_sampled = accepted + 1``, ``num_rejected = n_r - num_sampled``
-(both 0 for a chunked-prefill row). The :class:`AcceptResult` of the step is kept in
+(both 0 for a chunked-prefill row), and where a request asked for ``logprobs``, vLLM's per-row
+``LogprobsTensors`` with output slot i of each request scored on the row of the node that drew it
+(``accepted_path[r, i]``; vLLM's chain sampler scores row i). The :class:`AcceptResult` of the step is kept in
 ``last_accept`` for the KV commit and the drafter's context. No host sync: fixed-shape
 torch ops plus vLLM's kernels; ``idx_mapping_np`` / ``seq_lens_cpu_upper_bound`` are host
 arrays vLLM already holds.
@@ -50,6 +52,33 @@ def vllm_gumbel_draw(processed_logits: torch.Tensor, expanded_idx_mapping: torch
 
     return gumbel_sample(processed_logits, expanded_idx_mapping, temperature, seeds, pos,
                          apply_temperature=False, is_drafting=False, use_fp64=use_fp64)
+
+
+# scores(logits rows [L, V], num_logprobs, sampled token per row [L], cu_num_logits or None, logits_mode) -> LogprobsTensors
+ScoresFn = Callable[[torch.Tensor, int, torch.Tensor, Any, bool], Any]
+
+
+def vllm_topk_scores(logits: torch.Tensor, num_logprobs: int, sampled: torch.Tensor, cu_num_logits: Any,
+                     logits_mode: bool) -> Any:
+    """vLLM MRV2's logprobs of the sampled token and the top ``num_logprobs`` per row (CUDA)."""
+    from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+
+    return compute_topk_scores(logits, num_logprobs, sampled, cu_num_logits, logits_mode=logits_mode)
+
+
+def emitted_rows(accepted_path: torch.Tensor, output_tokens: torch.Tensor, num_sampled: torch.Tensor,
+                 cu_num_logits: torch.Tensor, num_logits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For vLLM's per-row logprobs layout (output slot i of request r at flat row ``cu[r] + i``): the logits row
+    that drew each output token -- slot i of request r was drawn at node ``accepted_path[r, i]`` -- and the token.
+    Returns (rows [L] int64, tokens [L] int64); slots past ``num_sampled`` keep their own row and token 0."""
+    cu = cu_num_logits.long()  # [R + 1]
+    flat = torch.arange(num_logits, device=cu.device)
+    req = torch.searchsorted(cu[1:], flat, right=True).clamp(max=cu.shape[0] - 2)  # [L] batch index of each row
+    slot = flat - cu[req]
+    emitted = slot < num_sampled.long()[req]
+    slot_in_path = slot.clamp(max=accepted_path.shape[1] - 1)
+    rows = cu[req] + torch.where(emitted, accepted_path[req, slot_in_path].clamp(min=0), slot)
+    return rows, torch.where(emitted, output_tokens[req, slot_in_path], 0)
 
 
 @dataclass
@@ -136,11 +165,13 @@ class UBTreeRejectionSampler:
 
     enable_adaptive_verification = False  # read (and toggled) by vLLM's warmup_kernels
 
-    def __init__(self, sampler: Any, topology: TreeTopology, max_depth: int, draw: DrawFn = vllm_gumbel_draw):
+    def __init__(self, sampler: Any, topology: TreeTopology, max_depth: int, draw: DrawFn = vllm_gumbel_draw,
+                 scores: ScoresFn = vllm_topk_scores):
         self.sampler = sampler  # vLLM's MRV2 Sampler: apply_sampling_params, sampling_states, req_states
         self.topology = topology
         self.max_depth = max_depth  # the drafter's block size gamma: no tree is deeper
         self.draw = draw
+        self.scores = scores
         self.last_accept: AcceptResult | None = None
 
     def __call__(self, logits: torch.Tensor, input_batch: Any, draft_logits: torch.Tensor | None = None,
@@ -170,5 +201,24 @@ class UBTreeRejectionSampler:
             walk, num_sampled, num_rejected = accept_rows_torch(*rows, parents, self.topology.depth, seq_lens,
                                                                 prefill_len, self.max_depth)
         result = self.last_accept = AcceptResult(*walk)
-        return SamplerOutput(sampled_token_ids=result.output_tokens, logprobs_tensors=None, num_nans=None,
-                             num_sampled=num_sampled, num_rejected=num_rejected)
+        return SamplerOutput(sampled_token_ids=result.output_tokens, num_nans=None, num_sampled=num_sampled,
+                             num_rejected=num_rejected,
+                             logprobs_tensors=self._logprobs(logits, processed, result, num_sampled, input_batch))
+
+    def _logprobs(self, logits: torch.Tensor, processed: torch.Tensor, result: AcceptResult, num_sampled: torch.Tensor,
+                  input_batch: Any) -> Any:
+        """vLLM's LogprobsTensors of the emitted tokens, each from the node row that drew it (None: no request
+        asked). Raw or processed logits by the engine's logprobs_mode, as vLLM's own rejection sampler."""
+        from vllm.config.model import PROCESSED_LOGPROBS_MODES
+        from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
+
+        num_logprobs = self.sampler.sampling_states.max_num_logprobs(input_batch.idx_mapping_np)  # host array
+        if num_logprobs == NO_LOGPROBS:
+            return None
+        mode = self.sampler.logprobs_mode
+        source = processed if mode in PROCESSED_LOGPROBS_MODES else logits
+        rows, tokens = emitted_rows(result.accepted_path, result.output_tokens, num_sampled,
+                                    input_batch.cu_num_logits[:input_batch.num_reqs + 1], logits.shape[0])
+        per_row = logits.shape[0] != input_batch.num_reqs
+        return self.scores(source[rows], num_logprobs, tokens, input_batch.cu_num_logits_np.tolist() if per_row
+                           else None, mode in ("raw_logits", "processed_logits"))

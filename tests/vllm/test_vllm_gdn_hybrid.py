@@ -1,0 +1,301 @@
+"""Gated DeltaNet (Qwen3-Next) targets under tree verification on the CPU V1 runner.
+
+Layer level (no engine): the tree form of vLLM's speculative CPU GDN forward computes, for every
+node, bit for bit what vLLM's non-speculative decode computes for that token after the node's
+root path (and what the torch references compute, to bf16 rounding); after the commit of an
+accepted path the next step finds it where vLLM's chain convention looks.
+
+Engine level: greedy UBTree on a tiny random bf16 Qwen3-Next is token-identical to the same
+engine without speculation, one request at a time, as a concurrent batch and with the copying
+oracle drafter (long accepted paths, moved nodes).
+"""
+from __future__ import annotations
+
+import gc
+import random
+import types
+
+import numpy as np
+import pytest
+import torch
+from vllm import LLM, SamplingParams
+from vllm import _custom_ops as ops
+from vllm.inputs import TokensPrompt
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_update_cpu
+
+from ubtree_vllm.triton_ops.reference import tree_causal_conv1d_reference, tree_gated_delta_rule_reference
+from ubtree_vllm.vllm.gdn_tree import tree_spec_forward
+from ubtree_vllm.vllm.hybrid_state import commit_accepted_states
+from vllm_engines import ENGINE_KWARGS, TINY_TREE, spec_counts
+from vllm_models import save_tiny_qwen3_next, save_untrained_drafter
+from vllm_oracle import ReferenceOracle, engine_runner, install_oracle
+
+BF16 = torch.bfloat16
+WIDTH, HEADS, HEAD_DIM, SPEC = 4, 2, 128, 8  # conv width, linear heads (k = v), head dim, num_speculative_tokens
+
+
+def fake_gdn_layer(gen: torch.Generator) -> types.SimpleNamespace:
+    """What the GDN forward reads of a QwenGatedDeltaNetAttention: conv weights, gates, the qkv split."""
+    dim = 3 * HEADS * HEAD_DIM
+    layer = types.SimpleNamespace(
+        conv1d=types.SimpleNamespace(weight=(torch.randn(dim, 1, WIDTH, generator=gen) * 0.5).to(BF16),
+                                     bias=(torch.randn(dim, generator=gen) * 0.1).to(BF16)),
+        activation="silu", A_log=torch.randn(HEADS, generator=gen).to(BF16),
+        dt_bias=torch.randn(HEADS, generator=gen).to(BF16), key_dim=HEADS * HEAD_DIM, value_dim=HEADS * HEAD_DIM,
+        tp_size=1, head_k_dim=HEAD_DIM, head_v_dim=HEAD_DIM, prefix="model.layers.0.linear_attn")
+    layer.rearrange_mixed_qkv = types.MethodType(QwenGatedDeltaNetAttention.rearrange_mixed_qkv, layer)
+    return layer
+
+
+def layer_caches(num_slots: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(conv_buf [slots, dim, state_len], ssm_state [slots, H, Dk, Dv]): vLLM's CPU views of its SD-layout caches."""
+    dim = 3 * HEADS * HEAD_DIM
+    conv = torch.randn(num_slots, WIDTH - 1 + SPEC, dim, generator=gen).to(BF16)
+    ssm = (torch.randn(num_slots, HEADS, HEAD_DIM, HEAD_DIM, generator=gen) * 0.1).to(BF16)
+    return conv.transpose(-1, -2), ssm.view(num_slots, HEADS, HEAD_DIM, HEAD_DIM)
+
+
+def random_tree(num_nodes: int, rng: random.Random) -> tuple[np.ndarray, np.ndarray]:
+    parents = np.array([-1] + [rng.randrange(j) for j in range(1, num_nodes)], dtype=np.int64)
+    depth = np.zeros(num_nodes, dtype=np.int64)
+    for j in range(1, num_nodes):
+        depth[j] = depth[parents[j]] + 1
+    return parents, depth
+
+
+def path_to(parents: np.ndarray, node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = int(parents[node])
+    return path[::-1]
+
+
+def step_inputs(layer, trees, num_accepted, slots, gen):
+    """A step's plan, GDN metadata and token inputs for requests with ``trees`` [(parents, depth)]."""
+    num_nodes = np.array([len(p) for p, _ in trees])
+    width = int(num_nodes.max())
+    plan = types.SimpleNamespace(
+        num_nodes=num_nodes, parents=np.stack([np.pad(p, (0, width - len(p)), constant_values=-2) for p, _ in trees]),
+        depth=np.stack([np.pad(d, (0, width - len(d))) for _, d in trees]))
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(num_nodes)]), dtype=torch.int32)
+    metadata = types.SimpleNamespace(
+        num_spec_decodes=len(trees), spec_state_indices_tensor=slots.to(torch.int32),
+        num_accepted_tokens=torch.tensor(num_accepted, dtype=torch.int32), spec_query_start_loc=qsl,
+        spec_sequence_masks_cpu=torch.ones(len(trees), dtype=torch.bool))
+    total, dim = int(num_nodes.sum()), 3 * HEADS * HEAD_DIM
+    x = torch.randn(total, dim, generator=gen).to(BF16)
+    b, a = torch.randn(total, HEADS, generator=gen).to(BF16), torch.randn(total, HEADS, generator=gen).to(BF16)
+    return plan, metadata, x, b, a
+
+
+def plain_decode(layer, window, state, tokens):
+    """vLLM's non-speculative CPU decode of ``tokens`` one at a time (its _cpu_gdn_attention_nonspec ops).
+
+    window [dim, width - 1] and state [H, Dk, Dv] (copied); tokens: (x [dim], b [H], a [H]) each.
+    Returns ([n, H, Dv] outputs, final window, final state)."""
+    # slot 1 of two: the kernels skip slot 0 (vLLM's null block)
+    conv = window.T.contiguous()[None].expand(2, -1, -1).transpose(1, 2).clone()  # [2, dim, width - 1]
+    ssm = state[None].expand(2, -1, -1, -1).clone()  # [2, H, Dk, Dv]
+    slot = torch.ones(1, dtype=torch.int32)
+    weight = layer.conv1d.weight.view(layer.conv1d.weight.shape[0], WIDTH)
+    outs = []
+    for x, b, a in tokens:
+        mixed = causal_conv1d_update_cpu(x=x[None], conv_state=conv, weight=weight, bias=layer.conv1d.bias,
+                                         activation="silu", conv_state_indices=slot)
+        q, k, v = layer.rearrange_mixed_qkv(mixed)
+        o = ops.fused_sigmoid_gating_delta_rule_update_cpu(
+            A_log=layer.A_log, dt_bias=layer.dt_bias, q=q, k=k, v=v, a=a[None], b=b[None], initial_state_source=ssm,
+            initial_state_indices=slot, cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
+            use_qk_l2norm_in_kernel=True)
+        outs.append(o.reshape(HEADS, HEAD_DIM))
+    return torch.stack(outs), conv[1], ssm[1]
+
+
+@pytest.fixture
+def gdn_step():
+    """Three requests (a deep tree, a bushy tree, a lone root) resuming from different slots."""
+    gen, rng = torch.Generator().manual_seed(0), random.Random(0)
+    layer = fake_gdn_layer(gen)
+    conv_buf, ssm_state = layer_caches(3 * (SPEC + 1) + 1, gen)
+    slots = torch.arange(1, 3 * (SPEC + 1) + 1).view(3, SPEC + 1)
+    trees = [random_tree(SPEC + 1, rng), (np.array([-1, 0, 0, 0, 1, 1, 2]), np.array([0, 1, 1, 1, 2, 2, 2])),
+             (np.array([-1]), np.array([0]))]
+    num_accepted = [3, 1, 6]  # the previous step's accepted tokens (bonus included)
+    plan, metadata, x, b, a = step_inputs(layer, trees, num_accepted, slots, gen)
+    before = conv_buf.clone(), ssm_state.clone()
+    return types.SimpleNamespace(layer=layer, conv_buf=conv_buf, ssm_state=ssm_state, slots=slots, trees=trees,
+                                 num_accepted=num_accepted, plan=plan, metadata=metadata, x=x, b=b, a=a, before=before,
+                                 gen=gen)
+
+
+def run_tree_step(s):
+    return tree_spec_forward(s.plan, s.layer, s.metadata, s.x, s.b, s.a, s.conv_buf, s.ssm_state, WIDTH,
+                             WIDTH - 1 + SPEC)
+
+
+def committed(s, i):
+    """(window [dim, width - 1], state) request i resumes from, per vLLM's chain convention."""
+    conv0, ssm0 = s.before
+    offset = s.num_accepted[i] - 1
+    return conv0[s.slots[i, 0], :, offset:offset + WIDTH - 1], ssm0[s.slots[i, offset]]
+
+
+def test_every_node_computes_what_plain_decoding_of_its_path_computes(gdn_step):
+    s = gdn_step
+    out, _ = run_tree_step(s)
+    start = 0
+    for i, (parents, _) in enumerate(s.trees):
+        window, state = committed(s, i)
+        for node in range(len(parents)):
+            path = [start + j for j in path_to(parents, node)]
+            outs, _, final = plain_decode(s.layer, window, state, [(s.x[t], s.b[t], s.a[t]) for t in path])
+            assert torch.equal(out[start + node], outs[-1]), (i, node)
+            assert torch.equal(s.ssm_state[s.slots[i, node]], final), (i, node)
+        start += len(parents)
+
+
+def test_tree_step_matches_the_torch_references(gdn_step):
+    """The semantics, independently of vLLM's kernels: tree conv and tree delta rule twins (fp32 math)."""
+    s = gdn_step
+    out, _ = run_tree_step(s)
+    weight = s.layer.conv1d.weight.view(-1, WIDTH)
+    start = 0
+    for i, (parents, _) in enumerate(s.trees):
+        n = len(parents)
+        window, state = committed(s, i)
+        par = torch.from_numpy(parents)[None]
+        conv = tree_causal_conv1d_reference(s.x[None, start:start + n].float(), par, window[None].float(),
+                                            weight.float(), s.layer.conv1d.bias.float())  # [1, n, dim]
+        q, k, v = (t.float() for t in s.layer.rearrange_mixed_qkv(conv[0]))  # [1, n, H, D]
+        q, k = torch.nn.functional.normalize(q, dim=-1, eps=1e-6), torch.nn.functional.normalize(k, dim=-1, eps=1e-6)
+        g = -s.layer.A_log.float().exp() * torch.nn.functional.softplus(s.a[start:start + n].float()
+                                                                         + s.layer.dt_bias.float())
+        beta = torch.sigmoid(s.b[start:start + n].float())
+        o, states = tree_gated_delta_rule_reference(q, k, v, g[None], beta[None], par, state[None].float(),
+                                                    HEAD_DIM ** -0.5)
+        torch.testing.assert_close(out[start:start + n].float(), o[0], rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(s.ssm_state[s.slots[i, :n]].float(), states[0], rtol=2e-2, atol=2e-2)
+        start += n
+
+
+def test_after_the_commit_the_next_step_resumes_from_the_accepted_path(gdn_step):
+    """Accept [0, j1, .., jk] per request, commit, then run a next step (a 3-node chain, vLLM's
+    num_accepted = k + 1): it equals plain decoding of the accepted path followed by the new tokens."""
+    s = gdn_step
+    _, record = run_tree_step(s)
+    accepted = []
+    for parents, _ in s.trees:
+        path = path_to(parents, len(parents) - 1)  # the path to the last node (moves nodes off their depth)
+        accepted.append(path + [-1] * (SPEC + 1 - len(path)))
+    accepted_path = torch.tensor(accepted)  # [Q, SPEC + 1]
+    num_accepted = (accepted_path >= 0).sum(1) - 1  # drafts accepted
+    commit_accepted_states([record], accepted_path, num_accepted)
+
+    chain = (np.arange(3) - 1, np.arange(3))
+    nxt = types.SimpleNamespace(**vars(s))
+    nxt.before = s.conv_buf.clone(), s.ssm_state.clone()
+    nxt.num_accepted = (num_accepted + 1).tolist()
+    nxt.plan, nxt.metadata, nxt.x, nxt.b, nxt.a = step_inputs(s.layer, [chain] * 3, nxt.num_accepted, s.slots, s.gen)
+    out, _ = run_tree_step(nxt)
+    for i in range(len(s.trees)):
+        window, state = committed(s, i)
+        first = sum(len(p) for p, _ in s.trees[:i])
+        tokens = [(s.x[first + j], s.b[first + j], s.a[first + j]) for j in accepted[i] if j >= 0]
+        tokens += [(nxt.x[3 * i + t], nxt.b[3 * i + t], nxt.a[3 * i + t]) for t in range(3)]
+        outs, _, final = plain_decode(s.layer, window, state, tokens)
+        assert torch.equal(out[3 * i:3 * i + 3], outs[-3:]), i
+        assert torch.equal(s.ssm_state[s.slots[i, 2]], final), i
+
+
+# --- engine: greedy UBTree on a tiny Qwen3-Next == the same engine without speculation ----------------
+
+NUM_PROMPTS, MAX_TOKENS = 8, 24
+_rng = random.Random(1234)
+PROMPTS = [[_rng.randrange(3, 500) for _ in range(_rng.randrange(3, 70))] for _ in range(NUM_PROMPTS)]
+# bf16 (the CPU GDN kernels' only dtype); prefix caching off (vLLM's recurrent-state caching commits chains)
+HYBRID_KWARGS = dict(ENGINE_KWARGS, dtype="bfloat16", enable_prefix_caching=False)
+
+
+def generate(llm, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(vllm_models_dir):
+    target = save_tiny_qwen3_next(vllm_models_dir / "tiny-qwen3-next")
+    return target, save_untrained_drafter(target, vllm_models_dir / "tiny-qwen3-next-drafter")
+
+
+@pytest.fixture(scope="module")
+def references(qwen3_next):
+    """Plain decoding's greedy outputs, one request at a time and as a batch (then the engine is dropped)."""
+    llm = LLM(model=str(qwen3_next[0]), **HYBRID_KWARGS)
+    one, batch = [generate(llm, [p])[0] for p in PROMPTS], generate(llm, PROMPTS)
+    del llm
+    gc.collect()
+    return one, batch
+
+
+@pytest.fixture(scope="module")
+def ubtree_llm(qwen3_next, references):
+    target, drafter = qwen3_next
+    return LLM(model=str(target), speculative_config={"method": "ubtree", "model": str(drafter), **TINY_TREE},
+               **HYBRID_KWARGS)
+
+
+def test_greedy_one_request_at_a_time(ubtree_llm, references):
+    assert [generate(ubtree_llm, [p])[0] for p in PROMPTS] == references[0]
+
+
+def test_greedy_concurrent_batch_of_different_lengths(ubtree_llm, references):
+    assert generate(ubtree_llm, PROMPTS) == references[1]
+
+
+def test_copying_drafter_accepts_long_paths(ubtree_llm, references):
+    """The truth sits on the second depth-1 branch, cut at random depths: accepted nodes are off their
+    depth, so every GDN layer's commit moves states and conv inputs."""
+    runner = engine_runner(ubtree_llm)
+    oracle = ReferenceOracle(PROMPTS, references[1], runner.drafter.config.tree, vocab_size=512)
+    drafts_before, accepted_before = spec_counts(ubtree_llm)
+    install_oracle(ubtree_llm, oracle)
+    try:
+        assert generate(ubtree_llm, PROMPTS) == references[1]
+    finally:
+        install_oracle(ubtree_llm, None)
+    drafts, accepted = spec_counts(ubtree_llm)
+    assert oracle.calls > 0
+    assert 1 + (accepted - accepted_before) / (drafts - drafts_before) > 2.0
+
+
+def test_load_adaptive_budget_verifies_short_trees(qwen3_next, references, ubtree_llm):
+    """With 8 requests in flight vLLM's scheduler picks B' = 3 of B = 8: steps of 4 < 1 + B tokens per request,
+    where vLLM's own rolling of the conv buffer (it keeps state_len - q columns) would misplace the next window.
+    Needs ubtree_llm only to order the engines (the fixture's engine is created first)."""
+    target, drafter = qwen3_next
+    llm = LLM(model=str(target), speculative_config={"method": "ubtree", "model": str(drafter), **TINY_TREE,
+                                                     "num_speculative_tokens_per_batch_size": [[1, 4, 8], [5, 16, 3]]},
+              **HYBRID_KWARGS)
+    try:
+        assert generate(llm, PROMPTS) == references[1]
+        totals = {m.name: float(m.value) for m in llm.get_metrics()
+                  if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens")}
+    finally:
+        del llm
+    # mostly 3 nodes per round (8 in flight); 8 only once fewer than 5 requests are left
+    assert totals["vllm:spec_decode_num_draft_tokens"] / totals["vllm:spec_decode_num_drafts"] < 5, totals
+
+
+def test_prefix_caching_is_refused_before_any_engine_exists(qwen3_next):
+    """vLLM turns prefix caching on by default; for a GDN target it would commit chain state slots."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    target, drafter = qwen3_next
+    args = EngineArgs(model=str(target), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512,
+                      speculative_config={"method": "ubtree", "model": str(drafter), **TINY_TREE})
+    with pytest.raises(ValueError, match=r"enable_prefix_caching must be False with method 'ubtree' for target "
+                                         r"architecture 'Qwen3NextForCausalLM'"):
+        args.create_engine_config()
