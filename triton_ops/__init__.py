@@ -17,8 +17,9 @@ Public launchers only:
   :func:`commit_accepted_paths` (the accepted paths' KV in every layer, their hidden-row
   permutation and linear positions), :func:`node_inputs` (each logits row's token and position for
   the sampler).
-* :func:`tree_penalties` -- presence/frequency/repetition penalties at every node over the outputs plus
-  the node's own path (Model Runner V2's sampler, in place of vLLM's chain form).
+* :func:`tree_penalties`, :func:`tree_bad_words` -- presence/frequency/repetition penalties and bad words
+  at every node over the outputs plus the node's own path (Model Runner V2's sampler, in place of
+  vLLM's chain forms).
 * Hybrid / MLA targets (kernels with twins and tests, not yet called by the engine; issue 17):
   ``tree_delta_rule.tree_gated_delta_rule`` and ``tree_conv.tree_causal_conv1d`` (each node's
   recurrent state and conv window from its parent's), ``tree_mla_attention.tree_mla_attention``
@@ -46,10 +47,11 @@ from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers, kv_path_com
 from ubtree_vllm.triton_ops.node_inputs import node_inputs
 from ubtree_vllm.triton_ops.tree_accept import tree_accept, tree_accept_rows
 from ubtree_vllm.triton_ops.tree_attention import tree_attention
+from ubtree_vllm.triton_ops.tree_bad_words import tree_bad_words
 from ubtree_vllm.triton_ops.tree_layout import tree_layout
 from ubtree_vllm.triton_ops.tree_penalties import tree_penalties
 from ubtree_vllm.triton_ops.tree_search import tree_search
 
 __all__ = ["commit_accepted_paths", "head_loss_rows", "kv_cache_pointers", "kv_path_commit",
-           "node_inputs", "tree_accept", "tree_accept_rows", "tree_attention", "tree_layout", "tree_penalties",
-           "tree_search"]
+           "node_inputs", "tree_accept", "tree_accept_rows", "tree_attention", "tree_bad_words", "tree_layout",
+           "tree_penalties", "tree_search"]

@@ -94,6 +94,15 @@ def compile_tree_penalties(max_depth: int, arch: int) -> int:
                     lambda name: _TREE_PENALTIES_KINDS.get(name, "i32"), arch)
 
 
+_TREE_BAD_WORDS_KINDS = {"logits_ptr": "*fp32", "state_ptr": "*i64", "all_token_ids_ptr": "*i32"}
+
+
+def compile_tree_bad_words(arch: int) -> int:
+    """`_tree_bad_words_kernel` with MRV2's dtypes (fp32 logits, int32 tokens, words and lengths); the cubin size."""
+    return _compile("tree_bad_words", "_tree_bad_words_kernel", {},
+                    lambda name: _TREE_BAD_WORDS_KINDS.get(name, "*i32") if name.endswith("_ptr") else "i32", arch)
+
+
 # (cache dtype, H_kv, E) configurations of kv_path_commit to compile.
 KV_PATH_COMMIT_CONFIGS = ((torch.bfloat16, 8, 256), (torch.float16, 3, 128))
 _KV_PATH_COMMIT_KINDS = {"kv_cache_ptrs": "*i64", "src_slot_ptr": "*i64", "dst_slot_ptr": "*i64",
@@ -242,6 +251,8 @@ def main() -> int:
     print(f"node_inputs sm_{args.arch}: cubin {size} bytes")
     size = compile_tree_penalties(16, args.arch)
     print(f"tree_penalties sm_{args.arch} depth 16: cubin {size} bytes")
+    size = compile_tree_bad_words(args.arch)
+    print(f"tree_bad_words sm_{args.arch}: cubin {size} bytes")
     for dtype, heads, elems in KV_PATH_COMMIT_CONFIGS:
         size = compile_kv_path_commit(dtype, heads, elems, args.arch)
         print(f"kv_path_commit sm_{args.arch} {str(dtype).removeprefix('torch.')} heads {heads} elems {elems}: "

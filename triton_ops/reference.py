@@ -194,3 +194,25 @@ def tree_penalties_reference(logits, expanded_idx_mapping, local_pos, node_token
         scale = torch.where(in_prompt | seen, torch.tensor(rep), torch.tensor(1.0))
         row = torch.where(row > 0, row / scale, row * scale)
         logits[m] = row - freq * counts - pres * seen.float()
+
+
+def tree_bad_words_reference(logits, expanded_idx_mapping, local_pos, node_tokens, parents, depth, word_tokens,
+                             word_offsets, num_words, all_token_ids, prompt_len, total_len, max_num_words):
+    """Twin of :func:`ubtree_vllm.triton_ops.tree_bad_words.tree_bad_words`: per row, the sequence outputs + path
+    (root excluded) built on the host, then vLLM's rule (ban a word's last token where the sequence ends with its
+    other tokens). In place, same arguments."""
+    del depth, max_num_words  # the path walk gives both
+    for m in range(logits.shape[0]):
+        state, node = int(expanded_idx_mapping[m]), int(local_pos[m])
+        root, path = m - node, []
+        while node > 0:
+            path.append(int(node_tokens[root + node]))
+            node = int(parents[state, node])
+        outputs = all_token_ids[state, int(prompt_len[state]):int(total_len[state])].tolist()
+        sequence = outputs + path[::-1]
+        offsets = word_offsets[state].tolist()
+        for w in range(int(num_words[state])):
+            word = word_tokens[state, offsets[w]:offsets[w + 1]].tolist()
+            prefix = word[:-1]
+            if len(prefix) <= len(sequence) and sequence[len(sequence) - len(prefix):] == prefix:
+                logits[m, word[-1]] = float("-inf")

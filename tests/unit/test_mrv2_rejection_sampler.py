@@ -196,7 +196,7 @@ def test_penalties_count_each_nodes_own_path():
     """Frequency penalty 10 on request slot 0; the target prefers 5, then 7, then 11 at every node. Tree
     0 -> {1, 2}, 2 -> 3 with tokens [1, 7, 5, 7]: the root draws 5 (node 2), node 2 (path [5]) draws 7 (node 3),
     node 3 (path [5, 7]) draws 11. vLLM's chain count would also penalise node 1's 7 at node 2 and stop there."""
-    from ubtree_vllm.vllm.mrv2.tree_penalties import TreePenalties, install_tree_penalties
+    from ubtree_vllm.vllm.mrv2.path_processors import TreeBadWords, TreePenalties, install_path_processors
 
     topo = topology({0: [-1, 0, 0, 2]})
     batch, _ = make_batch([(0, 30, [1, 7, 5, 7], [0] * 4, 34)], topo)
@@ -208,10 +208,12 @@ def test_penalties_count_each_nodes_own_path():
         frequency_penalty=SimpleNamespace(gpu=torch.tensor([10.0, 0, 0, 0])),
         prompt_bin_mask=torch.zeros(4, (V + 31) // 32, dtype=torch.int32),
         output_bin_counts=torch.zeros(4, V, dtype=torch.int32))
-    sampler = ProcessorSampler([0], ["logit_bias", vllm_state, "bad_words"])
+    BadWordsState = type("BadWordsState", (), {})  # vLLM's class, found by name
+    sampler = ProcessorSampler([0], ["logit_bias", vllm_state, BadWordsState()])
     sampler.penalties_state = vllm_state
-    installed = install_tree_penalties(sampler, topo.parents, max_depth=B)
+    installed, bad_words = install_path_processors(sampler, topo.parents, topo.depth, max_depth=B)
     assert isinstance(installed, TreePenalties) and sampler.logits_processors[1] is installed
+    assert isinstance(bad_words, TreeBadWords) and sampler.logits_processors[2] is bad_words
     assert installed.use_penalty is vllm_state.use_penalty  # vLLM's state, delegated
     sampler.logits_processors = [installed]
     out = UBTreeRejectionSampler(sampler, topo, max_depth=B, draw=argmax_draw)(logits, batch)
@@ -249,3 +251,34 @@ def test_logprobs_score_each_emitted_token_on_the_row_of_the_node_that_drew_it()
     torch.testing.assert_close(scored.logprobs[6], log_probs[6, scored.token_ids[6]])
     sampler.num_logprobs[:] = -1
     assert rs(logits, batch).logprobs_tensors is None  # nobody asked: nothing is scored
+
+
+def test_bad_words_match_the_outputs_then_each_nodes_own_path():
+    """Bad word [5, 9, 9] (ban 9 after 5, 9) for request slot 0, outputs [4, 7, 3]; the target prefers 9, then 6.
+    Tree 0 -> {1, 2}, 1 -> 3 with tokens [3, 9, 5, 9]: node 3's sequence is 4, 7, 3, 9, 9 (its path), so it draws 9;
+    vLLM's chain reading (the flat rows before it: 9, 5, 9) would ban 9 there and emit 6."""
+    from ubtree_vllm.vllm.mrv2.path_processors import TreeBadWords
+
+    topo = topology({0: [-1, 0, 0, 1]})
+    batch, _ = make_batch([(0, 30, [3, 9, 5, 9], [0] * 4, 34)], topo)
+    logits = torch.full((4, V), -5.0)
+    logits[:, 9], logits[:, 6] = 3.0, 1.0
+    history = torch.zeros(4, 64, dtype=torch.int32)
+    history[0, :5] = torch.tensor([1, 2, 4, 7, 3])  # prompt 1, 2; outputs 4, 7, 3 (3: the root token)
+    words = torch.zeros(4, 8, dtype=torch.int32)
+    words[0, :3] = torch.tensor([5, 9, 9])
+    offsets = torch.zeros(4, 3, dtype=torch.int32)
+    offsets[0, 1] = 3
+    num_words = np.array([1, 0, 0, 0], dtype=np.int32)
+    vllm_state = SimpleNamespace(
+        num_bad_words=SimpleNamespace(np=num_words, gpu=torch.from_numpy(num_words)),
+        bad_word_token_ids=SimpleNamespace(gpu=words), bad_word_offsets=SimpleNamespace(gpu=offsets),
+        req_states=SimpleNamespace(all_token_ids=SimpleNamespace(gpu=history),
+                                   prompt_len=SimpleNamespace(gpu=torch.tensor([2, 0, 0, 0], dtype=torch.int32)),
+                                   total_len=SimpleNamespace(gpu=torch.tensor([5, 0, 0, 0], dtype=torch.int32))))
+    sampler = ProcessorSampler([0], [TreeBadWords(vllm_state, topo.parents, topo.depth, max_depth=B)])
+    out = UBTreeRejectionSampler(sampler, topo, max_depth=B, draw=argmax_draw)(logits, batch)
+    assert out.sampled_token_ids[0, :3].tolist() == [9, 9, 9] and out.num_sampled.tolist() == [3]
+    words[0, :3] = torch.tensor([3, 9, 9])  # the word now ends node 1's sequence (3, 9): node 1 may not draw 9
+    out = UBTreeRejectionSampler(sampler, topo, max_depth=B, draw=argmax_draw)(logits, batch)
+    assert out.sampled_token_ids[0, :2].tolist() == [9, 6] and out.num_sampled.tolist() == [2]

@@ -187,7 +187,6 @@ def test_unsupported_request_options():
 
     assert unsupported_options(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1, n=2, stop=["x"])) == []
     cases = {
-        "bad_words": dict(bad_words=["foo"]),
         "structured_outputs": dict(structured_outputs=StructuredOutputsParams(regex="a+")),
         "logprob_token_ids": dict(logprob_token_ids=[1, 2]),
     }
@@ -195,8 +194,8 @@ def test_unsupported_request_options():
         # the V1 runner applies every one of them per node (a grammar along each node's path); MRV2 not yet
         assert unsupported_options(SamplingParams(**kwargs)) == [], name
         assert unsupported_options(SamplingParams(**kwargs), runner="mrv2") == [name], name
-    # functions of a row's request and position only: both runners (MRV2 through vLLM's per-row sampler)
-    per_row = dict(allowed_token_ids=[1, 2], logit_bias={1: 1.0}, min_p=0.1, min_tokens=3)
+    # functions of a row's request and position (MRV2: vLLM's per-row sampler), or of its path (bad words): both
+    per_row = dict(allowed_token_ids=[1, 2], logit_bias={1: 1.0}, min_p=0.1, min_tokens=3, bad_words=["foo"])
     assert unsupported_options(SamplingParams(**per_row)) == unsupported_options(SamplingParams(**per_row),
                                                                                  runner="mrv2") == []
     # repetition detection: the scheduler's stop check after every accepted token, on both runners
@@ -207,7 +206,7 @@ def test_unsupported_request_options():
     # logprobs: both runners score each emitted token on the row of the node that drew it
     assert unsupported_options(SamplingParams(logprobs=2)) == []
     assert unsupported_options(SamplingParams(logprobs=2), runner="mrv2") == []
-    # penalties: along each node's path in both runners' tree samplers (MRV2: vllm/mrv2/tree_penalties.py)
+    # penalties: along each node's path in both runners' tree samplers (MRV2: vllm/mrv2/path_processors.py)
     penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
     assert unsupported_options(SamplingParams(**penalties)) == []
     assert unsupported_options(SamplingParams(**penalties), runner="mrv2") == []

@@ -1,5 +1,5 @@
 """Model Runner V2 (UBTREE_VLLM_RUNNER=mrv2): greedy equality (also with a load-adaptive budget and with the
-logits options: allowed ids, logit bias, min_tokens, penalties; and logprobs), T > 0 (min_p with logit_bias, and penalties, among the cases) and the host-sync guard on the H200.
+logits options: allowed ids, logit bias, min_tokens, penalties, bad words; and logprobs), T > 0 (min_p with logit_bias, and penalties, among the cases) and the host-sync guard on the H200.
 
 Skipped without CUDA (``gpu`` marker). Greedy: the first engine runs eagerly, the second with CUDA
 graphs (vLLM's default), each against the same target without speculation in the same process, with
@@ -62,7 +62,8 @@ def test_mrv2_load_adaptive_budget_greedy_equality_smollm2(mrv2, default_target_
 
 def test_mrv2_logits_options_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path):
     """allowed_token_ids, logit_bias and min_tokens through vLLM's MRV2 sampler at every node (depth positions),
-    penalties along each node's path (vllm/mrv2/tree_penalties.py): each option changes plain decoding's greedy
+    penalties and bad words along each node's path (vllm/mrv2/path_processors.py): each option changes plain
+    decoding's greedy
     text and UBTree reproduces it (bf16 near-tie rule on the raw logits); logprobs of the emitted tokens."""
     from collections import Counter
 
@@ -74,7 +75,10 @@ def test_mrv2_logits_options_greedy_equality_smollm2(mrv2, default_target_dir, t
     def params(**options):
         return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False, **options)
 
-    plain = engine(default_target_dir, logprobs_mode="raw_logits")
+    from transformers import AutoTokenizer
+
+    with_tokenizer = dict(logprobs_mode="raw_logits", skip_tokenizer_init=False)  # vLLM tokenizes bad words
+    plain = engine(default_target_dir, **with_tokenizer)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts_for(plain.llm_engine.model_config.get_vocab_size(), 4)]
     base = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params(), use_tqdm=False)]
     counts = Counter(t for tokens in base for t in tokens)
@@ -83,13 +87,16 @@ def test_mrv2_logits_options_greedy_equality_smollm2(mrv2, default_target_dir, t
              "allowed_token_ids": {"allowed_token_ids": sorted(set(counts) - {frequent[0]})},
              "min_tokens": {"stop_token_ids": [frequent[0]], "min_tokens": MAX_TOKENS},
              "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3}}
+    words = AutoTokenizer.from_pretrained(default_target_dir).decode(base[0][1:3]).strip()
+    if words:  # two tokens plain decoding emits: banned after their first
+        cases["bad_words"] = {"bad_words": [words]}
     reference = {name: plain.generate(prompts, params(logprobs=2, **options), use_tqdm=False)
                  for name, options in cases.items()}
     expected = plain.generate(prompts, params(logprobs=2), use_tqdm=False)
     del plain
     gc.collect()
     ubtree = engine(default_target_dir, {"method": "ubtree", "model": str(smollm2_drafter(default_target_dir, tmp_path)),
-                                         **TREE, "prompt_lookup": True}, logprobs_mode="raw_logits")
+                                         **TREE, "prompt_lookup": True}, **with_tokenizer)
     got = {name: [list(o.outputs[0].token_ids) for o in ubtree.generate(prompts, params(**options), use_tqdm=False)]
            for name, options in cases.items()}
     scored = ubtree.generate(prompts, params(logprobs=2), use_tqdm=False)

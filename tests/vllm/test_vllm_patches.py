@@ -245,11 +245,9 @@ def test_sampling_params_rejects_options_trees_cannot_serve():
         SamplingParams(min_p=0.1)._validate_spec_decode(other)
     mrv2 = types.SimpleNamespace(method=MRV2_VLLM_METHOD, model=f"/cache/{MRV2_PROPOSERS_DIR}/abc")
     SamplingParams(presence_penalty=1.0, logprobs=1)._validate_spec_decode(mrv2)  # penalties, logprobs: served
-    with pytest.raises(VLLMValidationError, match=r"\['bad_words'\] are not supported"):
-        SamplingParams(bad_words=["x"], allowed_token_ids=[1, 2], logit_bias={1: 2.0}, min_p=0.1, min_tokens=3
-                       )._validate_spec_decode(mrv2)
-    # per-row options: vLLM's MRV2 sampler applies them at every node (its depth position)
-    SamplingParams(allowed_token_ids=[1, 2], logit_bias={1: 2.0}, min_p=0.1, min_tokens=3)._validate_spec_decode(mrv2)
+    # per-row options at every node (its depth position), bad words along its path
+    SamplingParams(bad_words=["x"], allowed_token_ids=[1, 2], logit_bias={1: 2.0}, min_p=0.1, min_tokens=3
+                   )._validate_spec_decode(mrv2)
     with pytest.raises(VLLMValidationError, match=r"\['structured_outputs'\] are not supported"):
         SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))._validate_spec_decode(mrv2)
     assert getattr(SamplingParams._validate_spec_decode, MARK) == "sampling_params_spec_decode"

@@ -8,9 +8,9 @@ sampler does not compute, would be wrong for a tree, so such requests are reject
 admission (HTTP 400 in the server) instead of getting different tokens than
 non-speculative decoding:
 
-* on Model Runner V2: bad_words, logprob_token_ids and structured outputs -- they depend on a node's
-  path or report per-token data, and its tree sampler does not apply or report them yet (the V1
-  runner's does, each along every node's own path; grammars in ``ubtree_vllm/vllm/structured_output.py``);
+* on Model Runner V2: logprob_token_ids and structured outputs -- its tree sampler does not report or
+  apply them yet (the V1 runner's does; grammars along every node's own path in
+  ``ubtree_vllm/vllm/structured_output.py``);
 * thinking_token_budget -- a vLLM state machine that assumes a chain of drafts;
 * trace replay (trace_decode_token_ids) -- not exercised with trees.
 
@@ -19,7 +19,8 @@ vLLM's own ``Sampler.apply_sampling_params`` at every node: each is a function o
 position only (min_tokens masks the stop tokens while ``pos + 1 < prompt_len + min_tokens``), and a
 node's position is its depth position, the one plain decoding samples that token at
 (``ubtree_vllm/vllm/mrv2/rejection_sampler.py``); presence, frequency and repetition penalties count
-the outputs plus each node's own path (``ubtree_vllm/vllm/mrv2/tree_penalties.py``); ``logprobs`` are
+the outputs plus each node's own path and bad words match against them
+(``ubtree_vllm/vllm/mrv2/path_processors.py``); ``logprobs`` are
 scored on the row of the node that drew each emitted token, in every logprobs mode. On the V1 runner
 penalties, ``logprobs`` (raw logprobs modes) and ``logprob_token_ids``, ``bad_words``,
 ``allowed_token_ids``, ``logit_bias``, ``min_p``, ``min_tokens`` (``ubtree_vllm/vllm/sampler.py``) and
@@ -42,7 +43,6 @@ def unsupported_options(params: Any, runner: str = "v1") -> list[str]:
     """Names of the options of a vLLM ``SamplingParams`` that method 'ubtree' on ``runner`` cannot serve."""
     checks = (
         ("logprob_token_ids", bool(getattr(params, "logprob_token_ids", None)) and runner != "v1"),
-        ("bad_words", bool(params.bad_words) and runner != "v1"),
         ("thinking_token_budget", getattr(params, "thinking_token_budget", None) is not None),
         ("structured_outputs", params.structured_outputs is not None and runner != "v1"),
         ("trace_decode_token_ids", bool(getattr(params, "trace_decode_token_ids", None))),
@@ -56,5 +56,5 @@ def unsupported_message(names: list[str]) -> str:
             "(tree verification would not reproduce non-speculative decoding exactly); remove them or "
             "use a server without speculative decoding. Supported: temperature, top_k, top_p, seed, n, "
             "stop, stop_token_ids, ignore_eos, max_tokens, prompt_logprobs, allowed_token_ids, logit_bias, min_p, "
-            "min_tokens, penalties, logprobs, and on the V1 runner (UBTREE_VLLM_RUNNER=v1) also logprob_token_ids, "
-            "bad_words and structured outputs.")
+            "min_tokens, penalties, logprobs, bad_words, and on the V1 runner (UBTREE_VLLM_RUNNER=v1) also "
+            "logprob_token_ids and structured outputs.")

@@ -8,7 +8,7 @@ through a method MRV2 already calls:
    speculator first) and the runner owns the fixed-size tree-attention row buffers.
 2. ``load_model``: the rejection sampler becomes
    :class:`~ubtree_vllm.vllm.mrv2.rejection_sampler.UBTreeRejectionSampler`, the sampler's penalties
-   count each node's own path (:mod:`ubtree_vllm.vllm.mrv2.tree_penalties`), and the target's
+   and bad words read each node's own path (:mod:`ubtree_vllm.vllm.mrv2.path_processors`), and the target's
    attention layers (not the drafter's) are bound to the row buffers.
 3. ``prepare_attn``: after vLLM computed the slot mappings from linear positions (so node j's
    K/V goes to the slot of row root + j), the tree layout rewrites the positions to
@@ -38,7 +38,7 @@ from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers
 from ubtree_vllm.vllm.attention.state import RowBuffers, bind_tree_layers, tree_forward_state
 from ubtree_vllm.vllm.config import from_vllm_config
 from ubtree_vllm.vllm.mrv2.rejection_sampler import UBTreeRejectionSampler
-from ubtree_vllm.vllm.mrv2.tree_penalties import install_tree_penalties
+from ubtree_vllm.vllm.mrv2.path_processors import install_path_processors
 from ubtree_vllm.vllm.mrv2.speculator import UBTreeSpeculator
 from ubtree_vllm.vllm.mrv2.tree_layout import lay_out_tree_rows
 from ubtree_vllm.vllm.stage_clock import StageClock
@@ -86,7 +86,8 @@ class UBTreeModelRunnerV2(GPUModelRunner):
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         result = super().load_model(*args, **kwargs)
         self.rejection_sampler = UBTreeRejectionSampler(self.sampler, self.speculator.topology, self.gamma)
-        install_tree_penalties(self.sampler, self.speculator.topology.parents, self.gamma)
+        topology = self.speculator.topology
+        install_path_processors(self.sampler, topology.parents, topology.depth, self.gamma)
         return result
 
     def initialize_kv_cache(self, kv_cache_config: Any, is_profiling: bool = False,
