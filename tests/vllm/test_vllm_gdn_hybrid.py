@@ -24,6 +24,7 @@ from vllm.inputs import TokensPrompt
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_update_cpu
 
+from ubtree_vllm.bench.e2e import stop_engine
 from ubtree_vllm.triton_ops.reference import tree_causal_conv1d_reference, tree_gated_delta_rule_reference
 from ubtree_vllm.vllm.gdn_tree import tree_spec_forward
 from ubtree_vllm.vllm.hybrid_state import commit_accepted_states
@@ -235,6 +236,9 @@ def references(qwen3_next):
     """Plain decoding's greedy outputs, one request at a time and as a batch (then the engine is dropped)."""
     llm = LLM(model=str(qwen3_next[0]), **HYBRID_KWARGS)
     one, batch = [generate(llm, [p])[0] for p in PROMPTS], generate(llm, PROMPTS)
+    # Shut down now: a late finalizer (the engine stays reachable from the captured log records of the test
+    # that set this fixture up) would tear vLLM's parallel state down under the next engine
+    stop_engine(llm)
     del llm
     gc.collect()
     return one, batch
@@ -243,8 +247,10 @@ def references(qwen3_next):
 @pytest.fixture(scope="module")
 def ubtree_llm(qwen3_next, references):
     target, drafter = qwen3_next
-    return LLM(model=str(target), speculative_config={"method": "ubtree", "model": str(drafter), **TINY_TREE},
-               **HYBRID_KWARGS)
+    llm = LLM(model=str(target), speculative_config={"method": "ubtree", "model": str(drafter), **TINY_TREE},
+              **HYBRID_KWARGS)
+    yield llm
+    stop_engine(llm)
 
 
 def test_greedy_one_request_at_a_time(ubtree_llm, references):
@@ -284,6 +290,7 @@ def test_load_adaptive_budget_verifies_short_trees(qwen3_next, references, ubtre
         totals = {m.name: float(m.value) for m in llm.get_metrics()
                   if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens")}
     finally:
+        stop_engine(llm)
         del llm
     # mostly 3 nodes per round (8 in flight); 8 only once fewer than 5 requests are left
     assert totals["vllm:spec_decode_num_draft_tokens"] / totals["vllm:spec_decode_num_drafts"] < 5, totals
