@@ -15,9 +15,34 @@ def test_tau_curve_follows_the_train_records_of_the_shipped_drafter():
                tau(2.0), tau(3.0, method="ubtree"), tau(5.0, budget=32), tau(7.0, drafter="runs/ablation"),
                {"kind": "train", "drafter": shipped, "tokens_seen": 50, "cumulative_label_rows": 150},
                tau(4.0)]
-    point = {"lineage": "first", "dataset": "mt_bench", "temperature": 0.0}
+    point = {"lineage": "first", "tree": "drafter", "prompts": 4, "dataset": "mt_bench", "temperature": 0.0}
     assert curve_points(records) == [{**point, "label_rows": 100, "tau": 2.5}, {**point, "label_rows": 150, "tau": 4.0}]
-    assert "| 0 | first | mt_bench | 150 | 4.00 |" in curve_section(records)
+    assert "| 0 | first | drafter | 4 | mt_bench | 150 | 4.00 |" in curve_section(records)
+
+
+def test_the_lookup_branch_is_a_curve_of_its_own():
+    """Copies from the context lift tau without the drafter: never averaged with the drafter-only trees."""
+    shipped = "checkpoints/d"
+
+    def tau(value, method):
+        return {**e2e(method, 1.0, value, budget=64), "drafter": shipped}
+
+    records = [{"kind": "train", "drafter": shipped, "tokens_seen": 100, "cumulative_label_rows": 100},
+               tau(3.0, "ubtree-mrv2"), tau(4.0, "ubtree-mrv2-lookup"), tau(5.0, "ubtree-lookup")]
+    got = [(p["tree"], p["tau"]) for p in curve_points(records)]
+    assert got == [("drafter", 3.0), ("drafter + lookup", 4.5)]
+    assert "| 0 | first | drafter + lookup | 4 | mt_bench | 100 | 4.50 |" in curve_section(records)
+
+
+def test_a_different_sample_of_a_set_is_a_curve_of_its_own():
+    shipped = "checkpoints/d"
+
+    def tau(value, prompts):
+        return {**e2e("ubtree-mrv2", 1.0, value, budget=64), "drafter": shipped, "num_prompts": prompts}
+
+    records = [{"kind": "train", "drafter": shipped, "tokens_seen": 100, "cumulative_label_rows": 100},
+               tau(3.0, 10), tau(4.0, 80), tau(5.0, 80)]
+    assert [(p["prompts"], p["tau"]) for p in curve_points(records)] == [(10, 3.0), (80, 4.5)]
 
 
 def test_a_fresh_drafter_starts_a_new_lineage():

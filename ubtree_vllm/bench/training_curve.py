@@ -10,6 +10,12 @@ since 2026-12-02) is placed there instead, whatever its place in the file (an A/
 and after a slice, measured in either order). Only folders under `checkpoints/` (the shipped drafter)
 are plotted.
 
+The prompt-lookup branch (methods `ubtree-lookup`, `ubtree-mrv2-lookup`) adds candidates copied from
+the context, so its tau is not the drafter's alone: each point carries its `tree` ("drafter", or
+"drafter + lookup") and the two are separate curves. So does the number of prompts per set a tau was
+measured on (`num_prompts`): 10 prompts and 80 prompts are different samples of a set, and a step
+between them is not training's doing.
+
 A train record of a fresh drafter (notes `init=fresh`, or fewer cumulative rows than the
 folder had) starts a new *lineage*, named by that record's date and commit: a drafter trained
 again from scratch is a new curve, not a step back on the old one.
@@ -22,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 SHIPPED_PREFIX = "checkpoints/"
-TREE_METHODS = ("ubtree", "ubtree-mrv2")
+# tree method -> which candidates its trees hold (a curve of its own)
+TREE_KINDS = {"ubtree": "drafter", "ubtree-mrv2": "drafter",
+              "ubtree-lookup": "drafter + lookup", "ubtree-mrv2-lookup": "drafter + lookup"}
 BUDGET = 64
 
 
@@ -31,7 +39,7 @@ def _lineage_name(record: dict[str, Any]) -> str:
 
 
 def curve_points(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """[{lineage, dataset, temperature, label_rows, tau}] averaged over the measurements at each
+    """[{lineage, tree, prompts, dataset, temperature, label_rows, tau}] averaged over the measurements at each
     training amount of each lineage (module docstring)."""
     cumulative: dict[str, int] = {}
     lineage: dict[str, str] = {}
@@ -47,13 +55,16 @@ def curve_points(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 lineage[drafter] = _lineage_name(r)
                 order.setdefault(lineage[drafter], len(order))
             cumulative[drafter] = rows
-        elif (r["kind"] == "e2e" and drafter in cumulative and r.get("tau") and r.get("method") in TREE_METHODS
+        elif (r["kind"] == "e2e" and drafter in cumulative and r.get("tau") and r.get("method") in TREE_KINDS
               and r.get("tree_budget") == BUDGET and r.get("concurrency") in (1, None)):
             rows = r.get("cumulative_label_rows") or cumulative[drafter]
-            taus[(lineage[drafter], r["dataset"], r["temperature"], rows)].append(r["tau"])
-    return [{"lineage": name, "dataset": d, "temperature": t, "label_rows": rows, "tau": sum(v) / len(v)}
-            for (name, d, t, rows), v in sorted(taus.items(),
-                                                  key=lambda kv: (kv[0][2], order[kv[0][0]], kv[0][1], kv[0][3]))]
+            key = (lineage[drafter], TREE_KINDS[r["method"]], r.get("num_prompts") or 0, r["dataset"],
+                   r["temperature"], rows)
+            taus[key].append(r["tau"])
+    return [{"lineage": name, "tree": tree, "prompts": n, "dataset": d, "temperature": t, "label_rows": rows,
+             "tau": sum(v) / len(v)}
+            for (name, tree, n, d, t, rows), v in sorted(
+                taus.items(), key=lambda kv: (kv[0][4], order[kv[0][0]], kv[0][1], kv[0][3], kv[0][5], kv[0][2]))]
 
 
 def curve_section(records: Sequence[dict[str, Any]]) -> list[str]:
@@ -64,10 +75,12 @@ def curve_section(records: Sequence[dict[str, Any]]) -> list[str]:
              f"Tree tau (B = {BUDGET}, batch 1) of the drafter in `{SHIPPED_PREFIX}` after each training slice, against "
              "the label rows trained on so far (every slice behind it). Mean over the tau measurements of that "
              "drafter state (bench e2e and eval-tau). A lineage is one drafter trained from scratch and continued "
-             "slice by slice, named by the date and commit of its first slice.", "",
-             "| T | lineage | dataset | cumulative label rows | tau |", "|---|---|---|---|---|"]
-    lines += [f"| {p['temperature']:g} | {p['lineage']} | {p['dataset']} | {p['label_rows']:,} | {p['tau']:.2f} |"
-              for p in points]
+             "slice by slice, named by the date and commit of its first slice. Tree: the drafter's candidates alone, "
+             "or with the prompt-lookup branch (copies from the context; not the drafter's own tau). Prompts: per "
+             "set, of the measurements behind the point (a different sample of the set is a different curve).", "",
+             "| T | lineage | tree | prompts | dataset | cumulative label rows | tau |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {p['temperature']:g} | {p['lineage']} | {p['tree']} | {p['prompts'] or '?'} | {p['dataset']} "
+              f"| {p['label_rows']:,} | {p['tau']:.2f} |" for p in points]
     return lines + [""]
 
 
@@ -85,13 +98,15 @@ def plot_training_curve(records: Sequence[dict[str, Any]], out_dir: Path) -> lis
     for temperature in sorted({p["temperature"] for p in points}):
         fig, ax = plt.subplots(figsize=(6, 4))
         here = [p for p in points if p["temperature"] == temperature]
-        lineages = list(dict.fromkeys(p["lineage"] for p in here))
+        series = list(dict.fromkeys((p["lineage"], p["tree"], p["prompts"]) for p in here))  # one line style each
         for dataset in sorted({p["dataset"] for p in here}):
-            for i, name in enumerate(lineages):
-                row = [p for p in here if p["dataset"] == dataset and p["lineage"] == name]
+            for i, (name, tree, n) in enumerate(series):
+                row = [p for p in here
+                       if p["dataset"] == dataset and (p["lineage"], p["tree"], p["prompts"]) == (name, tree, n)]
                 if row:
                     ax.plot([p["label_rows"] / 1e6 for p in row], [p["tau"] for p in row], marker="o",
-                            linestyle=("-", "--", ":", "-.")[i % 4], label=f"{dataset} ({name})")
+                            linestyle=("-", "--", ":", "-.")[i % 4],
+                            label=f"{dataset} ({name}, {tree}, {n or '?'} prompts)")
         ax.set_ylim(1.0, 1.1 * max(p["tau"] for p in points if p["temperature"] == temperature))  # tau >= 1
         ax.set_xlabel("cumulative label rows (millions)")
         ax.set_ylabel(f"tree tau (B={BUDGET})")
