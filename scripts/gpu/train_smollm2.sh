@@ -47,7 +47,7 @@
 #            BUDGET_SCHEDULE (e.g. 1-4:64,5-16:32,17-64:16) makes the tree methods' budget load-adaptive
 #   stages   `ubtree bench e2e --stage-timing`: mean time per engine step of each UBTree runner stage, V1 and MRV2
 #            (ar for the step wall time; same selectors as bench, default mt_bench, T=0, 4 prompts, B=16,64;
-#            STAGE_CONCURRENCY, default 1, e.g. 1,32 with BENCH_PROMPTS >= 32)
+#            STAGE_CONCURRENCY, default 1, e.g. 1,32 with BENCH_PROMPTS >= 32; BUDGET_SCHEDULE as for sweep)
 #   roundprof `ubtree bench e2e --profile`: torch.profiler tables (host API calls, device busy time, stage host/device
 #            ms, top ops) per engine step of METHODS (default ar,ngram,ubtree-mrv2,ubtree-mrv2-lookup, B=64) on
 #            PROFILE_PROMPTS (default 2) MT-Bench prompts at STAGE_CONCURRENCY (default 1), T=0; into
@@ -218,14 +218,16 @@ for phase in "$@"; do
         --gpu-memory-utilization 0.25 --stage-timing \
         --datasets "${BENCH_DATASETS:-mt_bench}" --temperatures "${BENCH_TEMPS:-0}" --num-prompts "${BENCH_PROMPTS:-4}" \
         --max-new-tokens 256 --methods "${METHODS:-ar,ubtree,ubtree-mrv2}" --tree-budgets "${BUDGETS:-16,64}" \
-        --beam-width 12 --top-k 64 --concurrency "${STAGE_CONCURRENCY:-1}" ;;
+        --beam-width 12 --top-k 64 --concurrency "${STAGE_CONCURRENCY:-1}" \
+        ${BUDGET_SCHEDULE:+--budget-schedule "$BUDGET_SCHEDULE"} ;;
     roundprof)
       rm -rf runs/roundprof
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --no-report \
         --gpu-memory-utilization 0.25 --profile runs/roundprof \
         --datasets mt_bench --temperatures 0 --num-prompts "${PROFILE_PROMPTS:-2}" --max-new-tokens 256 \
         --methods "${METHODS:-ar,ngram,ubtree-mrv2,ubtree-mrv2-lookup}" --tree-budgets "${BUDGETS:-64}" \
-        --beam-width 12 --top-k 64 --concurrency "${STAGE_CONCURRENCY:-1}"
+        --beam-width 12 --top-k 64 --concurrency "${STAGE_CONCURRENCY:-1}" \
+        ${BUDGET_SCHEDULE:+--budget-schedule "$BUDGET_SCHEDULE"}
       # files come back at most 16 MB each: the tables in one tar, the traces split into 15 MB parts (cat them)
       mkdir -p "$OUT" && tar -cf "$OUT/roundprof-tables.tar" -C runs/roundprof $(cd runs/roundprof && ls *.txt)
       tar -cf - -C runs/roundprof $(cd runs/roundprof && ls *.trace.json.gz) | split -b 15M -d - "$OUT/roundprof-traces.tar.part" ;;

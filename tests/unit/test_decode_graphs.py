@@ -27,11 +27,35 @@ def test_decode_sizes_cover_every_request_count_up_to_the_token_budget():
     assert capped[-1] == 15 * 65  # 1000 // 65 requests fit one step
 
 
-def engine_config(sizes, mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_num_seqs=32, query_len=65):
+def engine_config(sizes, mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_num_seqs=32, query_len=65, schedule=None):
     compilation = CompilationConfig(cudagraph_mode=mode, cudagraph_capture_sizes=list(sizes),
                                     max_cudagraph_capture_size=max(sizes, default=0))
-    return SimpleNamespace(compilation_config=compilation, uniform_decode_query_len=query_len,
+    spec = SimpleNamespace(num_speculative_tokens=query_len - 1, num_speculative_tokens_per_batch_size=schedule)
+    return SimpleNamespace(compilation_config=compilation, uniform_decode_query_len=query_len, speculative_config=spec,
                            scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384))
+
+
+def test_a_budget_schedule_adds_each_entrys_step_sizes():
+    """1-8 requests verify 65 tokens each, 9-16 verify 33, 17-32 verify 17: each range gets its own sizes."""
+    schedule = [(1, 8, 65), (9, 16, 33), (17, 32, 17)]
+    sizes = decode_graph_sizes(VLLM_TOKEN_GRID, query_len=65, max_num_seqs=32, max_num_batched_tokens=16384,
+                               schedule=schedule)
+    assert {16 * 33, 24 * 17, 32 * 17} <= set(sizes)  # 528, 408, 544: every range's top count exactly
+    only = decode_graph_sizes([], query_len=65, max_num_seqs=32, max_num_batched_tokens=16384, schedule=schedule)
+    assert 8 * 33 not in only and 16 * 17 not in only  # counts outside an entry's range add nothing of it
+    capped = decode_graph_sizes([], query_len=65, max_num_seqs=32, max_num_batched_tokens=300, schedule=[(1, 32, 17)])
+    assert max(capped) <= 300 and 17 * 17 in capped  # 300 // 17 = 17 requests fit one step
+
+
+def test_widen_reads_vllms_budget_schedule_and_the_draft_query_length():
+    config = engine_config(VLLM_TOKEN_GRID, schedule=[[1, 8, 64], [9, 16, 32], [17, 32, 16]])
+    assert widen_decode_graph_sizes(config, draft_query_len=17) is True
+    sizes = config.compilation_config.cudagraph_capture_sizes
+    assert {8 * 65, 16 * 33, 32 * 17} <= set(sizes)  # B' + 1 tokens per request in each range
+    assert 2 * 17 in sizes and 31 * 17 not in sizes  # the draft's 17 tokens per request on vLLM's request grid
+    plain = engine_config(VLLM_TOKEN_GRID)
+    widen_decode_graph_sizes(plain)
+    assert 32 * 17 not in plain.compilation_config.cudagraph_capture_sizes  # pinned B, V1 runner: only 1 + B
 
 
 def test_widen_updates_sizes_and_max_in_place_once():

@@ -60,6 +60,30 @@ def test_mrv2_load_adaptive_budget_greedy_equality_smollm2(mrv2, default_target_
           f"tau {tau:.2f}")
 
 
+def test_mrv2_no_triton_compile_after_warmup_across_budget_buckets(mrv2, default_target_dir, tmp_path):
+    """Issue 16's "no recompilation at run time": with vLLM's JIT monitor in error mode (armed when the engine's
+    warm-up ends), batches of 1, 4 and 16 requests -- three budget buckets of the schedule, so three tree sizes
+    per step -- compile no Triton kernel; one would raise inside the step and fail generate, naming the kernel."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from test_vllm_gpu import TREE, engine, prompts_for
+
+    tree = {**TREE, "prompt_lookup": True, "num_speculative_tokens_per_batch_size": [[1, 2, 16], [3, 8, 8], [9, 64, 4]]}
+    ubtree = engine(default_target_dir, {"method": "ubtree", "model": str(smollm2_drafter(default_target_dir, tmp_path)),
+                                         **tree}, jit_monitor_mode="error", max_num_seqs=16)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts_for(ubtree.llm_engine.model_config.get_vocab_size(),
+                                                                     16)]
+    try:
+        for size in (1, 4, 16):
+            outputs = ubtree.generate(prompts[:size], params, use_tqdm=False)
+            assert all(len(o.outputs[0].token_ids) == 48 for o in outputs)
+    finally:
+        del ubtree
+        gc.collect()
+
+
 def test_mrv2_logits_options_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path):
     """allowed_token_ids, logit_bias and min_tokens through vLLM's MRV2 sampler at every node (depth positions),
     penalties and bad words along each node's path (vllm/mrv2/path_processors.py): each option changes plain

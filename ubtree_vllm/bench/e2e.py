@@ -1,8 +1,11 @@
 """`ubtree bench e2e`: vLLM end-to-end speed of ar / ngram / dflash-chain / ubtree in one process.
 
 For each engine of `settings.planned_methods` (ar first; ubtree once per tree budget B):
-build one `vllm.LLM`, send one warm-up request, then for every concurrency, dataset and
-temperature run the dataset's prompts and append one e2e record; then shut the engine
+build one `vllm.LLM`, send one warm-up request, then for every concurrency c (after a warm-up
+of c requests of WARMUP_TOKENS tokens each, so one-time work at a new batch size -- Triton
+compiles of a kernel specialization, a budget schedule's next bucket -- stays out of the
+measurement, as in a server that has run a while), dataset and temperature run the dataset's
+prompts and append one e2e record; then shut the engine
 down (del + gc, `torch.cuda.empty_cache()` on CUDA) before building the next one, so only
 one engine holds device memory at a time.
 
@@ -152,6 +155,12 @@ def _start_engine(label: str, settings: E2ESettings, target_path: Path, engine_k
     return run, build_engine(target_path, run, engine_kwargs)
 
 
+def warmup_at(prompt_set: PromptSet, concurrency: int) -> PromptSet:
+    """``concurrency`` prompts of the set (cycled when it has fewer): a warm-up that fills the window."""
+    prompts = tuple(prompt_set.prompts[i % len(prompt_set.prompts)] for i in range(concurrency))
+    return dataclasses.replace(prompt_set, prompts=prompts)
+
+
 def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path: str | Path,
             engine_kwargs: dict[str, Any], records_path: str | Path | None = None,
             log: Log = print) -> list[dict[str, Any]]:
@@ -184,6 +193,9 @@ def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path
             try:
                 measure(llm, warmup, 0.0, 1, min(WARMUP_TOKENS, settings.max_new_tokens))
                 for concurrency in settings.concurrency:
+                    if concurrency > 1:  # the batch sizes this concurrency runs at, once, unmeasured
+                        measure(llm, warmup_at(prompt_sets[0], concurrency), 0.0, concurrency,
+                                min(WARMUP_TOKENS, settings.max_new_tokens))
                     for prompt_set in prompt_sets:
                         for temperature in settings.temperatures:
                             if clocked:

@@ -10,6 +10,16 @@ of vLLM's own request-count grid (1, 2, 4, 8, 16, ..., 248, then steps of 16), i
 vLLM's token grid below 512 (mixed prefill/decode batches) is kept as it is; batches
 between two sizes are padded up to the next one, as vLLM always does.
 
+With a load-adaptive budget (``num_speculative_tokens_per_batch_size``, entries ``(first, last,
+B')``), a step of n requests in an entry's range verifies ``1 + B'`` tokens per request, so each
+entry adds ``n * (1 + B')`` for the grid's request counts inside its range (and its last count):
+without them, MRV2 rounds the ``n * (1 + B)`` sizes up to multiples of ``1 + B'`` and 32
+requests of 17 tokens ran in the graph of 62 requests (1054 tokens, not 544).
+
+Model Runner V2's draft (vLLM's DFlash query forward, ``1 + gamma`` tokens per request) takes
+its graphs from the same list, so on MRV2 ``n * (1 + gamma)`` joins too (``draft_query_len``);
+with B = 64 its 32-request step otherwise ran in the 62-request graph as well.
+
 The UBTree worker applies it before building its model runner, when the engine-args
 rewrite found no user choice of ``cudagraph_capture_sizes`` / ``max_cudagraph_capture_size``
 (``UBTreeVllmConfig.wide_decode_graphs``). The V1 runner and Model Runner V2 both read the
@@ -30,25 +40,41 @@ def request_counts(max_reqs: int) -> list[int]:
 
 
 def decode_graph_sizes(capture_sizes: list[int], query_len: int, max_num_seqs: int,
-                       max_num_batched_tokens: int) -> list[int]:
+                       max_num_batched_tokens: int,
+                       schedule: list[tuple[int, int, int]] | None = None) -> list[int]:
     """``capture_sizes`` plus ``n * query_len`` for the request-count grid, sorted, deduplicated.
 
     The widest added size is the largest uniform decode batch the scheduler can build:
-    ``min(max_num_seqs, max_num_batched_tokens // query_len)`` requests."""
+    ``min(max_num_seqs, max_num_batched_tokens // query_len)`` requests. ``schedule``: the
+    load-adaptive budget's ``(first, last, entry query length)`` entries; each adds
+    ``n * entry_len`` for the grid's counts in ``[first, last]`` and ``last`` itself, within
+    the same two limits."""
     max_reqs = min(max_num_seqs, max_num_batched_tokens // query_len)
-    return sorted(set(capture_sizes) | {n * query_len for n in request_counts(max_reqs)})
+    sizes = set(capture_sizes) | {n * query_len for n in request_counts(max_reqs)}
+    for first, last, entry_len in schedule or ():
+        top = min(last, max_num_seqs, max_num_batched_tokens // entry_len)
+        sizes |= {n * entry_len for n in request_counts(top) if n >= first}
+    return sorted(sizes)
 
 
-def widen_decode_graph_sizes(vllm_config: Any) -> bool:
+def widen_decode_graph_sizes(vllm_config: Any, draft_query_len: int | None = None) -> bool:
     """Add the decode sizes to ``vllm_config.compilation_config`` in place; True if it changed.
 
+    ``draft_query_len``: ``1 + gamma`` where the draft's graphs read the same list (MRV2), else None.
     No-op without CUDA graphs (enforce_eager, cudagraph_mode NONE, empty size list)."""
     compilation = vllm_config.compilation_config
     if not compilation.cudagraph_capture_sizes or not compilation.cudagraph_mode:
         return False
     scheduler = vllm_config.scheduler_config
-    sizes = decode_graph_sizes(compilation.cudagraph_capture_sizes, vllm_config.uniform_decode_query_len,
-                               scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+    query_len = vllm_config.uniform_decode_query_len  # 1 + B
+    spec = getattr(vllm_config, "speculative_config", None)
+    schedule = getattr(spec, "num_speculative_tokens_per_batch_size", None) or ()
+    sampled = query_len - (spec.num_speculative_tokens if schedule else 0)  # tokens per request besides the drafts
+    entries = [(first, last, budget + sampled) for first, last, budget in schedule]
+    if draft_query_len is not None:
+        entries.append((1, scheduler.max_num_seqs, draft_query_len))
+    sizes = decode_graph_sizes(compilation.cudagraph_capture_sizes, query_len, scheduler.max_num_seqs,
+                               scheduler.max_num_batched_tokens, entries)
     if sizes == sorted(compilation.cudagraph_capture_sizes):
         return False
     compilation.cudagraph_capture_sizes = sizes

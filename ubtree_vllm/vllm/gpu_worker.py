@@ -37,7 +37,9 @@ class UBTreeGPUWorker(StageTimesRPC, TPDigestRPC, Worker):
             raise RuntimeError(f"speculative method 'ubtree' was configured for the {config.runner if config else 'v1'} "
                                f"runner but vLLM selected {'Model Runner V2' if self.use_v2_model_runner else 'V1'}; "
                                "set UBTREE_VLLM_RUNNER=v1, or unset VLLM_USE_V2_MODEL_RUNNER")
-        if config is not None and config.wide_decode_graphs and widen_decode_graph_sizes(self.vllm_config):
+        draft_query_len = 1 + config.tree.block_size if mrv2 else None  # MRV2's draft graphs read the same sizes
+        if config is not None and config.wide_decode_graphs and widen_decode_graph_sizes(self.vllm_config,
+                                                                                           draft_query_len):
             logger.info("ubtree: CUDA graphs for tree steps of up to %d requests (capture sizes %s)",
                         self.vllm_config.compilation_config.max_cudagraph_capture_size
                         // self.vllm_config.uniform_decode_query_len,
