@@ -72,3 +72,33 @@ def test_widen_is_a_no_op_without_graphs():
         before = list(config.compilation_config.cudagraph_capture_sizes)
         assert widen_decode_graph_sizes(config) is False
         assert config.compilation_config.cudagraph_capture_sizes == before
+
+
+def test_a_tree_step_that_cannot_fit_fails_naming_the_largest_value_that_fits():
+    import pytest
+
+    from ubtree_vllm.vllm.decode_graphs import check_tree_steps_fit
+
+    def config(max_tokens=16384, schedule=None, max_num_seqs=32, sizes=VLLM_TOKEN_GRID):
+        c = engine_config(sizes, max_num_seqs=max_num_seqs, schedule=schedule)
+        c.scheduler_config.max_num_batched_tokens = max_tokens
+        return c
+
+    check_tree_steps_fit(config(schedule=[[1, 8, 64], [9, 32, 16]]), graph_sizes_chosen=False)  # 520 and 544 fit
+    with pytest.raises(ValueError, match="num_speculative_tokens = 64: .* max_num_batched_tokens is 48; the largest "
+                                         "num_speculative_tokens that fits is 47"):
+        check_tree_steps_fit(config(max_tokens=48), graph_sizes_chosen=False)
+    with pytest.raises(ValueError, match=r"entry \[9, 32, 16\]: 32 requests verify 544 tokens .* max_num_batched_tokens "
+                                         r"is 512; the largest budget that fits 32 requests is 15"):
+        check_tree_steps_fit(config(max_tokens=512, schedule=[[1, 4, 64], [9, 32, 16]]), graph_sizes_chosen=False)
+    with pytest.raises(ValueError, match=r"the largest last batch size that fits budget 64 is 7"):
+        check_tree_steps_fit(config(max_tokens=512, schedule=[[1, 600, 64]], max_num_seqs=1024),
+                             graph_sizes_chosen=False)
+    # a range the scheduler never reaches (first > max_num_seqs) is not checked
+    check_tree_steps_fit(config(max_tokens=600, schedule=[[1, 8, 64], [64, 256, 64]]), graph_sizes_chosen=False)
+    # graph sizes the user chose: the steps must fit the largest captured graph too (else they run without graphs)
+    chosen = config(schedule=[[1, 8, 64], [9, 32, 16]])
+    check_tree_steps_fit(chosen, graph_sizes_chosen=False)
+    with pytest.raises(ValueError, match=r"entry \[1, 8, 64\]: 8 requests verify 520 tokens .* "
+                                         r"max_cudagraph_capture_size is 512; the largest budget that fits 8 requests is 63"):
+        check_tree_steps_fit(chosen, graph_sizes_chosen=True)

@@ -115,3 +115,13 @@ def test_load_adaptive_budget_verifies_the_scheduled_first_nodes(tiny_target, ti
     drafts, tokens = totals["vllm:spec_decode_num_drafts"], totals["vllm:spec_decode_num_draft_tokens"]
     # mostly 3 nodes per round (8 in flight); 8 only in the last rounds, once fewer than 5 requests are left
     assert drafts > 0 and tokens / drafts < 5, totals
+
+
+def test_a_budget_schedule_that_cannot_fit_the_token_budget_fails_at_start(tiny_target, tiny_drafter):
+    """16 requests at B' = 8 verify 144 tokens per step; with max_num_batched_tokens = 64 the worker refuses the
+    engine before building anything, naming the entry and the largest budget that fits."""
+    with pytest.raises(ValueError, match=r"entry \[1, 16, 8\]: 16 requests verify 144 tokens per step but "
+                                         r"max_num_batched_tokens is 64; the largest budget that fits 16 requests is 3"):
+        LLM(model=str(tiny_target), speculative_config={"method": "ubtree", "model": str(tiny_drafter), **TINY_TREE,
+                                                        "num_speculative_tokens_per_batch_size": [[1, 16, 8]]},
+            **{**ENGINE_KWARGS, "max_num_seqs": 16, "max_num_batched_tokens": 64})

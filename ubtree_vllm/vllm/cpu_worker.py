@@ -11,6 +11,8 @@ from typing import Any
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from ubtree_vllm import compat, patches
+from ubtree_vllm.vllm.config import from_vllm_config
+from ubtree_vllm.vllm.decode_graphs import check_tree_steps_fit
 from ubtree_vllm.vllm.stage_clock import StageTimesRPC
 from ubtree_vllm.vllm.tensor_parallel import TPDigestRPC
 
@@ -20,3 +22,6 @@ class UBTreeCPUWorker(StageTimesRPC, TPDigestRPC, CPUWorker):
         compat.check_vllm_version()
         patches.apply("worker")
         super().__init__(*args, **kwargs)
+        config = from_vllm_config(self.vllm_config)
+        if config is not None:  # before any device memory: a tree step that cannot fit fails here, naming the field
+            check_tree_steps_fit(self.vllm_config, graph_sizes_chosen=not config.wide_decode_graphs)

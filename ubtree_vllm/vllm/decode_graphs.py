@@ -81,3 +81,39 @@ def widen_decode_graph_sizes(vllm_config: Any, draft_query_len: int | None = Non
     compilation.max_cudagraph_capture_size = sizes[-1]
     compilation.post_init_cudagraph_sizes()  # recomputes compile_sizes; asserts the max is the last size
     return True
+
+
+def check_tree_steps_fit(vllm_config: Any, graph_sizes_chosen: bool) -> None:
+    """ValueError, naming the field and the largest value that fits, when a tree step cannot fit the engine.
+
+    A step of n requests at budget B' verifies ``n * (1 + B')`` tokens. It must fit the scheduler's token
+    budget (``max_num_batched_tokens``): one request at the pinned B, and each schedule range at its last
+    batch size (capped at ``max_num_seqs``). When the user chose the CUDA-graph sizes
+    (``graph_sizes_chosen``: they are not widened), the same steps must also fit
+    ``max_cudagraph_capture_size``, or they would run without graphs. Called by the UBTree workers before
+    they build anything."""
+    spec = vllm_config.speculative_config
+    scheduler = vllm_config.scheduler_config
+    budget = spec.num_speculative_tokens
+    sampled = vllm_config.uniform_decode_query_len - budget  # tokens per request besides the drafts (1)
+    compilation = vllm_config.compilation_config
+    limits = [("max_num_batched_tokens", scheduler.max_num_batched_tokens)]
+    if graph_sizes_chosen and compilation.cudagraph_mode and compilation.cudagraph_capture_sizes:
+        limits.append(("max_cudagraph_capture_size", compilation.max_cudagraph_capture_size))
+    for field, limit in limits:
+        if sampled + budget > limit:
+            raise ValueError(f"speculative_config.num_speculative_tokens = {budget}: one request's tree step "
+                             f"verifies {sampled + budget} tokens but {field} is {limit}; the largest "
+                             f"num_speculative_tokens that fits is {limit - sampled}")
+        for first, last, entry_budget in getattr(spec, "num_speculative_tokens_per_batch_size", None) or ():
+            if first > scheduler.max_num_seqs:
+                continue  # the scheduler never forms that batch
+            n = min(last, scheduler.max_num_seqs)
+            if n * (entry_budget + sampled) <= limit:
+                continue
+            entry = f"speculative_config.num_speculative_tokens_per_batch_size entry [{first}, {last}, {entry_budget}]"
+            largest = limit // n - sampled
+            fix = (f"the largest budget that fits {n} requests is {largest}" if largest >= 1 else
+                   f"the largest last batch size that fits budget {entry_budget} is {limit // (entry_budget + sampled)}")
+            raise ValueError(f"{entry}: {n} requests verify {n * (entry_budget + sampled)} tokens per step but "
+                             f"{field} is {limit}; {fix}")

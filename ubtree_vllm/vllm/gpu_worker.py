@@ -15,7 +15,8 @@ from vllm.logger import init_logger
 from vllm.v1.worker.gpu_worker import Worker
 
 from ubtree_vllm import compat, patches
-from ubtree_vllm.vllm.decode_graphs import widen_decode_graph_sizes
+from ubtree_vllm.vllm.config import from_vllm_config
+from ubtree_vllm.vllm.decode_graphs import check_tree_steps_fit, widen_decode_graph_sizes
 from ubtree_vllm.vllm.stage_clock import StageTimesRPC
 from ubtree_vllm.vllm.tensor_parallel import TPDigestRPC
 
@@ -27,10 +28,11 @@ class UBTreeGPUWorker(StageTimesRPC, TPDigestRPC, Worker):
         compat.check_vllm_version()
         patches.apply("worker")
         super().__init__(*args, **kwargs)
+        config = from_vllm_config(self.vllm_config)
+        if config is not None:  # before any device memory: a tree step that cannot fit fails here, naming the field
+            check_tree_steps_fit(self.vllm_config, graph_sizes_chosen=not config.wide_decode_graphs)
 
     def _make_model_runner(self) -> Any:
-        from ubtree_vllm.vllm.config import from_vllm_config
-
         config = from_vllm_config(self.vllm_config)
         mrv2 = config is not None and config.runner == "mrv2"
         if self.use_v2_model_runner != mrv2:
