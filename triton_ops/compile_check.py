@@ -24,7 +24,7 @@ TREE_ATTENTION_CONFIGS = ((torch.bfloat16, 64, 3, 16), (torch.float16, 128, 4, 1
 # SmolLM2 at batch 1 (16 splits) and a Qwen3-8B layer (7)
 TREE_ATTENTION_SPLIT_CONFIGS = ((torch.bfloat16, 64, 3, 16, 16), (torch.bfloat16, 128, 4, 16, 7))
 _POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
-_FLOAT_POINTERS = {"out_ptr", "query_ptr", "key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr"}
+_FLOAT_POINTERS = {"out_ptr", "query_ptr", "key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr", "ctx_out_ptr"}
 
 
 def _compile(module_name: str, kernel_name: str, meta: dict[str, object], kind: Callable[[str], str],
@@ -52,18 +52,20 @@ def _compile(module_name: str, kernel_name: str, meta: dict[str, object], kind: 
 def _tree_attention_kind(dtype: torch.dtype) -> Callable[[str], str]:
     def kind(name: str) -> str:
         if name.endswith("_ptr"):
-            return _POINTER[dtype] if name in _FLOAT_POINTERS else "*fp32" if name.startswith("part_") else "*i64"
+            return (_POINTER[dtype] if name in _FLOAT_POINTERS else
+                    "*fp32" if name.startswith("part_") or name == "ctx_lse_ptr" else "*i64")
         return "fp32" if name == "qk_scale" else "i64" if name.startswith("stride") else "i32"
     return kind
 
 
 def compile_tree_attention(dtype: torch.dtype, head_size: int, group: int, block_size: int, arch: int,
-                           num_splits: int = 1) -> int:
+                           num_splits: int = 1, context_given: bool = False) -> int:
     """`_tree_attention_kernel` with the launcher's compile-time parameters; returns the cubin size."""
     from ubtree_vllm.triton_ops.tree_attention import launch_meta
 
     return _compile("tree_attention", "_tree_attention_kernel",
-                    launch_meta(group, head_size, block_size, dtype, num_splits), _tree_attention_kind(dtype), arch)
+                    launch_meta(group, head_size, block_size, dtype, num_splits, context_given),
+                    _tree_attention_kind(dtype), arch)
 
 
 def compile_tree_attention_combine(dtype: torch.dtype, head_size: int, num_splits: int, arch: int) -> int:
@@ -242,6 +244,8 @@ def main() -> int:
         size = compile_tree_attention(dtype, head_size, group, block_size, args.arch)
         print(f"tree_attention sm_{args.arch} {str(dtype).removeprefix('torch.')} head {head_size} "
               f"group {group} block {block_size}: cubin {size} bytes")
+    size = compile_tree_attention(torch.bfloat16, 64, 3, 16, args.arch, context_given=True)
+    print(f"tree_attention sm_{args.arch} bfloat16 head 64 group 3 block 16, context given: cubin {size} bytes")
     for dtype, head_size, group, block_size, splits in TREE_ATTENTION_SPLIT_CONFIGS:
         size = compile_tree_attention(dtype, head_size, group, block_size, args.arch, splits)
         combine = compile_tree_attention_combine(dtype, head_size, splits, args.arch)

@@ -58,6 +58,39 @@ def tree_attention_reference(
     return out
 
 
+def context_attention_reference(
+        # [T, H, D] query rows of the forward
+        query: torch.Tensor,
+        # [num_blocks, block_size, H_kv, D] paged cache views
+        key_cache: torch.Tensor, value_cache: torch.Tensor,
+        # [num_reqs, max_blocks] block ids per request
+        block_table: torch.Tensor,
+        # [M] global row / request / committed context length of each tree row (-1 row: skipped)
+        row_index: torch.Tensor, row_req: torch.Tensor, row_context_len: torch.Tensor,
+        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each tree row's attention over its committed context alone, as FlashAttention returns it with the
+    context lengths as ``seqused_k`` and ``return_softmax_lse``: (out [T, H, D] in the query dtype, normalised;
+    lse [H, T] fp32 natural log-sum-exp of the scaled scores, +inf where a row has no context, as
+    FlashAttention reports it). Rows that are no tree row hold zeros and lse +inf. The ``context_out`` /
+    ``context_lse`` inputs of :func:`ubtree_vllm.triton_ops.tree_attention`."""
+    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_size = key_cache.shape[1]
+    out = torch.zeros_like(query)
+    lse = torch.full((num_heads, query.shape[0]), float("inf"), dtype=torch.float32, device=query.device)
+    for row, req, context_len in zip(row_index.tolist(), row_req.tolist(), row_context_len.tolist()):
+        if row < 0 or context_len == 0:
+            continue
+        pos = torch.arange(context_len, device=key_cache.device)
+        block_ids = block_table[req, pos // block_size].long()
+        k = key_cache[block_ids, pos % block_size].float().repeat_interleave(group, dim=1)  # [c, H, D]
+        v = value_cache[block_ids, pos % block_size].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", query[row].float(), k) * scale  # [H, c]
+        out[row] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v).to(out.dtype)
+        lse[:, row] = torch.logsumexp(scores, dim=-1)
+    return out, lse
+
+
 def tree_mla_attention_reference(q_latent, q_rope, kv_latent, k_rope, kv_cache, block_table, row_index, row_req,
                                  row_context_len, row_path, scale, out):
     """Twin of ``tree_mla_attention``: row r's heads attend, fp32, to the latent context of its request

@@ -36,6 +36,14 @@ log-sum-exp into ``out``. The split count depends on host-known shapes only (M, 
 count), so a captured graph replays the same launches; with one split the kernel writes ``out``
 itself, as before.
 
+Context given (``context_out`` / ``context_lse``). When another kernel already attended every
+row to its committed context -- FlashAttention called with the context lengths as ``seqused_k``,
+not causal, returning its log-sum-exp -- the kernel skips (a): each query vector's running state
+starts as that partial (max = lse in base 2, sum 1, accumulator = the normalised output, which
+is the same online-softmax state), then (b) adds the path rows and normalises. A non-finite lse
+(FlashAttention reports +inf for a row with no keys) starts empty. One split: the context walk
+it would split is not there.
+
 The launcher reads no device value (no host sync); the grid is ``(cdiv(M, ROWS), H_kv, NUM_SPLITS)``.
 Test oracle: :func:`ubtree_vllm.triton_ops.reference.tree_attention_reference`.
 """
@@ -82,11 +90,13 @@ if triton is not None:
             # Split partials (NUM_SPLITS > 1): acc [S, M, H, D] fp32, (max, sum) [S, M, H, 2] fp32
             part_acc_ptr, stride_pa_split, stride_pa_entry, stride_pa_h,
             part_ml_ptr, stride_pm_split, stride_pm_entry, stride_pm_h,
+            # Context given (CONTEXT_GIVEN): normalised output [T, H, D] and natural log-sum-exp [H, T] per row
+            ctx_out_ptr, stride_co_t, stride_co_h, ctx_lse_ptr, stride_cl_h, stride_cl_t,
             # Scalars
             qk_scale, num_entries, path_len,
             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, HEAD_SIZE: tl.constexpr,
             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-            NUM_SPLITS: tl.constexpr):
+            NUM_SPLITS: tl.constexpr, CONTEXT_GIVEN: tl.constexpr):
         # One tile = ROWS consecutive entries x the GROUP query heads of one kv head, flattened
         # into BLOCK_M = ROWS * GROUP_PAD query vectors m = (entry e(m), head g(m)).
         tile = tl.program_id(0)
@@ -116,10 +126,23 @@ if triton is not None:
             m_i = tl.full([ROWS * GROUP_PAD], -1.0e30, dtype=tl.float32)
             l_i = tl.zeros([ROWS * GROUP_PAD], dtype=tl.float32)
             acc = tl.zeros([ROWS * GROUP_PAD, HEAD_SIZE], dtype=tl.float32)
-            # (a) this split's chunk of the committed context, BLOCK_N tokens at a time through the block table.
-            chunk = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-            ctx_lo = split * chunk
-            ctx_hi = tl.minimum(context_len, ctx_lo + chunk)
+            if CONTEXT_GIVEN:  # (a) done elsewhere: its partial is the starting state (module docstring)
+                vec = sel & (g < GROUP)
+                lse = tl.load(ctx_lse_ptr + heads * stride_cl_h + row * stride_cl_t, mask=vec,
+                              other=float("inf")).to(tl.float32)  # [BLOCK_M]
+                some = (lse > -1.0e30) & (lse < 1.0e30)  # NaN compares false: starts empty too
+                o_ctx = tl.load(ctx_out_ptr + row[:, None] * stride_co_t + heads[:, None] * stride_co_h
+                                + offs_d[None, :], mask=(vec & some)[:, None], other=0.0).to(tl.float32)
+                m_i = tl.where(some, lse * 1.4426950408889634, m_i)
+                l_i = tl.where(some, 1.0, l_i)
+                acc = tl.where(some[:, None], o_ctx, acc)
+                ctx_hi = 0  # no context walk below
+                ctx_lo = 0
+            else:
+                # (a) this split's chunk of the committed context, BLOCK_N tokens at a time through the block table.
+                chunk = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+                ctx_lo = split * chunk
+                ctx_hi = tl.minimum(context_len, ctx_lo + chunk)
             for start in range(ctx_lo, ctx_hi, BLOCK_N):
                 pos = start + offs_n  # [BLOCK_N]
                 valid = pos < ctx_hi
@@ -212,13 +235,15 @@ _INTERPRETER_SMS = 4  # the SM count the split rule assumes under the Triton int
 
 
 def launch_meta(group: int, head_size: int, block_size: int, dtype: torch.dtype,
-                num_splits: int = 1) -> dict[str, object]:
-    """The kernel's compile-time parameters for a GQA group size, head size, KV block size, dtype and split count."""
+                num_splits: int = 1, context_given: bool = False) -> dict[str, object]:
+    """The kernel's compile-time parameters for a GQA group size, head size, KV block size, dtype, split count
+    and whether the context part comes from elsewhere (``context_out`` / ``context_lse``)."""
     group_pad = 1 << (group - 1).bit_length()
     block_m = 64 if head_size <= 128 else 32  # query vectors per program
     return {"GROUP": group, "GROUP_PAD": group_pad, "ROWS": max(1, block_m // group_pad), "HEAD_SIZE": head_size,
             "BLOCK_SIZE": block_size, "BLOCK_N": 64 if head_size <= 128 else 32,
-            "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32", "NUM_SPLITS": num_splits}
+            "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32", "NUM_SPLITS": num_splits,
+            "CONTEXT_GIVEN": context_given}
 
 
 def auto_num_splits(num_programs: int, num_sms: int) -> int:
@@ -266,12 +291,27 @@ def tree_attention(
         # [T, H, D] mutable: rows row_index are overwritten, the others untouched
         out: torch.Tensor,
         # context splits (module docstring); None: auto_num_splits from the grid and the SM count
-        num_splits: int | None = None) -> torch.Tensor:
+        num_splits: int | None = None,
+        # [T, H, D] each row's attention over its committed context alone (normalised), and [H, T] fp32 its
+        # natural log-sum-exp (FlashAttention's out / softmax_lse); given: the kernel adds only the path rows
+        context_out: torch.Tensor | None = None, context_lse: torch.Tensor | None = None) -> torch.Tensor:
     """Write ``softmax(q K^T * scale) V`` of every tree row into ``out[row_index]``; returns ``out``.
 
     See the module docstring for what each row attends to. Asserts the contract (ranks,
     shapes, dtypes, devices, unit last-dim stride); reads no device value.
     """
+    context_given = context_out is not None
+    assert context_given == (context_lse is not None), "context_out and context_lse come together"
+    if context_given:
+        assert context_out.shape == query.shape, (
+            f"context_out must be [T, H, D] = {tuple(query.shape)}, got {tuple(context_out.shape)}")
+        assert context_lse.shape == (query.shape[1], query.shape[0]) and context_lse.dtype == torch.float32, (
+            f"context_lse must be [H, T] = {(query.shape[1], query.shape[0])} fp32, got "
+            f"{tuple(context_lse.shape)} {context_lse.dtype}")
+        assert context_out.stride(-1) == 1 and context_out.device == context_lse.device == query.device, (
+            "context_out needs a unit last-dim stride; context_out/context_lse on the query's device")
+        assert num_splits in (None, 1), "with the context given there is no context walk to split"
+        num_splits = 1
     assert query.dim() == 3, f"query must be [T, H, D], got shape {tuple(query.shape)}"
     assert key.dim() == 3 and value.shape == key.shape, (
         f"key/value must both be [T, H_kv, D], got {tuple(key.shape)} and {tuple(value.shape)}")
@@ -317,7 +357,8 @@ def tree_attention(
         raise RuntimeError("tree_attention on CPU tensors needs the Triton interpreter: set "
                            "TRITON_INTERPRET=1 before triton is first imported")
 
-    meta = launch_meta(num_heads // num_kv_heads, head_size, key_cache.shape[1], query.dtype)
+    meta = launch_meta(num_heads // num_kv_heads, head_size, key_cache.shape[1], query.dtype,
+                       context_given=context_given)
     tiles = triton.cdiv(num_rows, meta["ROWS"])
     if num_splits is None:
         sms = _INTERPRETER_SMS if query.device.type == "cpu" else _sm_count(query.device)
@@ -329,6 +370,10 @@ def tree_attention(
         part_ml = torch.empty((num_splits, num_rows, num_heads, 2), dtype=torch.float32, device=query.device)
     else:  # unused by the kernel (its NUM_SPLITS == 1 branch writes out)
         part_acc = part_ml = torch.empty((1, 1, 1, 2), dtype=torch.float32, device=query.device)
+    if context_given:
+        ctx_out, ctx_lse = context_out, context_lse
+    else:  # unused by the kernel (its CONTEXT_GIVEN branch is compiled out)
+        ctx_out, ctx_lse = out, torch.empty((1, 1), dtype=torch.float32, device=query.device)
     grid = (tiles, num_kv_heads, num_splits)
     _tree_attention_kernel[grid](
         # Outputs
@@ -344,6 +389,7 @@ def tree_attention(
         row_path, row_path.stride(0),
         part_acc, part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
         part_ml, part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
+        ctx_out, ctx_out.stride(0), ctx_out.stride(1), ctx_lse, ctx_lse.stride(0), ctx_lse.stride(1),
         # Scalars
         scale * _LOG2E, num_rows, row_path.shape[1],
         **meta,

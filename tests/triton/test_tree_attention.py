@@ -17,7 +17,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from ubtree_vllm.triton_ops import tree_attention
-from ubtree_vllm.triton_ops.reference import tree_attention_reference
+from ubtree_vllm.triton_ops.reference import context_attention_reference, tree_attention_reference
 from ubtree_vllm.triton_ops.tree_attention_inputs import TreeAttentionInputs, make_inputs, random_parents
 
 from kernel_device import CUDA, DEVICE, assert_written_rows
@@ -73,6 +73,26 @@ def test_split_context_matches_reference(num_splits):
         ref = tree_attention_reference(*case.args(), out.clone())
         assert tree_attention(*case.args(), out, num_splits=num_splits) is out
         assert_rows_match(out, ref, case, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(4, 4, 64), (6, 2, 32)])
+def test_context_given_by_log_sum_exp_matches_reference(num_heads, num_kv_heads, head_size):
+    """The context part from elsewhere (FlashAttention's context-only out + lse; here its torch twin) merged with
+    the kernel's path rows gives the whole-row attention; the request with no context (lse +inf) gets the path
+    alone; rows that are no tree row stay untouched."""
+    gen = torch.Generator().manual_seed(5)
+    requests = [*REQUESTS, *((ctx, random_parents(9, 4, 3, gen)) for ctx in (130, 1))]
+    case = make_case(requests, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size)
+    context_out, context_lse = context_attention_reference(
+        case.query, case.key_cache, case.value_cache, case.block_table, case.row_index, case.row_req,
+        case.row_context_len, case.scale)
+    assert torch.isinf(context_lse).any(), "the empty-context request must reach the kernel"
+    out = torch.full_like(case.query, float("nan"))
+    ref = tree_attention_reference(*case.args(), out.clone())
+    assert tree_attention(*case.args(), out, context_out=context_out, context_lse=context_lse) is out
+    assert_rows_match(out, ref, case, atol=1e-4, rtol=1e-4)
+    with pytest.raises(AssertionError, match="no context walk to split"):
+        tree_attention(*case.args(), out, num_splits=2, context_out=context_out, context_lse=context_lse)
 
 
 def test_split_count_fills_a_small_grid_only():
@@ -236,6 +256,6 @@ def test_kernels_compile_for_hopper_without_a_gpu(compiler):
     proc = subprocess.run([sys.executable, "-m", "ubtree_vllm.triton_ops.compile_check", "--arch", "90"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("cubin") == 30, proc.stdout
+    assert proc.stdout.count("cubin") == 31, proc.stdout
     if compiler == "device":
         assert f"from {DEVICE_TRITON}" in proc.stdout, proc.stdout
