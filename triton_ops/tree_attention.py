@@ -292,8 +292,9 @@ def tree_attention(
         out: torch.Tensor,
         # context splits (module docstring); None: auto_num_splits from the grid and the SM count
         num_splits: int | None = None,
-        # [T, H, D] each row's attention over its committed context alone (normalised), and [H, T] fp32 its
-        # natural log-sum-exp (FlashAttention's out / softmax_lse); given: the kernel adds only the path rows
+        # [n, H, D] each row's attention over its committed context alone (normalised), and [H, n] fp32 its
+        # natural log-sum-exp (FlashAttention's out / softmax_lse), for the first n <= T rows (every tree row
+        # among them); given: the kernel adds only the path rows
         context_out: torch.Tensor | None = None, context_lse: torch.Tensor | None = None) -> torch.Tensor:
     """Write ``softmax(q K^T * scale) V`` of every tree row into ``out[row_index]``; returns ``out``.
 
@@ -303,10 +304,11 @@ def tree_attention(
     context_given = context_out is not None
     assert context_given == (context_lse is not None), "context_out and context_lse come together"
     if context_given:
-        assert context_out.shape == query.shape, (
-            f"context_out must be [T, H, D] = {tuple(query.shape)}, got {tuple(context_out.shape)}")
-        assert context_lse.shape == (query.shape[1], query.shape[0]) and context_lse.dtype == torch.float32, (
-            f"context_lse must be [H, T] = {(query.shape[1], query.shape[0])} fp32, got "
+        rows = context_out.shape[0]
+        assert context_out.shape[1:] == query.shape[1:] and rows <= query.shape[0], (
+            f"context_out must be [n <= T, H, D] for query {tuple(query.shape)}, got {tuple(context_out.shape)}")
+        assert context_lse.shape == (query.shape[1], rows) and context_lse.dtype == torch.float32, (
+            f"context_lse must be [H, n] = {(query.shape[1], rows)} fp32, got "
             f"{tuple(context_lse.shape)} {context_lse.dtype}")
         assert context_out.stride(-1) == 1 and context_out.device == context_lse.device == query.device, (
             "context_out needs a unit last-dim stride; context_out/context_lse on the query's device")

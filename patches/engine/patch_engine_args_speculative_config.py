@@ -98,6 +98,9 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
     target = TargetInfo.from_model_config(target_model_config)
     spec = parse_speculative_config(_merged_user_spec(args), target)
     check_hybrid_engine(target, current_platform.is_cpu(), args.tensor_parallel_size, bool(args.enable_prefix_caching))
+    if spec.tree_attention != "triton" and not current_platform.is_cuda():
+        raise ValueError(f"speculative_config.tree_attention {spec.tree_attention!r} runs on CUDA only (FlashAttention "
+                         f"attends the context); on {current_platform.device_name!r} use 'triton' (the default)")
     mrv2 = current_platform.is_cuda() and _runs_on_mrv2(envs.UBTREE_VLLM_RUNNER, spec, args.tensor_parallel_size)
     _check_engine_args(args, mrv2)
     if _user_chose_graph_sizes(args):

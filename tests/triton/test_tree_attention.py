@@ -192,6 +192,33 @@ def test_kernel_matches_reference_half_precision_on_cuda(dtype, head_size, num_h
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(9, 3, 64), (32, 8, 128)])
+def test_flash_context_then_path_merge_matches_reference_on_cuda(num_heads, num_kv_heads, head_size):
+    """tree_attention "flash_merge": FlashAttention's context-only rows (vllm/attention/flash.py's call) merged
+    with the kernel's path rows equal the whole-row reference, as closely as the Triton walk does; a request
+    with no context takes the path alone."""
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+
+    from ubtree_vllm.vllm.attention.flash import flash_context_attention
+
+    case = make_case(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, dtype=torch.bfloat16,
+                     block_size=16)
+    query_lens = case.query_start_loc[1:] - case.query_start_loc[:-1]
+    context_out, context_lse = flash_context_attention(
+        case.query, case.key_cache, case.value_cache, case.query_start_loc, case.seq_lens,
+        int(query_lens.max()), int(case.seq_lens.max()), case.block_table, case.scale,
+        get_flash_attn_version(head_size=head_size))
+    out = torch.full_like(case.query, float("nan"))
+    ref = tree_attention_reference(*case.args(), out.clone())
+    tree_attention(*case.args(), out, context_out=context_out, context_lse=context_lse)
+    assert_rows_match(out.float(), ref.float(), case, atol=2e-2, rtol=2e-2)
+    walked, _ = run_both(case)
+    merged_err = (out.float() - ref.float()).abs()[case.row_index.long()].max()
+    walked_err = (walked.float() - ref.float()).abs()[case.row_index.long()].max()
+    assert merged_err <= 2 * walked_err + 1e-3, (merged_err, walked_err)
+
+
+@pytest.mark.gpu
 def test_fp32_output_from_bf16_inputs_on_cuda():
     case = make_case(dtype=torch.bfloat16)
     got, ref = run_both(case, out_dtype=torch.float32)

@@ -83,6 +83,15 @@ def test_attention_records_carry_both_times_the_ratio_and_the_shape():
     assert records[0]["target"] == "qwen3-8b (context 512)" and "context 2048 tokens" in records[3]["notes"]
 
 
+def test_attention_records_carry_the_flash_merge_time_and_its_ratio():
+    records = attention_records([AttentionTiming(512, 0.03, 0.02, None, GRAPH_CLOCK, merge_ms=0.025)],
+                                iters=5, warmup=1, hardware="1x NVIDIA H200")
+    assert [(r["metric"], r["value"]) for r in records][-2:] == [("flash_merge_ms", 0.025),
+                                                                ("flash_merge_over_flash", 1.25)]
+    for r in records:
+        rec.validate_record(full(r))
+
+
 def test_attention_records_without_flash_attention_keep_the_triton_time_and_say_why():
     (record,) = attention_records([AttentionTiming(512, 0.03, None, "ImportError: no FA", "eager")],
                                   iters=5, warmup=1, hardware="h")

@@ -77,6 +77,8 @@ def test_additional_config_round_trip(tiny_drafter):
     ({"num_speculative_tokens_per_batch_size": [[3, 2, 4]]}, r"needs 1 <= first batch size <= last batch size"),
     ({"num_speculative_tokens_per_batch_size": [[1, 4]]}, r"each entry must be \[first batch size, last batch size"),
     ({"num_speculative_tokens_per_batch_size": []}, r"must be a non-empty list"),
+    ({"tree_attention": "flash"}, r"speculative_config.tree_attention \(how tree rows attend on CUDA\) must be one of "
+                                  r"\['triton', 'flash_merge'\], got 'flash'"),
 ])
 def test_invalid_settings_name_field_and_allowed_values(tiny_drafter, overrides, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -156,7 +158,8 @@ def test_missing_or_broken_drafter_folder(tiny_drafter, tmp_path):
 
 def test_spec_keys_are_documented():
     assert set(SPEC_KEYS) == {"method", "model", "num_speculative_tokens", "beam_width", "top_k", "prompt_lookup",
-                              "prompt_lookup_min", "prompt_lookup_max", "num_speculative_tokens_per_batch_size"}
+                              "prompt_lookup_min", "prompt_lookup_max", "num_speculative_tokens_per_batch_size",
+                              "tree_attention"}
 
 
 def test_from_vllm_config_recognises_only_the_rewritten_form(tiny_drafter):
@@ -210,6 +213,15 @@ def test_unsupported_request_options():
     penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
     assert unsupported_options(SamplingParams(**penalties)) == []
     assert unsupported_options(SamplingParams(**penalties), runner="mrv2") == []
+
+
+def test_tree_attention_mode_reaches_the_workers(tiny_drafter):
+    """The mode travels in additional_config (the workers rebuild the config from it); 'triton' by default."""
+    assert parse_speculative_config(spec(tiny_drafter), TINY).tree_attention == "triton"
+    cfg = parse_speculative_config(spec(tiny_drafter, tree_attention="flash_merge"), TINY)
+    assert UBTreeVllmConfig.from_additional_config(cfg.to_additional_config()) == cfg
+    with pytest.raises(ValueError, match=r"\['tree_attention'\] .* must be one of"):
+        UBTreeVllmConfig.from_additional_config({**cfg.to_additional_config(), "tree_attention": "x"})
 
 
 def test_budget_schedule_reaches_the_config(tiny_drafter):

@@ -49,6 +49,19 @@ def test_mrv2_lookup_branch_greedy_equality_smollm2(mrv2, default_target_dir, tm
         assert tau > 1.5, tau
 
 
+def test_mrv2_flash_merge_tree_attention_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path):
+    """tree_attention "flash_merge": FlashAttention attends each row to its committed context, the Triton kernel adds
+    the path by log-sum-exp (vllm/attention/flash.py), inside the FULL CUDA graphs of the verification."""
+    from test_vllm_gpu import TREE
+
+    plain_tps, ubtree_tps, tau = run_pair(default_target_dir, smollm2_drafter(default_target_dir, tmp_path),
+                                          tree={**TREE, "prompt_lookup": True, "tree_attention": "flash_merge"})
+    print(f"MRV2 flash_merge SmolLM2 batch 1: no speculation {plain_tps:.1f} tok/s, ubtree {ubtree_tps:.1f} tok/s, "
+          f"tau {tau:.2f}")
+    if os.environ.get("GPU_TEST_DRAFTER"):
+        assert tau > 1.5, tau
+
+
 def test_mrv2_load_adaptive_budget_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path):
     """vLLM's dynamic speculative decoding picks each step's budget from the batch size: the 8 prompts run
     together verify the first 5 nodes of each tree (a parents-first prefix), the lone timing prompt all 16."""

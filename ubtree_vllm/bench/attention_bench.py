@@ -16,6 +16,10 @@ heads, head size 128, bf16, KV page size 16) over a committed context of C token
   tree_attention_over_flash  their ratio. The UBTree CUDA backend runs both (FlashAttention
                       over every row, then the tree rows overwritten), so a tree layer's
                       attention costs about (1 + ratio) x FlashAttention's.
+  flash_merge_ms      tree_attention "flash_merge" for the same rows: FlashAttention over the 65 rows'
+                      committed context alone (`vllm/attention/flash.py:flash_context_attention`),
+                      then the kernel adding each tree row's path (`context_out` / `context_lse`)
+  flash_merge_over_flash  its ratio to flash_attention_ms (the layer then costs about 1 + this)
 
 The tree is random (`triton_ops.tree_attention_inputs.random_parents`, window 12 = the
 default beam width); the inputs are those of the kernel tests (`make_inputs`), standard
@@ -61,6 +65,7 @@ class AttentionTiming:
     flash_ms: float | None
     flash_error: str | None
     clock: str
+    merge_ms: float | None = None  # tree_attention "flash_merge"; None with flash_ms
 
 
 def tree_inputs(context_len: int, device: torch.device, shape: AttentionShape = QWEN3_8B_ATTENTION,
@@ -114,9 +119,31 @@ def time_tree_vs_flash(context_len: int, device: torch.device, iters: int, warmu
     else:
         flash_times, flash_clock = time_launches(flash, device, iters, warmup)
         flash_ms = statistics.median(flash_times)
+        merge_times, _ = time_launches(merge_launch(inputs, torch.empty_like(inputs.query)), device, iters, warmup)
+        merge_ms = statistics.median(merge_times)
         if flash_clock != clock:
             clock = f"Triton: {clock}; FlashAttention: {flash_clock}"
+        return AttentionTiming(context_len, statistics.median(tree_times), flash_ms, error, clock, merge_ms)
     return AttentionTiming(context_len, statistics.median(tree_times), flash_ms, error, clock)
+
+
+def merge_launch(inputs: Any, out: torch.Tensor) -> Callable[[], Any]:
+    """tree_attention "flash_merge" for these rows: FlashAttention over the committed context, the kernel the path."""
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+
+    from ubtree_vllm.triton_ops import tree_attention
+    from ubtree_vllm.vllm.attention.flash import flash_context_attention
+
+    fa_version = get_flash_attn_version(head_size=inputs.query.shape[2])
+    num_tokens, max_seq_len = inputs.query.shape[0], int(inputs.seq_lens.max())
+
+    def launch() -> Any:
+        context_out, context_lse = flash_context_attention(
+            inputs.query, inputs.key_cache, inputs.value_cache, inputs.query_start_loc, inputs.seq_lens, num_tokens,
+            max_seq_len, inputs.block_table, inputs.scale, fa_version)
+        return tree_attention(*inputs.args(), out, context_out=context_out, context_lse=context_lse)  # out: mutable
+
+    return launch
 
 
 def attention_records(timings: Sequence[AttentionTiming], *, iters: int, warmup: int, hardware: str,
@@ -137,6 +164,8 @@ def attention_records(timings: Sequence[AttentionTiming], *, iters: int, warmup:
         if t.flash_ms is not None:
             values += [("flash_attention_ms", t.flash_ms, "ms"),
                        ("tree_attention_over_flash", t.tree_ms / t.flash_ms, "x")]
+        if t.merge_ms is not None:
+            values += [("flash_merge_ms", t.merge_ms, "ms"), ("flash_merge_over_flash", t.merge_ms / t.flash_ms, "x")]
         records += [{
             "kind": "microbench", "method": "ubtree", "target": f"{shape.name} (context {t.context_len})",
             "metric": metric, "value": round(value, 5), "unit": unit, "batch_size": 1,

@@ -81,7 +81,12 @@ MAX_TREE_BUDGET = 128
 # over no speculation, without it 1.21-2.01x, same invocation; records in docs/benchmarks/records.jsonl).
 DEFAULT_PROMPT_LOOKUP = True
 SPEC_KEYS = ("method", "model", "num_speculative_tokens", "beam_width", "top_k", "prompt_lookup",
-             "prompt_lookup_min", "prompt_lookup_max", "num_speculative_tokens_per_batch_size")
+             "prompt_lookup_min", "prompt_lookup_max", "num_speculative_tokens_per_batch_size", "tree_attention")
+# How tree rows attend on CUDA (vllm/attention/flash.py): "triton" -- the Triton kernel walks each row's
+# committed context and its path; "flash_merge" -- FlashAttention attends every row to its committed
+# context (the kernel plain decoding uses) and the Triton kernel adds the path rows by log-sum-exp.
+# "triton" stays the default until the H200 measures the other (round time, agreement rate).
+TREE_ATTENTION_MODES = ("triton", "flash_merge")
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,8 @@ class UBTreeVllmConfig:
     # CUDA graphs for tree steps of every batch size (vllm/decode_graphs.py); False when the
     # user chose cudagraph_capture_sizes / max_cudagraph_capture_size
     wide_decode_graphs: bool = True
+    # How tree rows attend on CUDA (TREE_ATTENTION_MODES); CPU engines take "triton" only
+    tree_attention: str = "triton"
     # Load-adaptive tree budget: vLLM's dynamic speculative decoding schedule, ((first, last batch
     # size, B'), ...); a step of n requests verifies the first B' nodes of each tree (a subtree: the
     # nodes are parents first). None: always B. Read by vLLM's scheduler, not by the workers.
@@ -135,7 +142,7 @@ class UBTreeVllmConfig:
     def to_additional_config(self) -> dict[str, Any]:
         """Plain JSON for ``VllmConfig.additional_config["ubtree"]`` (hashed by vLLM)."""
         return {"drafter": self.drafter_dir, "runner": self.runner, "wide_decode_graphs": self.wide_decode_graphs,
-                **self.tree.to_dict()}
+                "tree_attention": self.tree_attention, **self.tree.to_dict()}
 
     @classmethod
     def from_additional_config(cls, values: Mapping[str, Any]) -> "UBTreeVllmConfig":
@@ -144,6 +151,8 @@ class UBTreeVllmConfig:
         drafter_dir = values.pop("drafter", None)
         runner = values.pop("runner", "v1")
         wide_decode_graphs = values.pop("wide_decode_graphs", True)
+        tree_attention = _tree_attention_mode(values.pop("tree_attention", "triton"),
+                                              f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]['tree_attention']")
         if not isinstance(wide_decode_graphs, bool):
             raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]['wide_decode_graphs'] must be true or "
                              f"false, got {wide_decode_graphs!r}")
@@ -158,7 +167,7 @@ class UBTreeVllmConfig:
             raise ValueError(f"block_size {tree.block_size} does not match the drafter's gamma "
                              f"{drafter.block_size} ({drafter_dir} changed since the engine was configured)")
         return cls(drafter_dir=drafter_dir, tree=tree, drafter=drafter, runner=runner,
-                   wide_decode_graphs=wide_decode_graphs)
+                   wide_decode_graphs=wide_decode_graphs, tree_attention=tree_attention)
 
 
 def load_drafter_config(model: Any) -> DrafterConfig:
@@ -248,8 +257,16 @@ def parse_speculative_config(spec: Mapping[str, Any], target: TargetInfo) -> UBT
                         prompt_lookup=lookup, lookup_min_n=min_n, lookup_max_n=max_n)
     tree.check_vocab(target.vocab_size)
     schedule = _budget_schedule(spec.get("num_speculative_tokens_per_batch_size"), budget)
+    attention = _tree_attention_mode(spec.get("tree_attention", "triton"), "speculative_config.tree_attention")
     return UBTreeVllmConfig(drafter_dir=str(Path(spec["model"]).expanduser().resolve()), tree=tree,
-                            drafter=drafter, budget_schedule=schedule)
+                            drafter=drafter, budget_schedule=schedule, tree_attention=attention)
+
+
+def _tree_attention_mode(value: Any, field: str) -> str:
+    if value not in TREE_ATTENTION_MODES:
+        raise ValueError(f"{field} (how tree rows attend on CUDA) must be one of {list(TREE_ATTENTION_MODES)}, "
+                         f"got {value!r}")
+    return value
 
 
 def check_hybrid_engine(target: TargetInfo, on_cpu: bool, tensor_parallel_size: int,

@@ -119,7 +119,8 @@ class UBTreeRunnerMixin:
 
     def _check_tree_attention(self) -> None:
         """Every decoder attention layer must run a tree-aware impl (else: wrong tokens)."""
-        layers = bind_tree_layers(self.compilation_config.static_forward_context, self._row_buffers)
+        layers = bind_tree_layers(self.compilation_config.static_forward_context, self._row_buffers,
+                                  tree_attention=self.ubtree_config.tree_attention)
         self._tree_attention_layers = layers
         self._kv_cache_ptrs: torch.Tensor | None = None  # [L] int64, built at the first in-cache commit
         # FLASH_ATTN's tree impl: KV commit inside the cache, tree rows read from the row buffers.

@@ -18,6 +18,13 @@ batches (every request verifies 1 + B tokens) and PIECEWISE graphs around attent
 the others. During capture the launch is always recorded; in eager calls it is skipped
 when the step has no tree rows.
 
+``tree_attention: "flash_merge"`` (``ubtree_context_from_flash``): a second FlashAttention call, not
+causal, with each request's committed context length as ``seqused_k`` (its tokens before this
+step's rows; FlashAttention reads the cache in place) and ``return_softmax_lse``, attends every row
+to its context with the kernel plain decoding uses; the Triton launch then adds only each tree row's
+path rows, starting from that partial (``tree_attention(context_out=, context_lse=)``). Same
+shapes and no host read, so it is captured in the same graphs.
+
 The KV commit of accepted paths copies inside this cache
 (:func:`ubtree_vllm.vllm.kv_commit.commit_accepted_paths_in_cache`), so nothing is stashed.
 
@@ -56,6 +63,8 @@ class TreeFlashAttentionImpl(FlashAttentionImpl):
     # UBTree in the same process (the backend override is process-wide) leave it None and
     # run stock FlashAttention, also under CUDA-graph capture.
     ubtree_row_buffers: RowBuffers | None = None
+    # tree_attention "flash_merge": the context part from FlashAttention (module docstring); set by the bind
+    ubtree_context_from_flash: bool = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -80,11 +89,27 @@ class TreeFlashAttentionImpl(FlashAttentionImpl):
         buffers = self.ubtree_row_buffers  # None: a layer of an engine without UBTree
         if buffers is None or not (tree_forward_state().has_tree_rows or torch.cuda.is_current_stream_capturing()):
             return output
-        self._attend_tree_rows(query, key, value, kv_cache, attn_metadata.block_table, output, buffers)
+        context = self._context_part(query, kv_cache, attn_metadata) if self.ubtree_context_from_flash else None
+        self._attend_tree_rows(query, key, value, kv_cache, attn_metadata.block_table, output, buffers, context)
         return output
 
+    def _context_part(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                      attn_metadata: FlashAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`flash_context_attention` of the forward's first ``num_actual_tokens`` rows over this layer's
+        cache, the rest of the call as ``FlashAttentionImpl.forward`` makes it."""
+        from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
+
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)  # as the impl reads it
+        num_tokens = attn_metadata.num_actual_tokens
+        return flash_context_attention(
+            query[:num_tokens], canonicalize_singleton_dim_strides(key_cache),
+            canonicalize_singleton_dim_strides(value_cache), attn_metadata.query_start_loc, attn_metadata.seq_lens,
+            attn_metadata.max_query_len, attn_metadata.max_seq_len, attn_metadata.block_table, self.scale,
+            self.vllm_flash_attn_version, attn_metadata.max_num_splits)
+
     def _attend_tree_rows(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                          block_table: torch.Tensor, output: torch.Tensor, buffers: RowBuffers) -> None:
+                          block_table: torch.Tensor, output: torch.Tensor, buffers: RowBuffers,
+                          context: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Overwrite the output rows of the buffers' tree rows; one launch over T entries.
 
         query [T, H, D]; key/value [T, H_kv, D]; kv_cache [num_blocks, H_kv, block_size, 2D]
@@ -96,4 +121,32 @@ class TreeFlashAttentionImpl(FlashAttentionImpl):
         tree_attention(query, key, value, key_cache, value_cache, block_table,
                        buffers.row_index[:num_tokens], buffers.row_req[:num_tokens],
                        buffers.row_context_len[:num_tokens], buffers.row_path[:num_tokens],
-                       self.scale, output)  # output: mutable
+                       self.scale, output,  # output: mutable
+                       context_out=None if context is None else context[0],
+                       context_lse=None if context is None else context[1])
+
+
+def flash_context_attention(
+        # [n, H, D] the forward's rows (request i's are query_start_loc[i] .. query_start_loc[i + 1] - 1)
+        query: torch.Tensor,
+        # [num_blocks, block_size, H_kv, D] the layer's paged cache views
+        key_cache: torch.Tensor, value_cache: torch.Tensor,
+        # [R + 1] int32 first row of each request; [R] int32 its tokens including this forward's rows
+        query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+        max_query_len: int, max_seq_len: int,
+        # [R, max_blocks] int32
+        block_table: torch.Tensor, scale: float, fa_version: int, num_splits: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row attended to its request's committed context alone (``seq_lens`` less the request's rows
+    here), by FlashAttention, not causal: (out [n, H, D] normalised, lse [H, n] fp32 natural log-sum-exp,
+    +inf for a row with no context). Device ops only (capturable). The ``context_out`` / ``context_lse`` of
+    :func:`ubtree_vllm.triton_ops.tree_attention`."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    context_lens = (seq_lens - (query_start_loc[1:] - query_start_loc[:-1])).clamp(min=0).to(torch.int32)  # [R]
+    out = torch.empty_like(query)
+    out, lse = flash_attn_varlen_func(
+        q=query, k=key_cache, v=value_cache, out=out, cu_seqlens_q=query_start_loc, max_seqlen_q=max_query_len,
+        seqused_k=context_lens, max_seqlen_k=max_seq_len, softmax_scale=scale, causal=False, block_table=block_table,
+        return_softmax_lse=True, fa_version=fa_version, num_splits=num_splits)
+    return out, lse

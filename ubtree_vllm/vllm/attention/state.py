@@ -138,9 +138,10 @@ class TreeForwardState:
 
 
 def bind_tree_layers(forward_context: Mapping[str, Any], row_buffers: RowBuffers,
-                     exclude: Collection[str] = ()) -> list[Any]:
+                     exclude: Collection[str] = (), tree_attention: str = "triton") -> list[Any]:
     """The engine's attention layers (names in ``exclude``, e.g. a draft model's, left out), each checked
-    to run a tree-aware impl and bound to this engine's ``row_buffers`` (read by ``flash.py``).
+    to run a tree-aware impl and bound to this engine's ``row_buffers`` and ``tree_attention`` mode
+    (read by ``flash.py``; ``vllm.config.TREE_ATTENTION_MODES``).
 
     RuntimeError when there is none or one runs a stock impl (it would answer tree rows wrongly).
     """
@@ -152,8 +153,14 @@ def bind_tree_layers(forward_context: Mapping[str, Any], row_buffers: RowBuffers
         raise RuntimeError(f"method 'ubtree' needs its tree-aware attention backend, but the target's "
                            f"attention layers use {stock or 'no attention layers'}; was the backend "
                            "selected before the ubtree worker patches were applied?")
+    if tree_attention != "triton" and not all(getattr(m.impl, "ubtree_context_from_flash", None) is not None
+                                              for m in layers):
+        raise RuntimeError(f"tree_attention {tree_attention!r} needs the CUDA FlashAttention tree backend; the "
+                           f"target's attention layers use {sorted({type(m.impl).__name__ for m in layers})}")
     for m in layers:
         m.impl.ubtree_row_buffers = row_buffers
+        if tree_attention != "triton":
+            m.impl.ubtree_context_from_flash = tree_attention == "flash_merge"
     return layers
 
 

@@ -101,7 +101,8 @@ class UBTreeModelRunnerV2(GPUModelRunner):
     def _bind_target_layers(self) -> None:
         """The target's attention layers (the drafter's excluded) read the row buffers; after every KV init."""
         self._target_layers = bind_tree_layers(self.compilation_config.static_forward_context, self._row_buffers,
-                                               exclude=self.speculator.draft_attn_layer_names)
+                                               exclude=self.speculator.draft_attn_layer_names,
+                                               tree_attention=self.ubtree_config.tree_attention)
         elsewhere = sorted({type(m.impl).__name__ for m in self._target_layers
                             if not getattr(m.impl, "ubtree_commit_in_cache", False)})
         if elsewhere:
