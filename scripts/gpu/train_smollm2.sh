@@ -41,7 +41,8 @@
 #            draft-stage CUDA graphs
 #   bench    `ubtree bench e2e` at batch 1 (ar, dflash-chain, ubtree-mrv2 and ubtree (V1) B=16/32/64); METHODS, BUDGETS,
 #            BENCH_DATASETS, BENCH_TEMPS and BENCH_PROMPTS (per set, default 10) select a slice so
-#            each call stays < 10 minutes
+#            each call stays < 10 minutes; TREE_ATTENTION=flash_merge (bench, sweep, stages, roundprof) sets
+#            --tree-attention
 #   sweep    `ubtree bench e2e` concurrency SWEEP_CONCURRENCY (default 1,4,16,32) on MT-Bench (SWEEP_PROMPTS, default 64), T=0;
 #            SWEEP_METHODS (default ar,ngram,ubtree-mrv2) and SWEEP_BUDGETS (default 64) select the runs;
 #            BUDGET_SCHEDULE (e.g. 1-4:64,5-16:32,17-64:16) makes the tree methods' budget load-adaptive
@@ -204,7 +205,7 @@ for phase in "$@"; do
         --datasets "${BENCH_DATASETS:-spec_bench,mt_bench,humaneval}" --temperatures "${BENCH_TEMPS:-0,1}" \
         --num-prompts "${BENCH_PROMPTS:-10}" \
         --max-new-tokens 256 --methods "${METHODS:-ar,ngram,dflash-chain,ubtree-mrv2,ubtree}" \
-        --tree-budgets "${BUDGETS:-16,32,64}" \
+        --tree-budgets "${BUDGETS:-16,32,64}" ${TREE_ATTENTION:+--tree-attention "$TREE_ATTENTION"} \
         --beam-width 12 --top-k 64 --concurrency 1 ;;
     sweep)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
@@ -212,14 +213,14 @@ for phase in "$@"; do
         --datasets mt_bench --temperatures 0 --num-prompts "${SWEEP_PROMPTS:-64}" --max-new-tokens 256 \
         --methods "${SWEEP_METHODS:-ar,ngram,ubtree-mrv2}" \
         --tree-budgets "${SWEEP_BUDGETS:-64}" --beam-width 12 --top-k 64 --concurrency "${SWEEP_CONCURRENCY:-1,4,16,32}" \
-        ${BUDGET_SCHEDULE:+--budget-schedule "$BUDGET_SCHEDULE"} ;;
+        ${BUDGET_SCHEDULE:+--budget-schedule "$BUDGET_SCHEDULE"} ${TREE_ATTENTION:+--tree-attention "$TREE_ATTENTION"} ;;
     stages)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization 0.25 --stage-timing \
         --datasets "${BENCH_DATASETS:-mt_bench}" --temperatures "${BENCH_TEMPS:-0}" --num-prompts "${BENCH_PROMPTS:-4}" \
         --max-new-tokens 256 --methods "${METHODS:-ar,ubtree,ubtree-mrv2}" --tree-budgets "${BUDGETS:-16,64}" \
         --beam-width 12 --top-k 64 --concurrency "${STAGE_CONCURRENCY:-1}" \
-        ${BUDGET_SCHEDULE:+--budget-schedule "$BUDGET_SCHEDULE"} ;;
+        ${BUDGET_SCHEDULE:+--budget-schedule "$BUDGET_SCHEDULE"} ${TREE_ATTENTION:+--tree-attention "$TREE_ATTENTION"} ;;
     roundprof)
       rm -rf runs/roundprof
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --no-report \
@@ -227,7 +228,7 @@ for phase in "$@"; do
         --datasets mt_bench --temperatures 0 --num-prompts "${PROFILE_PROMPTS:-2}" --max-new-tokens 256 \
         --methods "${METHODS:-ar,ngram,ubtree-mrv2,ubtree-mrv2-lookup}" --tree-budgets "${BUDGETS:-64}" \
         --beam-width 12 --top-k 64 --concurrency "${STAGE_CONCURRENCY:-1}" \
-        ${BUDGET_SCHEDULE:+--budget-schedule "$BUDGET_SCHEDULE"}
+        ${BUDGET_SCHEDULE:+--budget-schedule "$BUDGET_SCHEDULE"} ${TREE_ATTENTION:+--tree-attention "$TREE_ATTENTION"}
       # files come back at most 16 MB each: the tables in one tar, the traces split into 15 MB parts (cat them)
       mkdir -p "$OUT" && tar -cf "$OUT/roundprof-tables.tar" -C runs/roundprof $(cd runs/roundprof && ls *.txt)
       tar -cf - -C runs/roundprof $(cd runs/roundprof && ls *.trace.json.gz) | split -b 15M -d - "$OUT/roundprof-traces.tar.part" ;;

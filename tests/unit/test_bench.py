@@ -233,6 +233,24 @@ def test_budget_schedule_reaches_the_tree_engines_and_their_records(drafter_dir,
     assert len(shown) == 2 and hidden == 0  # a scheduled run and a pinned one are two configurations
 
 
+def test_tree_attention_mode_reaches_the_tree_engines_and_their_records(drafter_dir, tmp_path):
+    settings = settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ar,ubtree-mrv2", tree_budgets="16",
+                                           top_k=16, tree_attention="flash_merge"))
+    run = ubtree_run(settings, 16, "ubtree-mrv2")
+    assert run.speculative_config["tree_attention"] == "flash_merge" and "tree_attention=flash_merge" in run.note
+    result = RunResult(num_requests=8, output_tokens=800, wall_s=1.0, tpot_ms=1.0, tau=3.0, num_drafts=10,
+                       num_accepted=20)
+    record = e2e_record(run, result, target="t", drafter=str(drafter_dir), dataset="mt_bench", temperature=0.0,
+                        concurrency=1, max_new_tokens=100, cuda_graphs=True, speedup=1.5)
+    assert rec.append_record(record, tmp_path / "r.jsonl")["tree_attention"] == "flash_merge"
+    default = ubtree_run(settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree-mrv2",
+                                                     tree_budgets="16", top_k=16)), 16, "ubtree-mrv2")
+    assert "tree_attention" not in default.speculative_config and default.tree_attention is None
+    from ubtree_vllm.bench.report import budget_label
+
+    assert budget_label(record) == "16 (flash_merge attention)"
+
+
 @pytest.mark.parametrize("overrides,pattern", [
     ({"methods": "ar,medusa"}, r"--methods: unknown method 'medusa'; allowed: ar, ngram, dflash-chain, ubtree, "
                                r"ubtree-mrv2"),

@@ -123,6 +123,7 @@ def e2e_record(run: MethodRun, result: RunResult, *, target: str, drafter: str |
         "temperature": float(temperature), "batch_size": concurrency, "concurrency": concurrency, "tp": tp,
         "cuda_graphs": cuda_graphs, "tree_budget": run.tree_budget, "beam_width": run.beam_width,
         "top_k": run.top_k, "block_size": run.block_size, "budget_schedule": run.budget_schedule,
+        "tree_attention": run.tree_attention,
         "tau": None if result.tau is None else round(result.tau, 4),
         "output_tokens_per_s": round(result.tokens_per_s, 3),
         "tpot_ms": None if result.tpot_ms is None else round(result.tpot_ms, 4),

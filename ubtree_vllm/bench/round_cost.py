@@ -15,7 +15,7 @@ METRIC = "round_over_plain_step"
 _CELL = ("dataset", "temperature", "concurrency")
 _CARRIED = ("method", "target", "drafter", "dataset", "num_prompts", "max_new_tokens", "temperature", "batch_size",
             "concurrency", "tp", "cuda_graphs", "tree_budget", "beam_width", "top_k", "block_size",
-            "budget_schedule", "cumulative_label_rows", "cumulative_distinct_tokens")  # the drafter's training, where it has one
+            "budget_schedule", "tree_attention", "cumulative_label_rows", "cumulative_distinct_tokens")  # the drafter's training, where it has one
 
 
 def round_cost_records(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

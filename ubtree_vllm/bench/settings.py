@@ -74,6 +74,8 @@ class MethodRun:
     env: dict[str, str] = field(default_factory=dict)
     # load-adaptive tree budget, in --budget-schedule's form ("1-4:64,5-32:16"); None: always tree_budget
     budget_schedule: str | None = None
+    # speculative_config.tree_attention when not the default "triton" (None)
+    tree_attention: str | None = None
 
     @property
     def uses_drafter(self) -> bool:
@@ -122,6 +124,8 @@ class E2ESettings:
     tensor_parallel_size: int = 1
     # --budget-schedule: ((first batch size, last batch size, B'), ...) for every tree method, None: B pinned
     budget_schedule: tuple[tuple[int, int, int], ...] | None = None
+    # --tree-attention: speculative_config.tree_attention of every tree method
+    tree_attention: str = "triton"
     # Drafter facts read from its config.json (None without a drafter).
     block_size: int | None = field(default=None, compare=False)
     vocab_size: int | None = field(default=None, compare=False)
@@ -280,6 +284,7 @@ def settings_from_args(args: argparse.Namespace, check_datasets: bool = True) ->
         profile_dir=getattr(args, "profile", None),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         budget_schedule=parse_budget_schedule(getattr(args, "budget_schedule", None)),
+        tree_attention=getattr(args, "tree_attention", "triton"),
     ), check_datasets=check_datasets)
 
 
@@ -301,8 +306,13 @@ def ubtree_run(settings: E2ESettings, budget: int, method: str = "ubtree") -> Me
         spec["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in settings.budget_schedule]
         schedule = schedule_text(settings.budget_schedule)
         note += f" load-adaptive budget {schedule} (requests in flight FIRST-LAST: nodes verified per tree)"
+    attention = None
+    if settings.tree_attention != "triton":
+        spec["tree_attention"] = attention = settings.tree_attention
+        note += f" tree_attention={attention}"
     return MethodRun(method, spec, tree_budget=budget, beam_width=width, top_k=settings.top_k,
-                     block_size=settings.block_size, note=note, env=dict(env), budget_schedule=schedule)
+                     block_size=settings.block_size, note=note, env=dict(env), budget_schedule=schedule,
+                     tree_attention=attention)
 
 
 def ngram_run(settings: E2ESettings) -> MethodRun:
