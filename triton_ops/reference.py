@@ -9,6 +9,16 @@ from __future__ import annotations
 import torch
 
 
+def _context_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, req: int,
+                context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Committed context tokens 0 .. context_len - 1 of request ``req`` read through its block table:
+    (key, value), each [context_len, H_kv, D] in the cache dtype."""
+    pos = torch.arange(context_len, device=key_cache.device)  # [c]
+    block_ids = block_table[req, pos // key_cache.shape[1]].long()  # [c]
+    slots = pos % key_cache.shape[1]
+    return key_cache[block_ids, slots], value_cache[block_ids, slots]
+
+
 def tree_attention_reference(
         # [T, H, D] query rows of the forward
         query: torch.Tensor,
@@ -38,17 +48,15 @@ def tree_attention_reference(
     """
     num_heads, num_kv_heads = query.shape[1], key.shape[1]
     group = num_heads // num_kv_heads
-    block_size = key_cache.shape[1]
     rows = zip(row_index.tolist(), row_req.tolist(), row_context_len.tolist(), row_path.tolist())
     for row, req, context_len, path in rows:
         if row < 0:
             continue
-        pos = torch.arange(context_len, device=key_cache.device)  # [c]
-        block_ids = block_table[req, pos // block_size].long()  # [c]
+        context_k, context_v = _context_kv(key_cache, value_cache, block_table, req, context_len)  # [c, H_kv, D]
         path_rows = torch.tensor([p for p in path if p >= 0], dtype=torch.long, device=key.device)
         # [c + depth + 1, H, D] fp32, kv heads repeated over their query-head group
-        k = torch.cat([key_cache[block_ids, pos % block_size], key[path_rows]]).float()
-        v = torch.cat([value_cache[block_ids, pos % block_size], value[path_rows]]).float()
+        k = torch.cat([context_k, key[path_rows]]).float()
+        v = torch.cat([context_v, value[path_rows]]).float()
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         if k.shape[0] == 0:
             out[row] = 0
@@ -75,16 +83,13 @@ def context_attention_reference(
     ``context_lse`` inputs of :func:`ubtree_vllm.triton_ops.tree_attention`."""
     num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
-    block_size = key_cache.shape[1]
     out = torch.zeros_like(query)
     lse = torch.full((num_heads, query.shape[0]), float("inf"), dtype=torch.float32, device=query.device)
     for row, req, context_len in zip(row_index.tolist(), row_req.tolist(), row_context_len.tolist()):
         if row < 0 or context_len == 0:
             continue
-        pos = torch.arange(context_len, device=key_cache.device)
-        block_ids = block_table[req, pos // block_size].long()
-        k = key_cache[block_ids, pos % block_size].float().repeat_interleave(group, dim=1)  # [c, H, D]
-        v = value_cache[block_ids, pos % block_size].float().repeat_interleave(group, dim=1)
+        k, v = (t.float().repeat_interleave(group, dim=1)  # [c, H, D]
+                for t in _context_kv(key_cache, value_cache, block_table, req, context_len))
         scores = torch.einsum("hd,nhd->hn", query[row].float(), k) * scale  # [H, c]
         out[row] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v).to(out.dtype)
         lse[:, row] = torch.logsumexp(scores, dim=-1)

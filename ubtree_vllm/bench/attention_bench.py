@@ -109,7 +109,7 @@ def time_tree_vs_flash(context_len: int, device: torch.device, iters: int, warmu
     inputs = tree_inputs(context_len, device, seed=seed)
     tree_out = torch.empty_like(inputs.query)
     tree_times, clock = time_launches(lambda: tree_attention(*inputs.args(), tree_out), device, iters, warmup)
-    flash_ms, error = None, None
+    flash_ms = merge_ms = error = None
     try:
         flash = flash_launch(inputs, torch.empty_like(inputs.query))
         flash()
@@ -123,8 +123,7 @@ def time_tree_vs_flash(context_len: int, device: torch.device, iters: int, warmu
         merge_ms = statistics.median(merge_times)
         if flash_clock != clock:
             clock = f"Triton: {clock}; FlashAttention: {flash_clock}"
-        return AttentionTiming(context_len, statistics.median(tree_times), flash_ms, error, clock, merge_ms)
-    return AttentionTiming(context_len, statistics.median(tree_times), flash_ms, error, clock)
+    return AttentionTiming(context_len, statistics.median(tree_times), flash_ms, error, clock, merge_ms)
 
 
 def merge_launch(inputs: Any, out: torch.Tensor) -> Callable[[], Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from ubtree_vllm.errors import CommandError
+from ubtree_vllm.vllm.config import TREE_ATTENTION_MODES
 
 DEFAULT_RECORDS = "docs/benchmarks/records.jsonl"
 # Names of bench/microbench.py:MICROBENCHES (kept here so building the parser imports no torch;
@@ -39,7 +40,7 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-schedule", default=None, metavar="FIRST-LAST:BUDGET,...",
                         help="load-adaptive tree budget for the tree methods (vLLM's num_speculative_tokens_per_batch"
                              "_size), e.g. 1-4:64,5-32:16: with 5-32 requests in flight each tree verifies 16 nodes")
-    parser.add_argument("--tree-attention", default="triton", choices=("triton", "flash_merge"),
+    parser.add_argument("--tree-attention", default="triton", choices=TREE_ATTENTION_MODES,
                         help="speculative_config.tree_attention of the tree methods (CUDA): triton walks each tree "
                              "row's context; flash_merge has FlashAttention attend the context and adds the path")
     parser.add_argument("--beam-width", type=int, default=12, help="W (capped at B)")

@@ -57,6 +57,15 @@ def decode_graph_sizes(capture_sizes: list[int], query_len: int, max_num_seqs: i
     return sorted(sizes)
 
 
+def _tree_steps(vllm_config: Any) -> tuple[int, list[tuple[int, int, int]]]:
+    """(tokens a request's tree step verifies besides its B drafts, the budget schedule's (first, last, B')
+    entries: vLLM's ``num_speculative_tokens_per_batch_size``, empty when B is pinned)."""
+    spec = vllm_config.speculative_config
+    schedule = getattr(spec, "num_speculative_tokens_per_batch_size", None) or ()
+    return (vllm_config.uniform_decode_query_len - spec.num_speculative_tokens,
+            [(first, last, budget) for first, last, budget in schedule])
+
+
 def widen_decode_graph_sizes(vllm_config: Any, draft_query_len: int | None = None) -> bool:
     """Add the decode sizes to ``vllm_config.compilation_config`` in place; True if it changed.
 
@@ -67,9 +76,7 @@ def widen_decode_graph_sizes(vllm_config: Any, draft_query_len: int | None = Non
         return False
     scheduler = vllm_config.scheduler_config
     query_len = vllm_config.uniform_decode_query_len  # 1 + B
-    spec = getattr(vllm_config, "speculative_config", None)
-    schedule = getattr(spec, "num_speculative_tokens_per_batch_size", None) or ()
-    sampled = query_len - (spec.num_speculative_tokens if schedule else 0)  # tokens per request besides the drafts
+    sampled, schedule = _tree_steps(vllm_config)
     entries = [(first, last, budget + sampled) for first, last, budget in schedule]
     if draft_query_len is not None:
         entries.append((1, scheduler.max_num_seqs, draft_query_len))
@@ -92,10 +99,9 @@ def check_tree_steps_fit(vllm_config: Any, graph_sizes_chosen: bool) -> None:
     (``graph_sizes_chosen``: they are not widened), the same steps must also fit
     ``max_cudagraph_capture_size``, or they would run without graphs. Called by the UBTree workers before
     they build anything."""
-    spec = vllm_config.speculative_config
     scheduler = vllm_config.scheduler_config
-    budget = spec.num_speculative_tokens
-    sampled = vllm_config.uniform_decode_query_len - budget  # tokens per request besides the drafts (1)
+    budget = vllm_config.speculative_config.num_speculative_tokens
+    sampled, schedule = _tree_steps(vllm_config)
     compilation = vllm_config.compilation_config
     limits = [("max_num_batched_tokens", scheduler.max_num_batched_tokens)]
     if graph_sizes_chosen and compilation.cudagraph_mode and compilation.cudagraph_capture_sizes:
@@ -105,7 +111,7 @@ def check_tree_steps_fit(vllm_config: Any, graph_sizes_chosen: bool) -> None:
             raise ValueError(f"speculative_config.num_speculative_tokens = {budget}: one request's tree step "
                              f"verifies {sampled + budget} tokens but {field} is {limit}; the largest "
                              f"num_speculative_tokens that fits is {limit - sampled}")
-        for first, last, entry_budget in getattr(spec, "num_speculative_tokens_per_batch_size", None) or ():
+        for first, last, entry_budget in schedule:
             if first > scheduler.max_num_seqs:
                 continue  # the scheduler never forms that batch
             n = min(last, scheduler.max_num_seqs)

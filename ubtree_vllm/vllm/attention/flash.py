@@ -89,28 +89,15 @@ class TreeFlashAttentionImpl(FlashAttentionImpl):
         buffers = self.ubtree_row_buffers  # None: a layer of an engine without UBTree
         if buffers is None or not (tree_forward_state().has_tree_rows or torch.cuda.is_current_stream_capturing()):
             return output
-        context = self._context_part(query, kv_cache, attn_metadata) if self.ubtree_context_from_flash else None
-        self._attend_tree_rows(query, key, value, kv_cache, attn_metadata.block_table, output, buffers, context)
+        self._attend_tree_rows(query, key, value, kv_cache, attn_metadata.block_table, output, buffers,
+                               attn_metadata if self.ubtree_context_from_flash else None)
         return output
-
-    def _context_part(self, query: torch.Tensor, kv_cache: torch.Tensor,
-                      attn_metadata: FlashAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """:func:`flash_context_attention` of the forward's first ``num_actual_tokens`` rows over this layer's
-        cache, the rest of the call as ``FlashAttentionImpl.forward`` makes it."""
-        from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
-
-        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)  # as the impl reads it
-        num_tokens = attn_metadata.num_actual_tokens
-        return flash_context_attention(
-            query[:num_tokens], canonicalize_singleton_dim_strides(key_cache),
-            canonicalize_singleton_dim_strides(value_cache), attn_metadata.query_start_loc, attn_metadata.seq_lens,
-            attn_metadata.max_query_len, attn_metadata.max_seq_len, attn_metadata.block_table, self.scale,
-            self.vllm_flash_attn_version, attn_metadata.max_num_splits)
 
     def _attend_tree_rows(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                           block_table: torch.Tensor, output: torch.Tensor, buffers: RowBuffers,
-                          context: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Overwrite the output rows of the buffers' tree rows; one launch over T entries.
+                          context_from: FlashAttentionMetadata | None = None) -> None:
+        """Overwrite the output rows of the buffers' tree rows; one launch over T entries (after FlashAttention's
+        context-only call when ``context_from``, the step's metadata, is given: "flash_merge").
 
         query [T, H, D]; key/value [T, H_kv, D]; kv_cache [num_blocks, H_kv, block_size, 2D]
         (logical); block_table [num_reqs, max_blocks] int32; output [T, H, D] (mutable).
@@ -118,12 +105,28 @@ class TreeFlashAttentionImpl(FlashAttentionImpl):
         num_tokens = query.shape[0]
         # (B, H, N, 2D) -> ((B, N, H, D), (B, N, H, D)), as FlashAttentionImpl reads the cache.
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        context_out = context_lse = None
+        if context_from is not None:
+            context_out, context_lse = self._context_part(query, key_cache, value_cache, context_from)
         tree_attention(query, key, value, key_cache, value_cache, block_table,
                        buffers.row_index[:num_tokens], buffers.row_req[:num_tokens],
                        buffers.row_context_len[:num_tokens], buffers.row_path[:num_tokens],
                        self.scale, output,  # output: mutable
-                       context_out=None if context is None else context[0],
-                       context_lse=None if context is None else context[1])
+                       context_out=context_out, context_lse=context_lse)
+
+    def _context_part(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      attn_metadata: FlashAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`flash_context_attention` of the forward's first ``num_actual_tokens`` rows over this layer's
+        cache views ``[num_blocks, block_size, H_kv, D]``, the rest of the call as ``FlashAttentionImpl.forward``
+        makes it."""
+        from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
+
+        num_tokens = attn_metadata.num_actual_tokens
+        return flash_context_attention(
+            query[:num_tokens], canonicalize_singleton_dim_strides(key_cache),
+            canonicalize_singleton_dim_strides(value_cache), attn_metadata.query_start_loc, attn_metadata.seq_lens,
+            attn_metadata.max_query_len, attn_metadata.max_seq_len, attn_metadata.block_table, self.scale,
+            self.vllm_flash_attn_version, attn_metadata.max_num_splits)
 
 
 def flash_context_attention(
