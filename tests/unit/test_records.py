@@ -286,3 +286,23 @@ def test_ngram_is_a_baseline_beside_every_speedup_over_ar(tmp_path, monkeypatch)
     assert methods[1:] == ["ar", "ngram", "dflash-chain", "ubtree", "ubtree"]  # after the header
     e2e = readme.split("## End-to-end")[1].split("\n## ")[0]
     assert "| ngram | smollm2-135m-instruct | – | 8 | 1 | 1 | – | 8 | 1 | 1.75 | – | 125.00 |" in e2e  # no vs single
+
+
+def test_vs_single_pairs_a_row_with_the_single_path_of_its_own_invocation(tmp_path):
+    """A later invocation's single path (a retrained drafter, other prompts) is no baseline for an older row: each
+    tree row's `vs single` divides by its own invocation's single-path tau, and a row without one shows none."""
+    path = tmp_path / "records.jsonl"
+    cell = {**E2E, "hardware": "1x NVIDIA H200", "date": "2026-11-30", "temperature": 0.0, "concurrency": 1,
+            "batch_size": 1, "output_tokens_per_s": 100.0, "speedup_vs_ar": 1.0}
+    chain = {"method": "dflash-chain", "tree_budget": 16, "beam_width": 1, "top_k": 1}
+    rec.append_record({**cell, **chain, "commit": "aaa1111", "num_prompts": 8, "tau": 1.25}, path=path)
+    rec.append_record({**cell, "commit": "aaa1111", "num_prompts": 8, "tau": 2.5}, path=path)
+    rec.append_record({**cell, "commit": "bbb2222", "num_prompts": 8, "tree_budget": 32, "tau": 3.0}, path=path)
+    rec.append_record({**cell, **chain, "commit": "ccc3333", "num_prompts": 16, "tau": 2.0}, path=path)
+    regenerate(path)
+    e2e = (tmp_path / "README.md").read_text().split("## End-to-end")[1].split("\n## ")[0]
+    rows = {line.split(" | ")[15]: line.split(" | ") for line in e2e.splitlines()
+            if line.startswith("| ubtree |") or line.startswith("| dflash-chain |")}
+    assert rows["aaa1111"][9:11] == ["2.50", "2.00"]  # against 1.25 of its own run, not the later 2.0
+    assert rows["bbb2222"][9:11] == ["3.00", "–"]  # its run had no single path
+    assert rows["ccc3333"][9:11] == ["2.00", "1.00"]

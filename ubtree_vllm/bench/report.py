@@ -4,10 +4,11 @@ Tables are grouped by kind, then (for e2e) by dataset and temperature. When seve
 records describe the same configuration (same kind, method, target, drafter and its training
 amount, dataset, temperature, tree settings, batch, concurrency and hardware), the latest one in file order
 is shown and the older ones are counted. The `vs single` column divides a row's tau by the
-tau of the single-path row (method in SINGLE_PATH_METHODS) with the same target, drafter,
-dataset and temperature from the same kind of measurement (:func:`measurement`: a speed run
+tau of the single-path row (method in SINGLE_PATH_METHODS) of the same invocation cell (:func:`_same_run`)
+and drafter: the same command, so the same kind of measurement (:func:`measurement`: a speed run
 of `ubtree bench e2e` with tokens/s, or a tau evaluation of `ubtree eval-tau`, which uses
-more prompts and the reference decoder); the two kinds are never mixed in one comparison.
+more prompts and the reference decoder), prompts and drafter training; a row whose invocation
+had no single path gets none (a later run's single path, of a retrained drafter, is no baseline).
 
 Sections, in order: Goals (each goal of the GPU fast path, issue 4, computed from the latest GPU
 records: per `ubtree bench e2e` cell UBTree's speedup over the single path's at T = 0, its
@@ -234,6 +235,11 @@ def _same_run(r: dict[str, Any]) -> tuple:
             r["temperature"], r["concurrency"] or 1)
 
 
+def _single_key(r: dict[str, Any]) -> tuple:
+    """The `vs single` pairing: one invocation cell and drafter (module docstring)."""
+    return (*_same_run(r), r["drafter"])
+
+
 def _over_baseline(goal: str, label: str, tree: dict[str, Any], base: dict[str, Any], least: float) -> list[Any]:
     """The goal row "tree's speedup over ar / the baseline's >= least" (both speedups from one invocation)."""
     ratio = tree["speedup_vs_ar"] / base["speedup_vs_ar"]
@@ -314,7 +320,7 @@ def render(records: Sequence[dict[str, Any]], plots: Sequence[str] = (), source:
     e2e = [r for r in shown if r["kind"] == "e2e"]
     if e2e:
         lines += ["## End-to-end", ""]
-        singles = _single_tau(e2e)
+        singles = {_single_key(r): r["tau"] for r in e2e if r["method"] in SINGLE_PATH_METHODS and r.get("tau")}
         groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
         for r in e2e:
             groups[(r["dataset"], r["temperature"])].append(r)
@@ -326,7 +332,7 @@ def render(records: Sequence[dict[str, Any]], plots: Sequence[str] = (), source:
                  "TPOT ms", "speedup vs AR", "hardware", "commit", "date"],
                 [[r["method"], r["target"], r["drafter"], budget_label(r), r["beam_width"], r["top_k"],
                   r["block_size"], r["num_prompts"], r["batch_size"], r["tau"],
-                  (r["tau"] / s if r["tau"] and (s := singles.get(_tau_key(r))) else None),
+                  (r["tau"] / s if r["tau"] and (s := singles.get(_single_key(r))) else None),
                   r["output_tokens_per_s"], r["tpot_ms"], r["speedup_vs_ar"], r["hardware"], r["commit"], r["date"]]
                  for r in rows])
         lines += _ablation_section([r for r in records if r["kind"] == "e2e"])
