@@ -199,14 +199,14 @@ def test_flash_context_then_path_merge_matches_reference_on_cuda(num_heads, num_
     with no context takes the path alone."""
     from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
 
-    from ubtree_vllm.vllm.attention.flash import flash_context_attention
+    from ubtree_vllm.vllm.attention.flash import committed_context_lens, flash_context_attention
 
     case = make_case(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, dtype=torch.bfloat16,
                      block_size=16)
     query_lens = case.query_start_loc[1:] - case.query_start_loc[:-1]
     context_out, context_lse = flash_context_attention(
-        case.query, case.key_cache, case.value_cache, case.query_start_loc, case.seq_lens,
-        int(query_lens.max()), int(case.seq_lens.max()), case.block_table, case.scale,
+        case.query, case.key_cache, case.value_cache, case.query_start_loc,
+        committed_context_lens(case.query_start_loc, case.seq_lens), int(query_lens.max()), int(case.seq_lens.max()), case.block_table, case.scale,
         get_flash_attn_version(head_size=head_size))
     out = torch.full_like(case.query, float("nan"))
     ref = tree_attention_reference(*case.args(), out.clone())

@@ -236,7 +236,7 @@ def test_budget_schedule_reaches_the_tree_engines_and_their_records(drafter_dir,
 def test_tree_attention_mode_reaches_the_tree_engines_and_their_records(drafter_dir, tmp_path):
     settings = settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ar,ubtree-mrv2", tree_budgets="16",
                                            top_k=16, tree_attention="flash_merge"))
-    run = ubtree_run(settings, 16, "ubtree-mrv2")
+    run = ubtree_run(settings, 16, "ubtree-mrv2", "flash_merge")
     assert run.speculative_config["tree_attention"] == "flash_merge" and "tree_attention=flash_merge" in run.note
     result = RunResult(num_requests=8, output_tokens=800, wall_s=1.0, tpot_ms=1.0, tau=3.0, num_drafts=10,
                        num_accepted=20)
@@ -249,6 +249,26 @@ def test_tree_attention_mode_reaches_the_tree_engines_and_their_records(drafter_
     from ubtree_vllm.bench.report import budget_label
 
     assert budget_label(record) == "16 (flash_merge attention)"
+
+
+def test_tree_attention_modes_run_side_by_side_in_one_invocation(drafter_dir):
+    """--tree-attention triton,flash_merge: one engine per tree method, budget and mode (an A/B beside the same ar)."""
+    from ubtree_vllm.bench.settings import parse_label
+
+    settings = settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ar,ubtree-mrv2", tree_budgets="16,32",
+                                           top_k=16, tree_attention="triton,flash_merge"))
+    labels = planned_methods(settings)
+    assert labels == ["ar", "ubtree-mrv2:16", "ubtree-mrv2:16@flash_merge", "ubtree-mrv2:32",
+                      "ubtree-mrv2:32@flash_merge"]
+    assert [parse_label(label) for label in labels[:3]] == [("ar", None, "triton"), ("ubtree-mrv2", 16, "triton"),
+                                                            ("ubtree-mrv2", 16, "flash_merge")]
+    runs = [ubtree_run(settings, 16, "ubtree-mrv2", mode) for mode in settings.tree_attention]
+    assert [run.tree_attention for run in runs] == [None, "flash_merge"]
+    for bad, message in (("flash", "--tree-attention: unknown mode 'flash'"),
+                         ("triton,triton", "--tree-attention lists a mode twice")):
+        with pytest.raises(BenchArgumentError, match=message):
+            settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree-mrv2", tree_budgets="16", top_k=16,
+                                        tree_attention=bad))
 
 
 @pytest.mark.parametrize("overrides,pattern", [

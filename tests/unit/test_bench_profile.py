@@ -15,6 +15,8 @@ from ubtree_vllm.vllm.stage_clock import StageClock
 def test_run_name_names_engine_and_cell():
     assert run_name("ubtree-mrv2:64", "mt_bench", 0.0, 1) == "ubtree-mrv2-B64_mt_bench_T0_c1"
     assert run_name("ar", "humaneval", 1.0, 32) == "ar_humaneval_T1_c32"
+    assert run_name("ubtree-mrv2-lookup:64@flash_merge", "mt_bench", 0.0, 1) == \
+        "ubtree-mrv2-lookup-B64-flash_merge_mt_bench_T0_c1"
 
 
 def test_profiled_block_writes_stage_table_and_trace(tmp_path, monkeypatch):

@@ -182,3 +182,32 @@ def test_cuda_backend_tree_rows_on_a_flash_attention_layout():
     untouched = torch.full_like(query, float("nan"))
     impl._attend_tree_rows(query, key, value, kv_cache, BLOCK_TABLE, untouched, buffers)
     assert torch.isnan(untouched).all()
+
+
+def test_flash_merge_context_lengths_once_per_forward(monkeypatch):
+    """tree_attention "flash_merge": the committed context lengths are computed by a forward's first tree layer and
+    reused by its other layers (one metadata object per forward), never carried into another forward."""
+    from ubtree_vllm.vllm.attention import flash
+    from ubtree_vllm.vllm.attention.flash import TreeFlashAttentionImpl, committed_context_lens
+
+    seen = []
+    monkeypatch.setattr(flash, "flash_context_attention", lambda *args: seen.append(args[4]) or (None, None))
+    monkeypatch.setattr(flash, "tree_forward_state", lambda: state)
+    state = TreeForwardState()
+
+    def metadata(seq_lens: list[int]) -> types.SimpleNamespace:
+        return types.SimpleNamespace(num_actual_tokens=6, query_start_loc=torch.tensor([0, 4, 6], dtype=torch.int32),
+                                     seq_lens=torch.tensor(seq_lens, dtype=torch.int32), max_query_len=4,
+                                     max_seq_len=max(seq_lens), block_table=torch.zeros(2, 1, dtype=torch.int32),
+                                     max_num_splits=0)
+
+    impl = types.SimpleNamespace(scale=1.0, vllm_flash_attn_version=3)
+    cache = torch.zeros(2, 16, 1, 64)
+    query = torch.zeros(6, 2, 64)
+    first = metadata([9, 2])
+    for _ in range(3):  # the layers of one forward
+        TreeFlashAttentionImpl._context_part(impl, query, cache, cache, first)
+    assert all(lens is seen[0] for lens in seen) and seen[0].tolist() == [5, 0] and seen[0].dtype == torch.int32
+    TreeFlashAttentionImpl._context_part(impl, query, cache, cache, metadata([12, 3]))  # the next forward
+    assert seen[-1] is not seen[0] and seen[-1].tolist() == [8, 1]
+    assert committed_context_lens(first.query_start_loc, first.seq_lens).tolist() == [5, 0]

@@ -73,6 +73,21 @@ def test_mrv2_load_adaptive_budget_greedy_equality_smollm2(mrv2, default_target_
           f"tau {tau:.2f}")
 
 
+def test_mrv2_flash_merge_with_load_adaptive_budget_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path):
+    """The settings the bench measures together: the prompt-lookup branch, tree_attention "flash_merge" (its context
+    lengths computed once per forward) and a load-adaptive budget (the 8 prompts run together verify the first 5 nodes
+    of each tree, the lone timing prompt all 16), inside the FULL CUDA graphs of the verification."""
+    from test_vllm_gpu import TREE
+
+    tree = {**TREE, "prompt_lookup": True, "tree_attention": "flash_merge",
+            "num_speculative_tokens_per_batch_size": [[1, 4, 16], [5, 64, 5]]}
+    plain_tps, ubtree_tps, tau = run_pair(default_target_dir, smollm2_drafter(default_target_dir, tmp_path), tree=tree)
+    print(f"MRV2 flash_merge + load-adaptive SmolLM2: no speculation {plain_tps:.1f} tok/s, ubtree {ubtree_tps:.1f} "
+          f"tok/s, tau {tau:.2f}")
+    if os.environ.get("GPU_TEST_DRAFTER"):
+        assert tau > 1.5, tau
+
+
 def test_mrv2_no_triton_compile_after_warmup_across_budget_buckets(mrv2, default_target_dir, tmp_path):
     """Issue 16's "no recompilation at run time": with vLLM's JIT monitor in error mode (armed when the engine's
     warm-up ends), batches of 1, 4 and 16 requests -- three budget buckets of the schedule, so three tree sizes

@@ -131,14 +131,15 @@ def merge_launch(inputs: Any, out: torch.Tensor) -> Callable[[], Any]:
     from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
 
     from ubtree_vllm.triton_ops import tree_attention
-    from ubtree_vllm.vllm.attention.flash import flash_context_attention
+    from ubtree_vllm.vllm.attention.flash import committed_context_lens, flash_context_attention
 
     fa_version = get_flash_attn_version(head_size=inputs.query.shape[2])
     num_tokens, max_seq_len = inputs.query.shape[0], int(inputs.seq_lens.max())
+    context_lens = committed_context_lens(inputs.query_start_loc, inputs.seq_lens)  # once per forward, as served
 
     def launch() -> Any:
         context_out, context_lse = flash_context_attention(
-            inputs.query, inputs.key_cache, inputs.value_cache, inputs.query_start_loc, inputs.seq_lens, num_tokens,
+            inputs.query, inputs.key_cache, inputs.value_cache, inputs.query_start_loc, context_lens, num_tokens,
             max_seq_len, inputs.block_table, inputs.scale, fa_version)
         return tree_attention(*inputs.args(), out, context_out=context_out, context_lse=context_lse)  # out: mutable
 

@@ -40,9 +40,10 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-schedule", default=None, metavar="FIRST-LAST:BUDGET,...",
                         help="load-adaptive tree budget for the tree methods (vLLM's num_speculative_tokens_per_batch"
                              "_size), e.g. 1-4:64,5-32:16: with 5-32 requests in flight each tree verifies 16 nodes")
-    parser.add_argument("--tree-attention", default="triton", choices=TREE_ATTENTION_MODES,
-                        help="speculative_config.tree_attention of the tree methods (CUDA): triton walks each tree "
-                             "row's context; flash_merge has FlashAttention attend the context and adds the path")
+    parser.add_argument("--tree-attention", default="triton",
+                        help=f"comma-separated speculative_config.tree_attention modes ({', '.join(TREE_ATTENTION_MODES)}; "
+                             "CUDA), each tree method runs once per mode: triton walks each tree row's context; "
+                             "flash_merge has FlashAttention attend the context and adds the path")
     parser.add_argument("--beam-width", type=int, default=12, help="W (capped at B)")
     parser.add_argument("--top-k", type=int, default=64, help="K")
     parser.add_argument("--ngram-k", type=int, default=8,

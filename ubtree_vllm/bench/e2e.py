@@ -46,7 +46,7 @@ from ubtree_vllm.bench.profile import profiled, python_profiled, run_name
 from ubtree_vllm.bench.prompts import PromptSet, dataset_prompt_sets
 from ubtree_vllm.bench.round_cost import round_cost_records
 from ubtree_vllm.bench.settings import (TREE_METHODS, BenchArgumentError, E2ESettings, MethodRun, dflash_chain_run,
-                                        environment, ngram_run, planned_methods, settings_from_args,
+                                        environment, ngram_run, parse_label, planned_methods, settings_from_args,
                                         ubtree_chain_run, ubtree_run)
 from ubtree_vllm.bench.stage_timing import read_stage_times, stage_records, stage_timing_env, uses_runner_clock
 
@@ -131,9 +131,9 @@ def measure(llm: Any, prompt_set: PromptSet, temperature: float, concurrency: in
 def _start_engine(label: str, settings: E2ESettings, target_path: Path, engine_kwargs: dict[str, Any],
                   scratch: Path, log: Log) -> tuple[MethodRun, Any]:
     """(the run, its engine) for a planned label; dflash-chain falls back to ubtree-chain."""
-    method, _, budget = label.partition(":")
+    method, budget, attention = parse_label(label)
     if method in TREE_METHODS:
-        run = ubtree_run(settings, int(budget), method)
+        run = ubtree_run(settings, budget, method, attention)
     elif label == "ngram":
         run = ngram_run(settings)
     elif label == "dflash-chain":

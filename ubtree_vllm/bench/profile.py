@@ -46,9 +46,11 @@ TOP_FUNCTIONS = 60
 
 
 def run_name(label: str, dataset: str, temperature: float, concurrency: int) -> str:
-    """File stem of one profiled run: the engine label ('ubtree-mrv2:64' -> 'ubtree-mrv2-B64'), cell."""
-    method, _, budget = label.partition(":")
-    engine = f"{method}-B{budget}" if budget else method
+    """File stem of one profiled run: the engine label ('ubtree-mrv2:64' -> 'ubtree-mrv2-B64',
+    'ubtree-mrv2:64@flash_merge' -> 'ubtree-mrv2-B64-flash_merge'), cell."""
+    method, _, rest = label.partition(":")
+    budget, _, mode = rest.partition("@")
+    engine = (f"{method}-B{budget}" if budget else method) + (f"-{mode}" if mode else "")
     return f"{engine}_{dataset}_T{temperature:g}_c{concurrency}"
 
 

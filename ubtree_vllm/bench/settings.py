@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ubtree_vllm.config import MAX_LOOKUP_N, MAX_TREE_BUDGET, max_tree_nodes
+from ubtree_vllm.vllm.config import TREE_ATTENTION_MODES
 
 METHODS = ("ar", "ngram", "dflash-chain", "ubtree", "ubtree-mrv2", "ubtree-lookup", "ubtree-mrv2-lookup")
 # Methods that run without --drafter; their records carry drafter null.
@@ -124,8 +125,8 @@ class E2ESettings:
     tensor_parallel_size: int = 1
     # --budget-schedule: ((first batch size, last batch size, B'), ...) for every tree method, None: B pinned
     budget_schedule: tuple[tuple[int, int, int], ...] | None = None
-    # --tree-attention: speculative_config.tree_attention of every tree method
-    tree_attention: str = "triton"
+    # --tree-attention: speculative_config.tree_attention modes; every tree method runs once per mode and budget
+    tree_attention: tuple[str, ...] = ("triton",)
     # Drafter facts read from its config.json (None without a drafter).
     block_size: int | None = field(default=None, compare=False)
     vocab_size: int | None = field(default=None, compare=False)
@@ -201,6 +202,9 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
     if settings.ngram_lookup_max < settings.ngram_lookup_min:
         raise BenchArgumentError(f"--ngram-lookup-max must be >= --ngram-lookup-min ({settings.ngram_lookup_min}), "
                                  f"got {settings.ngram_lookup_max}")
+    _check_members("--tree-attention", settings.tree_attention, TREE_ATTENTION_MODES, "mode")
+    if len(set(settings.tree_attention)) != len(settings.tree_attention):
+        raise BenchArgumentError(f"--tree-attention lists a mode twice: {','.join(settings.tree_attention)}")
     if settings.tensor_parallel_size < 1:
         raise BenchArgumentError(f"--tensor-parallel-size must be >= 1, got {settings.tensor_parallel_size}")
     if settings.tensor_parallel_size > 1 and any(m in ("ubtree-mrv2", "ubtree-mrv2-lookup") for m in settings.methods):
@@ -284,12 +288,13 @@ def settings_from_args(args: argparse.Namespace, check_datasets: bool = True) ->
         profile_dir=getattr(args, "profile", None),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         budget_schedule=parse_budget_schedule(getattr(args, "budget_schedule", None)),
-        tree_attention=getattr(args, "tree_attention", "triton"),
+        tree_attention=parse_list("--tree-attention", getattr(args, "tree_attention", "triton"), str, "modes"),
     ), check_datasets=check_datasets)
 
 
-def ubtree_run(settings: E2ESettings, budget: int, method: str = "ubtree") -> MethodRun:
-    """A tree method (:data:`TREE_METHODS`) at tree budget B = ``budget``."""
+def ubtree_run(settings: E2ESettings, budget: int, method: str = "ubtree", tree_attention: str = "triton") -> MethodRun:
+    """A tree method (:data:`TREE_METHODS`) at tree budget B = ``budget``, its tree rows attending by
+    ``tree_attention`` (one of ``settings.tree_attention``)."""
     width = min(settings.beam_width, budget)
     env = TREE_METHODS[method]
     spec = {"method": "ubtree", "model": str(settings.drafter), "num_speculative_tokens": budget,
@@ -307,8 +312,8 @@ def ubtree_run(settings: E2ESettings, budget: int, method: str = "ubtree") -> Me
         schedule = schedule_text(settings.budget_schedule)
         note += f" load-adaptive budget {schedule} (requests in flight FIRST-LAST: nodes verified per tree)"
     attention = None
-    if settings.tree_attention != "triton":
-        spec["tree_attention"] = attention = settings.tree_attention
+    if tree_attention != "triton":
+        spec["tree_attention"] = attention = tree_attention
         note += f" tree_attention={attention}"
     return MethodRun(method, spec, tree_budget=budget, beam_width=width, top_k=settings.top_k,
                      block_size=settings.block_size, note=note, env=dict(env), budget_schedule=schedule,
@@ -342,9 +347,21 @@ def dflash_chain_run(settings: E2ESettings, proposer_dir: str | Path, num_specul
 
 
 def planned_methods(settings: E2ESettings) -> list[str]:
-    """Engine labels in run order: 'ar', 'ngram', 'dflash-chain', then '<tree method>:B' per budget."""
+    """Engine labels in run order: 'ar', 'ngram', 'dflash-chain', then '<tree method>:B' per budget and tree-attention
+    mode ('<tree method>:B@<mode>' for a mode other than triton; :func:`parse_label` reads them back)."""
     order = [m for m in METHODS if m in settings.methods]
     labels: list[str] = []
     for method in order:
-        labels += [f"{method}:{b}" for b in settings.tree_budgets] if method in TREE_METHODS else [method]
+        if method not in TREE_METHODS:
+            labels.append(method)
+            continue
+        labels += [f"{method}:{b}" + ("" if mode == "triton" else f"@{mode}")
+                   for b in settings.tree_budgets for mode in settings.tree_attention]
     return labels
+
+
+def parse_label(label: str) -> tuple[str, int | None, str]:
+    """(method, B or None, tree-attention mode) of a :func:`planned_methods` label."""
+    method, _, rest = label.partition(":")
+    budget, _, mode = rest.partition("@")
+    return method, int(budget) if budget else None, mode or "triton"

@@ -23,7 +23,9 @@ causal, with each request's committed context length as ``seqused_k`` (its token
 step's rows; FlashAttention reads the cache in place) and ``return_softmax_lse``, attends every row
 to its context with the kernel plain decoding uses; the Triton launch then adds only each tree row's
 path rows, starting from that partial (``tree_attention(context_out=, context_lse=)``). Same
-shapes and no host read, so it is captured in the same graphs.
+shapes and no host read, so it is captured in the same graphs. The context lengths are computed once
+per forward, by its first tree layer, and shared by the others (``TreeForwardState.step_cache``, keyed
+by the forward's metadata object): four elementwise launches per forward, not per layer.
 
 The KV commit of accepted paths copies inside this cache
 (:func:`ubtree_vllm.vllm.kv_commit.commit_accepted_paths_in_cache`), so nothing is stashed.
@@ -122,11 +124,31 @@ class TreeFlashAttentionImpl(FlashAttentionImpl):
         from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
 
         num_tokens = attn_metadata.num_actual_tokens
+        # The forward's first tree layer computes the lengths (captured in its graph like the rest); the others
+        # reuse them. Keyed by the metadata object, which every layer of the forward shares and each forward
+        # builds anew, on top of the runners clearing step_cache before every target forward.
+        step = tree_forward_state().step_cache
+        cached = step.get(_CONTEXT_LENS)
+        if cached is not None and cached[0] is attn_metadata:
+            context_lens = cached[1]
+        else:
+            context_lens = committed_context_lens(attn_metadata.query_start_loc, attn_metadata.seq_lens)
+            step[_CONTEXT_LENS] = (attn_metadata, context_lens)
         return flash_context_attention(
             query[:num_tokens], canonicalize_singleton_dim_strides(key_cache),
-            canonicalize_singleton_dim_strides(value_cache), attn_metadata.query_start_loc, attn_metadata.seq_lens,
+            canonicalize_singleton_dim_strides(value_cache), attn_metadata.query_start_loc, context_lens,
             attn_metadata.max_query_len, attn_metadata.max_seq_len, attn_metadata.block_table, self.scale,
             self.vllm_flash_attn_version, attn_metadata.max_num_splits)
+
+
+_CONTEXT_LENS = "flash_merge_context_lens"  # step_cache key: (metadata, [R] int32) of the forward in flight
+
+
+def committed_context_lens(
+        # [R + 1] int32 first row of each request; [R] int32 its tokens including this forward's rows
+        query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """[R] int32 tokens of each request before this forward's rows (its committed context), >= 0."""
+    return (seq_lens - (query_start_loc[1:] - query_start_loc[:-1])).clamp(min=0).to(torch.int32)
 
 
 def flash_context_attention(
@@ -134,19 +156,18 @@ def flash_context_attention(
         query: torch.Tensor,
         # [num_blocks, block_size, H_kv, D] the layer's paged cache views
         key_cache: torch.Tensor, value_cache: torch.Tensor,
-        # [R + 1] int32 first row of each request; [R] int32 its tokens including this forward's rows
-        query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+        # [R + 1] int32 first row of each request; [R] int32 its committed context (committed_context_lens)
+        query_start_loc: torch.Tensor, context_lens: torch.Tensor,
         max_query_len: int, max_seq_len: int,
         # [R, max_blocks] int32
         block_table: torch.Tensor, scale: float, fa_version: int, num_splits: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every row attended to its request's committed context alone (``seq_lens`` less the request's rows
-    here), by FlashAttention, not causal: (out [n, H, D] normalised, lse [H, n] fp32 natural log-sum-exp,
+    """Every row attended to its request's committed context alone (its first ``context_lens`` tokens), by
+    FlashAttention, not causal: (out [n, H, D] normalised, lse [H, n] fp32 natural log-sum-exp,
     +inf for a row with no context). Device ops only (capturable). The ``context_out`` / ``context_lse`` of
     :func:`ubtree_vllm.triton_ops.tree_attention`."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    context_lens = (seq_lens - (query_start_loc[1:] - query_start_loc[:-1])).clamp(min=0).to(torch.int32)  # [R]
     out = torch.empty_like(query)
     out, lse = flash_attn_varlen_func(
         q=query, k=key_cache, v=value_cache, out=out, cu_seqlens_q=query_start_loc, max_seqlen_q=max_query_len,
