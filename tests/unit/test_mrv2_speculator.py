@@ -473,3 +473,24 @@ def test_propose_hands_the_batch_slots_to_the_lookup(monkeypatch):
     assert seen["slots"].eq(spec.scratch_slot).all()  # dummy runs name no request
     spec.propose(batch, {}, {}, torch.zeros(15, 3), None, zeros, zeros, zeros, zeros, zeros, zeros)
     assert seen["slots"].tolist() == [4, 0, 2]
+
+
+def test_draft_graphs_ignore_the_load_adaptive_budget():
+    """Every draft step queries 1 + gamma tokens per request: the draft's graph manager gets the engine config
+    without ``num_speculative_tokens_per_batch_size`` (vLLM would add graphs of B' + 1 tokens per request, whose
+    captures overran the draft's buffers on the H200), while the engine's own config keeps it for the target."""
+    from vllm.config.speculative import SpeculativeConfig
+
+    from ubtree_vllm.vllm.mrv2.speculator import draft_graph_config
+
+    schedule = [[1, 4, 16], [5, 64, 5]]
+    spec = SimpleNamespace(num_speculative_tokens=16, num_speculative_tokens_per_batch_size=schedule)
+    engine = SimpleNamespace(speculative_config=spec, compilation_config=object(), scheduler_config=object())
+    draft = draft_graph_config(engine)
+    assert not SpeculativeConfig.uses_dynamic_speculative_decoding(draft.speculative_config)
+    assert draft.speculative_config.num_speculative_tokens == 16
+    assert draft.compilation_config is engine.compilation_config and draft.scheduler_config is engine.scheduler_config
+    assert engine.speculative_config.num_speculative_tokens_per_batch_size == schedule  # the target keeps it
+    assert SpeculativeConfig.uses_dynamic_speculative_decoding(engine.speculative_config)
+    pinned = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens_per_batch_size=None))
+    assert draft_graph_config(pinned) is pinned

@@ -159,6 +159,27 @@ def permute_target_rows(
     return aux_hidden_states, last_hidden_states[:num_tokens].index_select(0, perm)
 
 
+def draft_graph_config(vllm_config: Any) -> Any:
+    """The engine config as the draft's CUDA-graph manager must see it: without a load-adaptive budget.
+
+    Every draft step queries ``1 + gamma`` tokens per request whatever the step's budget B'. vLLM's graph
+    manager, given ``num_speculative_tokens_per_batch_size`` and a query length above B (B = gamma), takes
+    the query to be ``B' + 1`` and adds graphs of ``B' + 1`` tokens per request (the target's rule): on the
+    draft those hold ``n * (B' + 1)`` tokens for n requests of ``1 + gamma`` rows each, so a capture of 998
+    requests in 5988 tokens overran the 16384-row input buffers (H200, 2026-12-03), and a smaller one would
+    read its samples past the forward's rows. A shallow copy with the schedule dropped; the engine's own
+    config is untouched (the target's graphs keep the schedule)."""
+    import copy
+
+    spec = vllm_config.speculative_config
+    if spec is None or not getattr(spec, "num_speculative_tokens_per_batch_size", None):
+        return vllm_config
+    config = copy.copy(vllm_config)
+    config.speculative_config = copy.copy(spec)
+    config.speculative_config.num_speculative_tokens_per_batch_size = None
+    return config
+
+
 def target_embedding_and_head(target_model: nn.Module, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(input embedding [V, H], LM head [V, H]) of a vLLM target, its first ``vocab_size`` rows.
 
@@ -296,7 +317,7 @@ class UBTreeSpeculator(DFlashSpeculator):
             logger.warning("%s draft attention (%s) does not support full CUDA graphs; running the draft eagerly.",
                            self._speculator_name, self.attn_cg_support.min_cg_attn_backend)
         mode = CUDAGraphMode.FULL_DECODE_ONLY if wants_graphs and supports_full else CUDAGraphMode.NONE
-        self.query_cudagraph_manager = DFlashCudaGraphManager(self.vllm_config, self.device, mode,
+        self.query_cudagraph_manager = DFlashCudaGraphManager(draft_graph_config(self.vllm_config), self.device, mode,
                                                               decode_query_len=self.num_query_per_req)
 
     # ---- drafting ------------------------------------------------------------------------------
