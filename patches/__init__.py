@@ -163,6 +163,20 @@ MANIFEST: tuple[PatchSpec, ...] = (
                            "upstream, e.g. parents in the GDN metadata) or expose a per-node state hook."),
         stage="worker",
     ),
+    PatchSpec(
+        name="cpu_gdn_native_conv",
+        vllm_symbol="vllm.model_executor.layers.mamba.ops.cpu.gdn_attention.is_arm_bf16",
+        why=("vLLM 0.32 packs GDN conv weights for its C++ conv on every ARM-bf16 or AVX-512 BF16 CPU and "
+             "plain decoding runs that kernel there, but its speculation-aware CPU GDN paths run it only on AMX "
+             "or ARM bf16: on an AVX-512 BF16 CPU without AMX a speculative engine prefills through the torch "
+             "conv (other arithmetic), so no speculative engine matches plain decoding's tokens there."),
+        how=("Rebinds the module-level is_arm_bf16 those paths combine with the AMX test to vLLM's packing "
+             "predicate (ARM bf16 or AVX-512 BF16); the non-speculative path, which already tests AVX-512 BF16, "
+             "is unchanged. CPU platform only."),
+        removal_condition=("vLLM's speculation-aware CPU GDN paths test the same predicate as the weight "
+                           "packing (AVX-512 BF16 included)."),
+        stage="worker",
+    ),
 )
 
 _lock = threading.Lock()

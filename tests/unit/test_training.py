@@ -613,6 +613,43 @@ def test_target_cache_reproduces_the_target_forward_and_skips_it(tmp_path, works
     assert losses[0.0] == pytest.approx(losses[0.01], rel=1e-5)
 
 
+def test_target_cache_smaller_than_the_data_forwards_only_the_uncached_rows(tmp_path, workspace, monkeypatch):
+    """A cache that holds about half the samples: later batches mix cached and new samples; the target runs on the
+    new rows only, and every step's loss equals the uncached run's (CPU, float32)."""
+    from ubtree_vllm.training import train as train_mod
+    from ubtree_vllm.training.target_cache import TargetCache
+
+    total = sum(min(len(TokenDataset.load(workspace["data"]).sample(i)[0]), 64) for i in range(24))
+
+    class HalfCache(TargetCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.capacity_tokens = min(self.capacity_tokens, total // 2)
+
+    rows = []
+    original = train_mod.FrozenTarget.forward
+
+    def counted(self, input_ids, valid):
+        rows.append(input_ids.shape[0])
+        return original(self, input_ids, valid)
+
+    losses = {}
+    for gb in (0.0, 0.01):
+        rows.clear()
+        monkeypatch.setattr(train_mod, "TargetCache", HalfCache)
+        monkeypatch.setattr(train_mod.FrozenTarget, "forward", counted)
+        result = train(train_config(workspace, tmp_path / f"run-{gb}", max_steps=12, batch_size=4,
+                                    target_cache_gb=gb), log=lambda _: None)
+        monkeypatch.undo()
+        losses[gb] = [h["loss"] for h in result.history]
+        forwarded = rows[train_mod.TrainConfig().feature_stats_batches:]
+        if gb == 0:
+            assert forwarded == [4] * 12
+        else:  # the first epoch runs the target on every sample; the second only on what did not fit
+            assert 24 < sum(forwarded) < 48 and any(0 < n < 4 for n in forwarded), forwarded
+    assert losses[0.0] == pytest.approx(losses[0.01], rel=1e-5)
+
+
 def test_target_cache_keeps_what_fits_and_refuses_a_useless_size():
     from ubtree_vllm.training.target_cache import TargetCache
 

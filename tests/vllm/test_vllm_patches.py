@@ -25,7 +25,8 @@ WORKER_CLASS_PATH = CPU_WORKER_CLASS_PATH if on_cpu() else GPU_WORKER_CLASS_PATH
 cpu_platform_only = pytest.mark.skipif(not on_cpu(), reason="exercises the CPU platform's worker and backend")
 
 TESTED_PATCHES = {"engine_args_speculative_config", "sampling_params_spec_decode", "scheduler_tree_drafts",
-                  "structured_output_tree", "cpu_worker_model_runner", "attention_backends", "cpu_gdn_tree_forward"}
+                  "structured_output_tree", "cpu_worker_model_runner", "attention_backends", "cpu_gdn_tree_forward",
+                  "cpu_gdn_native_conv"}
 
 
 def test_every_manifest_patch_has_a_module_and_a_test_here():
@@ -381,6 +382,24 @@ def test_cpu_gdn_spec_forward_runs_the_tree_form_only_inside_a_ubtree_step(monke
     assert gdn_attention._spec_forward(layer, None, 1, 2) == "tree"
     assert calls == [("vllm", (1, 2)), ("tree", "plan", (1, 2))]
     assert state.linear_stash == {"model.layers.0.linear_attn": "record"}
+
+
+@cpu_platform_only
+@pytest.mark.parametrize("arm_bf16,avx512_bf16", [(False, False), (False, True), (True, False)])
+def test_cpu_gdn_speculative_paths_take_the_conv_of_the_weight_packing(monkeypatch, arm_bf16, avx512_bf16):
+    """The speculation-aware CPU GDN paths read `amx or is_arm_bf16()` as "the packed-weight C++ conv runs here";
+    patched, it answers vLLM's packing predicate (ARM bf16 or AVX-512 BF16), which the non-speculative path and
+    the weight packing test, so an AVX-512 BF16 CPU without AMX prefills as plain decoding does."""
+    import torch
+    import vllm.model_executor.layers.mamba.ops.cpu.gdn_attention as gdn_attention
+
+    module = importlib.import_module("ubtree_vllm.patches.worker.patch_cpu_gdn_native_conv")
+    module.apply()
+    module.apply()  # idempotent
+    assert getattr(gdn_attention.is_arm_bf16, MARK) == "cpu_gdn_native_conv"
+    monkeypatch.setattr(gdn_attention, original_attr_name("is_arm_bf16"), lambda: arm_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert gdn_attention.is_arm_bf16() == (arm_bf16 or avx512_bf16)
 
 
 def test_runner_choice_for_the_lookup_branch(monkeypatch):

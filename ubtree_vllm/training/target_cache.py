@@ -4,7 +4,10 @@ The target forward is the largest share of a training step's GPU time (the H200 
 scripts/gpu/profile_train_step.py), and it depends only on the sample: a sample seen again
 (the next epoch, other anchors) needs the same features and final hidden states. The cache
 keeps them for every sample it has room for, in two flat device buffers of
-`capacity_tokens` rows; a batch whose samples are all cached skips the target forward.
+`capacity_tokens` rows; a batch whose samples are all cached skips the target forward, and a
+batch with some cached runs the target on the others only (:meth:`TargetCache.split`). When the
+data outgrows the cache the second case is the common one: with 83 % of the samples cached, 16
+samples were all cached in 2 % of the steps of the H200 slice of 2026-12-03 (42 of 1,966).
 
 Bookkeeping is on the host (sample index -> first row, length), so a lookup costs one
 host-to-device copy of the row index and one gather, and never reads the device.
@@ -12,6 +15,7 @@ host-to-device copy of the row index and one gather, and never reads the device.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +37,11 @@ class TargetCache:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def split(self, samples: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(batch rows whose sample is cached, the other rows), each ascending."""
+        hit = [row for row, s in enumerate(samples) if int(s) in self.rows]
+        return hit, [row for row in range(len(samples)) if int(samples[row]) not in self.rows]
 
     def lookup(self, samples: Sequence[int], width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(features [B, width, F], final hidden [B, width, H]) of the samples, or None unless all are cached.
@@ -59,3 +68,28 @@ class TargetCache:
             self.final[self.used:self.used + length] = final[row, :length]
             self.rows[sample] = (self.used, length)
             self.used += length
+
+
+def cached_target_outputs(cache: TargetCache, target: Any, samples: Sequence[int], batch: Any,
+                          lengths: Sequence[int]) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, int]:
+    """The target's outputs of a batch (features [B, T, F], final hidden [B, T, H]) as far as the cache makes a
+    forward unnecessary, and the number of samples it held.
+
+    All cached: the cache's rows. Some: the target (``target.forward(input_ids, valid)``, as ``drafter_loss`` calls
+    it) runs on the other rows only, which are stored, and the two are interleaved back into batch order. None:
+    ``(None, 0)``, so the loss runs the target on the whole batch and the caller stores its outputs. ``batch`` is
+    on the device (``input_ids`` [B, T]); ``lengths`` are its host lengths. Call it under the loss's autocast."""
+    hit, miss = cache.split(samples)
+    width = batch.input_ids.shape[1]
+    if not hit:
+        return None, 0
+    if not miss:
+        return cache.lookup(samples, width), len(hit)
+    rows = torch.tensor(miss, dtype=torch.long).to(batch.input_ids.device)
+    valid = torch.arange(width, device=rows.device)[None, :] < batch.lengths.index_select(0, rows)[:, None]
+    fresh = target.forward(batch.input_ids.index_select(0, rows), valid)  # [m, T, F], [m, T, H]
+    cache.store([samples[r] for r in miss], [lengths[r] for r in miss], *fresh)
+    kept = cache.lookup([samples[r] for r in hit], width)
+    assert kept is not None  # store() never evicts
+    order = torch.tensor(hit + miss, dtype=torch.long).argsort().to(rows.device)  # batch row -> row of the stack
+    return tuple(torch.cat([k.to(f.dtype), f]).index_select(0, order) for k, f in zip(kept, fresh)), len(hit)

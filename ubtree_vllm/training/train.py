@@ -50,7 +50,7 @@ from ubtree_vllm.training.data import (ShardStream, TokenDataset, epoch_permutat
 from ubtree_vllm.training.export import check_round_trip, export_drafter
 from ubtree_vllm.training.losses import LossConfig, collate, drafter_loss, make_generator
 from ubtree_vllm.training.target import FrozenTarget
-from ubtree_vllm.training.target_cache import TargetCache
+from ubtree_vllm.training.target_cache import TargetCache, cached_target_outputs
 
 SCHEDULES = ("cosine", "linear", "constant")
 # Settings that may change between time slices of one run; all others must match the checkpoint.
@@ -395,7 +395,7 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
     if cfg.target_cache_gb > 0:
         cache = TargetCache(cfg.target_cache_gb * 2**30, drafter_cfg.num_features, drafter_cfg.hidden_size, device,
                             target.head_weight.dtype)
-    cached_steps = 0
+    cached_steps = cached_samples = 0
     order = DataOrder(len(dataset), cfg.seed) if stream is None else None
     params = [p for p in drafter.parameters()]
     sums: dict[str, torch.Tensor] = {}
@@ -436,13 +436,15 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
         indices = order.take(cursor, cfg.batch_size) if order is not None else stream.take(cfg.batch_size)
         seen.update(indices)
         batch = collate([dataset.sample(i) for i in indices], cfg.max_seq_len)
-        cached = cache.lookup(indices, batch.input_ids.shape[1]) if cache is not None else None
+        on_device = batch.to(device)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_bf16):
-            result = drafter_loss(drafter, target, batch.to(device), loss_cfg, make_generator(cfg.seed, step),
+            cached, hits = (cached_target_outputs(cache, target, indices, on_device, batch.host_lengths.tolist())
+                            if cache is not None else (None, 0))
+            result = drafter_loss(drafter, target, on_device, loss_cfg, make_generator(cfg.seed, step),
                                   target_outputs=cached)
-        if cached is not None:
-            cached_steps += 1
-        elif cache is not None:
+        cached_steps += hits == len(indices)
+        cached_samples += hits
+        if cache is not None and hits == 0:
             cache.store(indices, batch.host_lengths.tolist(), *result.target_outputs)
         optimizer.zero_grad(set_to_none=True)
         result.loss.backward()
@@ -481,7 +483,8 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
     loop_s += time.monotonic() - loop_started
     loop_started = None
     if cache is not None:
-        log(f"train: {cached_steps} of {step - start_step} steps took the target's outputs from the cache "
+        log(f"train: {cached_steps} of {step - start_step} steps took the target's outputs from the cache, "
+            f"{cached_samples} samples in all "
             f"({len(cache)} samples, {cache.used} of {cache.capacity_tokens} rows)")
     if bar is not None:
         bar.close()

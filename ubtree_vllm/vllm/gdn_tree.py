@@ -16,7 +16,8 @@ the UBTree V1 runner (patch ``cpu_gdn_tree_forward``). vLLM's version treats a r
   and its state is written to slot j.
 
 Both run through the kernels vLLM's *non-speculative* CPU decode uses for one token
-(``causal_conv1d_update_cpu`` on a per-node window, ``fused_sigmoid_gating_delta_rule_update_cpu``
+(the conv update on a per-node window -- vLLM's C++ kernel on its packed weights where vLLM packed them,
+ARM bf16 or AVX-512 BF16, else ``causal_conv1d_update_cpu`` -- and ``fused_sigmoid_gating_delta_rule_update_cpu``
 on the nodes of one depth at a time, each in its own slot after a copy of its parent's state), so
 every node computes what plain decoding computes for that token after its root path, to the bit,
 given the same layer inputs (vLLM's chain kernel keeps the state unrounded between tokens and
@@ -32,7 +33,8 @@ import numpy as np
 import torch
 from vllm import _custom_ops as ops
 from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_update_cpu
-from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _unpacked_conv_weight
+from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _causal_conv1d_update_cpu, _unpacked_conv_weight
 
 from ubtree_vllm.vllm.hybrid_state import LinearStepLayer
 from ubtree_vllm.vllm.tree_plan import TreeStepPlan
@@ -107,9 +109,21 @@ def _tree_conv(layer: Any, x: torch.Tensor, conv_buf: torch.Tensor, slots: torch
     for m in range(1, width):
         index[:, hist - m] = np.where(m <= depth, num_seqs * hist + ancestor, seq * hist + hist - (m - depth))
         ancestor = np.where(ancestor >= 0, parent_token[np.maximum(ancestor, 0)], -1)
-    # [1 + T, dim, width - 1] (dim-contiguous, like vLLM's buffers): window t in row 1 + t, because the
-    # kernel skips row 0 (vLLM's null block, NULL_BLOCK_ID)
+    # [1 + T, dim, width - 1] in the layout of vLLM's conv cache (dim-contiguous, or width-contiguous under the
+    # "DS" layout): window t in row 1 + t, because the kernels skip row 0 (vLLM's null block, NULL_BLOCK_ID)
     windows = source[torch.from_numpy(np.concatenate([index[:1], index]))].transpose(1, 2)
+    indices = torch.arange(1, len(seq) + 1, dtype=torch.int32)
+    if weights_packed(layer):  # the kernel plain decoding runs on this CPU (gdn_attention._cpu_gdn_attention_nonspec)
+        if is_conv_state_dim_first():
+            windows = windows.contiguous()
+        return _causal_conv1d_update_cpu(x=x, conv_states=windows, weight=layer.conv1d.weight, bias=layer.conv1d.bias,
+                                         silu_activation=layer.activation == "silu", conv_state_indices=indices,
+                                         is_weight_packed=True)
     return causal_conv1d_update_cpu(x=x, conv_state=windows, weight=_unpacked_conv_weight(layer),
-                                    bias=layer.conv1d.bias, activation=layer.activation,
-                                    conv_state_indices=torch.arange(1, len(seq) + 1, dtype=torch.int32))
+                                    bias=layer.conv1d.bias, activation=layer.activation, conv_state_indices=indices)
+
+
+def weights_packed(layer: Any) -> bool:
+    """Whether vLLM packed the layer's conv weights for its C++ conv (it keeps the plain copy beside them, and
+    plain decoding then runs that kernel: ARM bf16 or AVX-512 BF16 CPUs)."""
+    return getattr(layer.conv1d, "_cpu_unpacked_conv_weight", None) is not None
