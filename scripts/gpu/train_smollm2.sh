@@ -11,7 +11,8 @@
 #            background writes fresh T=1 rollouts while `ubtree train` (stream_data) trains on the shards
 #            as they land for SLICE_MINUTES (default 7), continuing the committed drafter, then exports it
 #            to checkpoints/ and appends the train record; gen-data is stopped at the end (logs in runs/).
-#            SLICE_INIT=fresh starts a fresh drafter instead of continuing the committed one.
+#            SLICE_INIT=fresh starts a fresh drafter instead of continuing the committed one (at the config's lr;
+#            a continuing slice peaks at SLICE_LR, default 2e-4).
 #            GEN_MINUTES=N instead runs gen-data alone for N minutes of generation (after its engine is up) first
 #            (GEN_WORKERS engines side by side, each its own shards of the folder)
 #            and then the trainer alone. SLICE_DEADLINE_S=S caps the whole phase at S seconds from its start:
@@ -150,7 +151,10 @@ for phase in "$@"; do
         gen=$!
       fi
       rc=0
-      init=(); [ "${SLICE_INIT:-}" = fresh ] && init=(--set init_drafter=null)
+      # a continuing slice peaks at SLICE_LR (default 2e-4), not the recipe's 6e-4 for a fresh drafter: on
+      # 2026-12-03 a continuing slice at 6e-4 raised the loss on its fresh samples from 3.64 to ~3.85 nats for
+      # its whole first epoch and its drafter measured a lower tree tau on all three sets (not shipped)
+      init=(--set lr="${SLICE_LR:-0.0002}"); [ "${SLICE_INIT:-}" = fresh ] && init=(--set init_drafter=null)
       # sequential: the shards are all there already, so a missing one is an error, not a wait
       [ -n "${GEN_MINUTES:-}" ] && init+=(--set stream_wait_minutes=0.2)
       train_minutes=${SLICE_MINUTES:-7}
