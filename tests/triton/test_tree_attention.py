@@ -206,8 +206,8 @@ def test_flash_context_then_path_merge_matches_reference_on_cuda(num_heads, num_
     query_lens = case.query_start_loc[1:] - case.query_start_loc[:-1]
     context_out, context_lse = flash_context_attention(
         case.query, case.key_cache, case.value_cache, case.query_start_loc,
-        committed_context_lens(case.query_start_loc, case.seq_lens), int(query_lens.max()), int(case.seq_lens.max()), case.block_table, case.scale,
-        get_flash_attn_version(head_size=head_size))
+        committed_context_lens(case.query_start_loc, case.seq_lens), int(query_lens.max()),
+        int(case.seq_lens.max()), case.block_table, case.scale, get_flash_attn_version(head_size=head_size))
     out = torch.full_like(case.query, float("nan"))
     ref = tree_attention_reference(*case.args(), out.clone())
     tree_attention(*case.args(), out, context_out=context_out, context_lse=context_lse)

@@ -48,9 +48,10 @@ TOP_FUNCTIONS = 60
 def run_name(label: str, dataset: str, temperature: float, concurrency: int) -> str:
     """File stem of one profiled run: the engine label ('ubtree-mrv2:64' -> 'ubtree-mrv2-B64',
     'ubtree-mrv2:64@flash_merge' -> 'ubtree-mrv2-B64-flash_merge'), cell."""
-    method, _, rest = label.partition(":")
-    budget, _, mode = rest.partition("@")
-    engine = (f"{method}-B{budget}" if budget else method) + (f"-{mode}" if mode else "")
+    from ubtree_vllm.bench.settings import parse_label
+
+    method, budget, mode = parse_label(label)
+    engine = (f"{method}-B{budget}" if budget else method) + ("" if mode == "triton" else f"-{mode}")
     return f"{engine}_{dataset}_T{temperature:g}_c{concurrency}"
 
 

@@ -40,8 +40,8 @@ class TargetCache:
 
     def split(self, samples: Sequence[int]) -> tuple[list[int], list[int]]:
         """(batch rows whose sample is cached, the other rows), each ascending."""
-        hit = [row for row, s in enumerate(samples) if int(s) in self.rows]
-        return hit, [row for row in range(len(samples)) if int(samples[row]) not in self.rows]
+        cached = [int(s) in self.rows for s in samples]
+        return [row for row, c in enumerate(cached) if c], [row for row, c in enumerate(cached) if not c]
 
     def lookup(self, samples: Sequence[int], width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(features [B, width, F], final hidden [B, width, H]) of the samples, or None unless all are cached.
@@ -71,25 +71,25 @@ class TargetCache:
 
 
 def cached_target_outputs(cache: TargetCache, target: Any, samples: Sequence[int], batch: Any,
-                          lengths: Sequence[int]) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, int]:
-    """The target's outputs of a batch (features [B, T, F], final hidden [B, T, H]) as far as the cache makes a
-    forward unnecessary, and the number of samples it held.
-
-    All cached: the cache's rows. Some: the target (``target.forward(input_ids, valid)``, as ``drafter_loss`` calls
-    it) runs on the other rows only, which are stored, and the two are interleaved back into batch order. None:
-    ``(None, 0)``, so the loss runs the target on the whole batch and the caller stores its outputs. ``batch`` is
-    on the device (``input_ids`` [B, T]); ``lengths`` are its host lengths. Call it under the loss's autocast."""
+                          lengths: Sequence[int]) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+    """The target's outputs of a batch (features [B, T, F], final hidden [B, T, H]) and how many of its samples the
+    cache held: the cache's rows for those, the target (``target.forward(input_ids, valid)``, as ``drafter_loss``
+    calls it) for the others, which are stored; interleaved back into batch order. ``batch`` is on the device
+    (``input_ids``, ``lengths`` [B]); ``lengths`` are its host lengths. Call it under the loss's autocast."""
     hit, miss = cache.split(samples)
     width = batch.input_ids.shape[1]
-    if not hit:
-        return None, 0
     if not miss:
         return cache.lookup(samples, width), len(hit)
-    rows = torch.tensor(miss, dtype=torch.long).to(batch.input_ids.device)
-    valid = torch.arange(width, device=rows.device)[None, :] < batch.lengths.index_select(0, rows)[:, None]
-    fresh = target.forward(batch.input_ids.index_select(0, rows), valid)  # [m, T, F], [m, T, H]
+    ids, lens = batch.input_ids, batch.lengths
+    if hit:  # only the rows the cache lacks
+        rows = torch.tensor(miss, dtype=torch.long).to(ids.device)
+        ids, lens = ids.index_select(0, rows), lens.index_select(0, rows)
+    valid = torch.arange(width, device=ids.device)[None, :] < lens[:, None]
+    fresh = target.forward(ids, valid)  # [m, T, F], [m, T, H]
     cache.store([samples[r] for r in miss], [lengths[r] for r in miss], *fresh)
+    if not hit:
+        return fresh, 0
     kept = cache.lookup([samples[r] for r in hit], width)
     assert kept is not None  # store() never evicts
-    order = torch.tensor(hit + miss, dtype=torch.long).argsort().to(rows.device)  # batch row -> row of the stack
+    order = torch.tensor(hit + miss, dtype=torch.long).argsort().to(ids.device)  # batch row -> row of the stack
     return tuple(torch.cat([k.to(f.dtype), f]).index_select(0, order) for k, f in zip(kept, fresh)), len(hit)

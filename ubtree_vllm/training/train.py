@@ -444,8 +444,6 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
                                   target_outputs=cached)
         cached_steps += hits == len(indices)
         cached_samples += hits
-        if cache is not None and hits == 0:
-            cache.store(indices, batch.host_lengths.tolist(), *result.target_outputs)
         optimizer.zero_grad(set_to_none=True)
         result.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)

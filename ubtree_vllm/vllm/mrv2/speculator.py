@@ -52,6 +52,7 @@ captured in the draft's FULL CUDA graph); :meth:`propose` adds only fixed-shape 
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -169,8 +170,6 @@ def draft_graph_config(vllm_config: Any) -> Any:
     requests in 5988 tokens overran the 16384-row input buffers (H200, 2026-12-03), and a smaller one would
     read its samples past the forward's rows. A shallow copy with the schedule dropped; the engine's own
     config is untouched (the target's graphs keep the schedule)."""
-    import copy
-
     spec = vllm_config.speculative_config
     if spec is None or not getattr(spec, "num_speculative_tokens_per_batch_size", None):
         return vllm_config
