@@ -7,7 +7,7 @@ path runs that kernel on the same CPUs. Its speculation-aware paths (``gdn_atten
 is_arm_bf16()`` instead, so on an AVX-512 BF16 CPU without AMX (AMD Zen 4/5) an engine with speculation
 prefills every request through the torch conv on the unpacked copy of the weights: other arithmetic than
 plain decoding's, and greedy UBTree on a tiny Qwen3-Next then differed from plain decoding from its first
-token (a 0.59 raw-logit gap, 2026-12-03). The patch rebinds the module-level ``is_arm_bf16`` that those
+token (not a near-tie, 2026-12-03). The patch rebinds the module-level ``is_arm_bf16`` that those
 paths read to vLLM's packing predicate (ARM bf16 or AVX-512 BF16). The non-speculative path already tests
 AVX-512 BF16 and is unchanged; so is every CPU with AMX or without AVX-512 BF16.
 """

@@ -152,8 +152,8 @@ for phase in "$@"; do
       fi
       rc=0
       # a continuing slice peaks at SLICE_LR (default 2e-4), not the recipe's 6e-4 for a fresh drafter: on
-      # 2026-12-03 a continuing slice at 6e-4 raised the loss on its fresh samples from 3.64 to ~3.85 nats for
-      # its whole first epoch and its drafter measured a lower tree tau on all three sets (not shipped)
+      # 2026-12-03 a continuing slice at 6e-4 raised the loss on its fresh samples for its whole first epoch
+      # (its metrics.jsonl) and its drafter measured a lower tree tau on all three sets (not shipped)
       init=(--set lr="${SLICE_LR:-0.0002}"); [ "${SLICE_INIT:-}" = fresh ] && init=(--set init_drafter=null)
       # sequential: the shards are all there already, so a missing one is an error, not a wait
       [ -n "${GEN_MINUTES:-}" ] && init+=(--set stream_wait_minutes=0.2)
