@@ -42,9 +42,11 @@
 #            draft-stage CUDA graphs
 #   bench    `ubtree bench e2e` at batch 1 (ar, dflash-chain, ubtree-mrv2 and ubtree (V1) B=16/32/64); METHODS, BUDGETS,
 #            BENCH_DATASETS, BENCH_TEMPS and BENCH_PROMPTS (per set, default 10) select a slice so
-#            each call stays < 10 minutes; TREE_ATTENTION=flash_merge (bench, sweep, stages, roundprof) sets
+#            each call stays < 10 minutes; BENCH_DRAFTER (default the committed drafter; e.g. /tmp/kept-drafter, a
+#            slice's drafter) which drafter the tree methods use; TREE_ATTENTION=flash_merge (bench, sweep, stages, roundprof) sets
 #            --tree-attention
-#   sweep    `ubtree bench e2e` concurrency SWEEP_CONCURRENCY (default 1,4,16,32) on MT-Bench (SWEEP_PROMPTS, default 64), T=0;
+#   sweep    `ubtree bench e2e` concurrency SWEEP_CONCURRENCY (default 1,4,16,32) on SWEEP_DATASETS (default mt_bench;
+#            SWEEP_PROMPTS per set, default 64) at SWEEP_TEMPS (default 0);
 #            SWEEP_METHODS (default ar,ngram,ubtree-mrv2) and SWEEP_BUDGETS (default 64) select the runs;
 #            BUDGET_SCHEDULE (e.g. 1-4:64,5-16:32,17-64:16) makes the tree methods' budget load-adaptive
 #   stages   `ubtree bench e2e --stage-timing`: mean time per engine step of each UBTree runner stage, V1 and MRV2
@@ -69,7 +71,8 @@
 #   microbench  `ubtree bench microbench --which $MB_WHICH` (default: draft post-processing per round, tree attention
 #            vs FlashAttention, tree-65 vs chain-17 verification forward on a dummy Qwen3-8B, the draft stage)
 #   projection  `ubtree bench microbench --which projection`: the round cost on a dummy Qwen3-8B with an untrained
-#            drafter of its shape, B = 16/32/64 at 1 and 32 requests in flight (report: projected speedups)
+#            drafter of its shape, B = PROJECTION_BUDGETS (default 16,32,64; one engine each) at 1 and 32 requests in
+#            flight (report: projected speedups)
 # Records go to $RECORDS (default docs/benchmarks/records.jsonl; on the device use runs/records.jsonl,
 # which survives between calls of one warm session, and append it to the local file afterwards).
 # The device copy has no .git: pass UBTREE_COMMIT=<local HEAD> so records name the commit.
@@ -204,7 +207,7 @@ for phase in "$@"; do
       ( cd /tmp && python3 -m pytest -q -rfE "${workers[@]}" -p no:cacheprovider --rootdir "$R" \
           "$R/tests/triton" "$R/tests/unit/test_draft_graphs.py" "$R/tests/unit/test_mrv2_speculator.py" ) ;;
     bench)
-      ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
+      ubtree bench e2e --target default --drafter "${BENCH_DRAFTER:-$DRAFTER}" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization 0.25 \
         --datasets "${BENCH_DATASETS:-spec_bench,mt_bench,humaneval}" --temperatures "${BENCH_TEMPS:-0,1}" \
         --num-prompts "${BENCH_PROMPTS:-10}" \
@@ -214,8 +217,8 @@ for phase in "$@"; do
     sweep)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization 0.25 \
-        --datasets mt_bench --temperatures 0 --num-prompts "${SWEEP_PROMPTS:-64}" --max-new-tokens 256 \
-        --methods "${SWEEP_METHODS:-ar,ngram,ubtree-mrv2}" \
+        --datasets "${SWEEP_DATASETS:-mt_bench}" --temperatures "${SWEEP_TEMPS:-0}" --num-prompts "${SWEEP_PROMPTS:-64}" \
+        --max-new-tokens 256 --methods "${SWEEP_METHODS:-ar,ngram,ubtree-mrv2}" \
         --tree-budgets "${SWEEP_BUDGETS:-64}" --beam-width 12 --top-k 64 --concurrency "${SWEEP_CONCURRENCY:-1,4,16,32}" \
         ${BUDGET_SCHEDULE:+--budget-schedule "$BUDGET_SCHEDULE"} ${TREE_ATTENTION:+--tree-attention "$TREE_ATTENTION"} ;;
     stages)
@@ -271,7 +274,8 @@ for phase in "$@"; do
       ubtree bench microbench --which "${MB_WHICH:-draft-postprocess,tree-attention-vs-flash,verify-forward,draft-stage}" \
         --drafter "$DRAFTER" --records "$RECORDS" --no-report ;;
     projection)
-      ubtree bench microbench --which projection --records "$RECORDS" --no-report ;;
+      ubtree bench microbench --which projection --projection-budgets "${PROJECTION_BUDGETS:-16,32,64}" \
+        --records "$RECORDS" --no-report ;;
     humaneval-t1)
       [ -f runs/humaneval-t1.done ] || { ubtree eval-tau --drafter "$DRAFTER" --datasets humaneval --methods ubtree \
         --temperatures 1 "${EVAL[@]}" && touch runs/humaneval-t1.done; } ;;

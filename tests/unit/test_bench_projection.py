@@ -48,3 +48,31 @@ def test_report_projects_speedups_from_round_cost_records():
     assert cells[:4] == ["ubtree-mrv2-lookup", "64", "1", "1.25"]
     assert cells[4:4 + len(PROJECTED_TAUS)] == [f"{tau / 1.25:.2f}" for tau in PROJECTED_TAUS]
     assert torch.isclose(torch.tensor(float(cells[4])), torch.tensor(3.2))
+
+
+def test_cli_projection_budgets_reach_the_run_and_bad_ones_are_refused(monkeypatch):
+    import argparse
+
+    import pytest
+
+    from ubtree_vllm.bench import microbench
+    from ubtree_vllm.bench.cli import _add_microbench_args
+    from ubtree_vllm.bench.settings import BenchArgumentError
+
+    seen = {}
+    monkeypatch.setattr(microbench, "_cuda_device", lambda settings, name: None)
+    monkeypatch.setattr("ubtree_vllm.bench.projection.run_projection", lambda **kw: seen.update(kw) or [])
+    parser = argparse.ArgumentParser()
+    _add_microbench_args(parser)
+
+    def settings(*argv):
+        args = parser.parse_args(["--which", "projection", *argv])
+        return microbench.MicrobenchSettings(projection_budgets=microbench.parse_list(
+            "--projection-budgets", args.projection_budgets, int, "integers"))
+
+    microbench.projection(settings())
+    assert seen["budgets"] == (16, 32, 64)
+    microbench.projection(settings("--projection-budgets", "64"))
+    assert seen["budgets"] == (64,)
+    with pytest.raises(BenchArgumentError, match="--projection-budgets"):
+        microbench.projection(settings("--projection-budgets", "0,64"))

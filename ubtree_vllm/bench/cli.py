@@ -97,6 +97,8 @@ def _add_microbench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--beam-width", type=int, default=12, help="W (capped at B; draft-postprocess)")
     parser.add_argument("--top-k", type=int, default=64, help="K (draft-postprocess)")
     parser.add_argument("--num-reqs", type=int, default=1, help="requests drafted per round (draft-postprocess)")
+    parser.add_argument("--projection-budgets", default="16,32,64",
+                        help="comma-separated tree budgets of projection (one UBTree engine each, beside ar)")
     parser.add_argument("--records", default=DEFAULT_RECORDS, help=f"records file (default: {DEFAULT_RECORDS})")
     parser.add_argument("--no-record", action="store_true", help="measure and print only")
     parser.add_argument("--no-report", action="store_true", help="do not regenerate the report after appending")

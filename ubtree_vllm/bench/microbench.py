@@ -83,6 +83,8 @@ class MicrobenchSettings:
     # verify-forward, projection: Qwen3-8B config.json overrides (tests: fewer layers) and vLLM engine overrides
     verify_config_overrides: Mapping[str, Any] | None = None
     verify_engine_kwargs: Mapping[str, Any] | None = None
+    # projection: the tree budgets measured (one engine each, beside ar)
+    projection_budgets: tuple[int, ...] = (16, 32, 64)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -286,8 +288,10 @@ def projection(settings: MicrobenchSettings) -> list[dict[str, Any]]:
     from ubtree_vllm.bench.projection import run_projection
 
     _cuda_device(settings, "projection")
+    if not settings.projection_budgets or min(settings.projection_budgets) < 1:
+        raise BenchArgumentError(f"--projection-budgets must be positive tree budgets, got {settings.projection_budgets}")
     return run_projection(seed=settings.seed, target_overrides=settings.verify_config_overrides,
-                          engine_kwargs=settings.verify_engine_kwargs)
+                          engine_kwargs=settings.verify_engine_kwargs, budgets=settings.projection_budgets)
 
 
 def grammar_rows(settings: MicrobenchSettings) -> list[dict[str, Any]]:
@@ -366,7 +370,9 @@ def run_cli(args: argparse.Namespace) -> int:
     settings = MicrobenchSettings(drafter=args.drafter, device=args.device, iters=args.iters, warmup=args.warmup,
                                   tree_budget=args.tree_budget, beam_width=args.beam_width, top_k=args.top_k,
                                   num_reqs=args.num_reqs,
-                                  context_lens=parse_list("--context-lens", args.context_lens, int, "integers"))
+                                  context_lens=parse_list("--context-lens", args.context_lens, int, "integers"),
+                                  projection_budgets=parse_list("--projection-budgets", args.projection_budgets, int,
+                                                                "integers"))
     records_path = None if args.no_record else args.records
     rows = run_microbenches(parse_which(args.which), settings, records_path)
     width = max(len(r["metric"]) for r in rows)
