@@ -101,14 +101,14 @@ if triton is not None:
             node_valid = node_valid | hit
             offset = base
             base += width
-        # Global pruning: the best BUDGET nodes (ties: lower depth-major index), renumbered 1..B in order.
+        # Global pruning: the best BUDGET nodes (ties: lower depth-major index), renumbered 1..B by rank.
         offs_b = tl.arange(0, B_PAD)
         _, kept_index = _select_into(node_score, offs_m, ~node_valid, BUDGET,
                                      tl.full([B_PAD], float("-inf"), tl.float32), tl.zeros([B_PAD], tl.int32),
                                      offs_b, BUDGET)
-        kept = tl.sum(((offs_m[:, None] == kept_index[None, :]) & (offs_b[None, :] < BUDGET)).to(tl.int32),
-                      axis=1) > 0  # [M_PAD]
-        new_index = tl.cumsum(kept.to(tl.int32), axis=0)  # 1..B at the kept nodes
+        match = (offs_m[:, None] == kept_index[None, :]) & (offs_b[None, :] < BUDGET)  # [M_PAD, B_PAD]
+        kept = tl.sum(match.to(tl.int32), axis=1) > 0  # [M_PAD]
+        new_index = tl.sum(tl.where(match, offs_b[None, :] + 1, 0), axis=1)  # rank + 1 at the kept nodes
         tl.store(scratch_ptr + n * stride_scratch + offs_m, new_index)
         tl.debug_barrier()
         parent_new = tl.load(scratch_ptr + n * stride_scratch + tl.maximum(node_parent, 0), mask=kept, other=0)

@@ -44,9 +44,9 @@ def reference_tree(cand, root, trans, cfg):
         beam = [(s, b, path) for s, _, b, path in ext[: cfg.beam_width]]
         for rank, (s, _, path) in enumerate(beam):
             nodes.append((d + 1, rank, s, path))
-    # Depth-major order is the tie-break order.
+    # Best first; depth-major order is the tie-break order.
     order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][2], i))[: cfg.tree_budget]
-    return [nodes[i] for i in sorted(order)]
+    return [nodes[i] for i in order]
 
 
 def tree_paths(tree, n):
@@ -157,3 +157,21 @@ def test_ancestor_mask_matches_parent_walk(seed):
                 anc.add(node)
                 node = parents[node]
             assert set(torch.nonzero(mask[n, i]).flatten().tolist()) == anc
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=tree_shapes, seed=st.integers(0, 10_000), quantize=st.booleans())
+def test_every_prefix_of_the_node_list_is_the_best_smaller_tree(shape, seed, quantize):
+    """Nodes are numbered by rank, so the first B' nodes -- what a load-adaptive step of vLLM's scheduler
+    verifies -- are exactly the tree of budget B' (same beam), not the B' shallowest nodes."""
+    (gamma, top_k, width), budget = shape
+    anchor, cand, root, trans = random_lattice(2, gamma, top_k, 50, seed, quantize)
+    full = build_tree(anchor, cand, root, trans, UBTreeConfig(tree_budget=budget, beam_width=width, top_k=top_k,
+                                                              block_size=gamma))
+    for smaller in sorted({1, (budget + 1) // 2, budget}):
+        small = build_tree(anchor, cand, root, trans, UBTreeConfig(tree_budget=smaller, beam_width=min(width, smaller),
+                                                                   top_k=top_k, block_size=gamma))
+        if min(width, smaller) != width:  # a narrower beam is another lattice walk; compare node sets only
+            continue
+        for name in ("tokens", "parents", "depth", "scores"):
+            assert torch.equal(getattr(full, name)[:, :smaller + 1], getattr(small, name)), name

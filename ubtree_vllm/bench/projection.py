@@ -85,7 +85,10 @@ def run_projection(seed: int = 0, target_overrides: Mapping[str, Any] | None = N
                                         methods=("ar", METHOD), tree_budgets=budgets, concurrency=concurrency,
                                         seed=seed), check_datasets=False)
         prompts = PromptSet("random-tokens", random_prompts(int(target["vocab_size"]), num_prompts, seed=seed))
-        kwargs = {"load_format": "dummy", "max_model_len": 4096, "gpu_memory_utilization": 0.85,
+        # 0.3 of an H200 (42 GB) holds the 16 GB of weights, the graphs and the KV of 32 x 640 tokens; more would not
+        # fit the later engines: each engine of the run left ~15-17 GB of the device in use after its stop (H200,
+        # 2026-12-03), and vLLM refuses to start when the free memory is below its share
+        kwargs = {"load_format": "dummy", "max_model_len": 4096, "gpu_memory_utilization": 0.3,
                   **(engine_kwargs or {})}
         rows = run_e2e(settings, [prompts], target_dir, kwargs)
     note = (f"projection input: {TARGET} (dummy weights) with an untrained drafter of its shape, {num_prompts} "

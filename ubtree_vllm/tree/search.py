@@ -14,6 +14,13 @@ Pruning. The B best nodes overall are kept. Ties are broken by a fixed rule, low
 a parent is never worse than its child and always comes earlier in that list, the kept
 set is closed under ancestors, i.e. a tree. Identical inputs give identical trees on every
 tensor-parallel rank.
+
+Order. Nodes 1..B are numbered by that rank, best first (a parents-first order for the same
+reason), so every prefix of the list is the best smaller tree: a load-adaptive step that
+verifies only the first B' nodes (vLLM's scheduler truncates the drafts) gets the B'-node tree
+of the same beam, not the B' shallowest nodes. On the reference decoder (CPU, fp32 SmolLM2,
+shipped drafter, T = 0, lookup branch on, 4 prompts per set, 2026-12-03) the first 8 nodes of a
+64-node tree accepted more in this order than in depth-major order on all three sets.
 """
 from __future__ import annotations
 
@@ -79,9 +86,8 @@ def build_tree(anchor: torch.Tensor, cand_tokens: torch.Tensor, root_logp: torch
                             for d, w in enumerate(widths)], dim=1)
     node_token = _tokens_of(cand_tokens, node_depth, node_cand)
 
-    # Global pruning to the best B nodes, then back to depth-major (topological) order.
-    _, keep = topk_stable(node_score, cfg.tree_budget)
-    keep, _ = torch.sort(keep, dim=1)  # [N, B]
+    # Global pruning to the best B nodes, numbered by rank (a parents-first order, see the module docstring).
+    _, keep = topk_stable(node_score, cfg.tree_budget)  # [N, B] global indices, best first
     # Node index in the pruned tree (1..B); the root is 0.
     new_index = torch.full_like(node_score, -1, dtype=torch.long)
     new_index.scatter_(1, keep, torch.arange(1, cfg.tree_budget + 1, device=device).expand(num_reqs, -1))
