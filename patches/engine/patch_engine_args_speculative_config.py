@@ -133,10 +133,10 @@ def _runs_on_mrv2(runner: str, spec: Any, tensor_parallel_size: int = 1) -> bool
 
     ``auto`` takes Model Runner V2 unless it cannot serve the engine -- a tree budget below the
     drafter's block size (vLLM reserves B lookahead KV slots, the drafter writes gamma) or
-    ``VLLM_USE_V2_MODEL_RUNNER=0`` or tensor parallelism (V1 only so far) -- or a budget schedule
-    (``num_speculative_tokens_per_batch_size``) is on (MRV2's per-step budget has unit tests but no
-    H200 run yet; ``UBTREE_VLLM_RUNNER=mrv2`` selects it), and then the V1 runner, saying why.
-    ``prompt_lookup`` runs on either (MRV2's branch passed its H200 greedy test on 2026-12-01)."""
+    ``VLLM_USE_V2_MODEL_RUNNER=0`` or tensor parallelism (V1 only so far) -- and then the V1 runner,
+    saying why. ``prompt_lookup`` runs on either (MRV2's branch passed its H200 greedy test on
+    2026-12-01), and so does a budget schedule (MRV2's load-adaptive greedy test with B = gamma passed on
+    the H200 on 2026-12-03, after the draft graph fix of ``mrv2/speculator.py:draft_graph_config``)."""
     if runner != "auto":
         return runner == "mrv2"
     from vllm import envs as vllm_envs
@@ -146,10 +146,7 @@ def _runs_on_mrv2(runner: str, spec: Any, tensor_parallel_size: int = 1) -> bool
     reason = ("VLLM_USE_V2_MODEL_RUNNER=0" if vllm_envs.VLLM_USE_V2_MODEL_RUNNER is False else
               f"num_speculative_tokens ({budget}) < the drafter's block size ({gamma})" if budget < gamma else
               f"tensor_parallel_size {tensor_parallel_size} (tensor parallelism is served on the V1 runner)"
-              if tensor_parallel_size > 1 else
-              "num_speculative_tokens_per_batch_size (a per-step tree budget on MRV2 has not run on the GPU yet; "
-              "UBTREE_VLLM_RUNNER=mrv2 selects it)" if spec.budget_schedule is not None
-              else None)
+              if tensor_parallel_size > 1 else None)
     if reason:
         init_logger(__name__).info("ubtree runs on the V1 model runner: %s (Model Runner V2 needs neither)", reason)
     return reason is None

@@ -403,8 +403,8 @@ def test_cpu_gdn_speculative_paths_take_the_conv_of_the_weight_packing(monkeypat
 
 
 def test_runner_choice_for_the_lookup_branch(monkeypatch):
-    """auto runs the lookup branch on MRV2 (verified there on the H200) and keeps a budget schedule and TP on V1;
-    a pinned runner is the user's choice."""
+    """auto runs the lookup branch and a budget schedule on MRV2 (both verified there on the H200) and keeps TP on
+    V1; a pinned runner is the user's choice."""
     from types import SimpleNamespace
 
     from ubtree_vllm.patches.engine import patch_engine_args_speculative_config as patch
@@ -418,6 +418,7 @@ def test_runner_choice_for_the_lookup_branch(monkeypatch):
     assert patch._runs_on_mrv2("mrv2", lookup) and patch._runs_on_mrv2("auto", plain)
     assert patch._runs_on_mrv2("auto", lookup) and not patch._runs_on_mrv2("v1", plain)
     assert not patch._runs_on_mrv2("v1", lookup)
-    # a per-step budget and tensor parallelism also keep auto on V1; a pinned runner is the user's choice
-    assert not patch._runs_on_mrv2("auto", scheduled) and patch._runs_on_mrv2("mrv2", scheduled)
+    # a per-step budget runs on MRV2 too; tensor parallelism keeps auto on V1; a pinned runner is the user's choice
+    assert patch._runs_on_mrv2("auto", scheduled) and patch._runs_on_mrv2("mrv2", scheduled)
+    assert not patch._runs_on_mrv2("v1", scheduled)
     assert not patch._runs_on_mrv2("auto", plain, tensor_parallel_size=2)

@@ -12,6 +12,7 @@ dedicated flags, then from `--set KEY=VALUE` overrides (see training/run_config.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from ubtree_vllm.errors import CommandError
 
@@ -61,6 +62,12 @@ def add_eval_tau_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--records", default="docs/benchmarks/records.jsonl")
     parser.add_argument("--no-record", action="store_true", help="do not append records")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="instead of decoding: the expected tau of the drafter's B-node tree and of the best B-node "
+                             "tree (the target's own probabilities) at contexts of the target's rollouts "
+                             "(training/ceiling.py); --methods is ignored")
+    parser.add_argument("--every", type=int, default=32,
+                        help="--ceiling: an anchor every N response tokens of each rollout")
 
 
 def _settings(args: argparse.Namespace, section: str, flags: dict[str, object]) -> dict[str, object]:
@@ -118,6 +125,8 @@ def run_eval_tau(args: argparse.Namespace) -> int:
     def split(text: str) -> list[str]:
         return [t.strip() for t in text.split(",") if t.strip()]
 
+    if args.ceiling:
+        return _run_ceiling(args, split)
     try:
         results = evaluate(
             args.drafter, target=args.target, datasets=split(args.datasets), methods=split(args.methods),
@@ -130,4 +139,25 @@ def run_eval_tau(args: argparse.Namespace) -> int:
     print("dataset       T    method   tau")
     for r in results:
         print(f"{r.dataset:<12} {r.temperature:<4g} {r.method:<8} {r.tau:.3f}")
+    return 0
+
+
+def _run_ceiling(args: argparse.Namespace, split: Any) -> int:
+    from ubtree_vllm.config import UBTreeConfig
+    from ubtree_vllm.drafter.config import DrafterConfig
+    from ubtree_vllm.training.ceiling import evaluate_ceiling
+
+    try:
+        gamma = DrafterConfig.load(args.drafter).block_size
+        tree = UBTreeConfig(tree_budget=args.tree_budget, beam_width=min(args.beam_width, args.tree_budget),
+                            top_k=args.top_k, block_size=gamma)
+        results = evaluate_ceiling(args.drafter, args.target, split(args.datasets),
+                                   [float(t) for t in split(args.temperatures)], args.num_prompts, tree, args.every,
+                                   args.max_new_tokens, args.data_dir, args.device, args.seed,
+                                   None if args.no_record else args.records)
+    except (ValueError, FileNotFoundError) as exc:
+        raise _command_error(exc) from exc
+    print("dataset       T    contexts  drafter tree  best tree")
+    for r in results:
+        print(f"{r.dataset:<12} {r.temperature:<4g} {r.num_contexts:<9d} {r.drafter_tau:<13.3f} {r.best_tau:.3f}")
     return 0

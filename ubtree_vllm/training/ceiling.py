@@ -1,0 +1,196 @@
+"""`ubtree eval-tau --ceiling`: how far a drafter's tree is from the best tree of the same size.
+
+At a context c with root token x, a B-node tree accepts, in expectation (the sample-then-match walk of
+verify/accept.py, each node's draw independent),
+
+    E[tau] = 1 + sum over nodes j of prod over the edges on root->j of p_T(edge token | path before it),
+
+where p_T is the target's distribution at temperature T (one-hot on the argmax at T = 0). Two trees are
+scored at the same contexts, from the target's own T rollouts (an anchor every ``every`` response tokens):
+
+* ``drafter``: the drafter's tree (proposer -> selector -> beam, exactly what serving drafts, no lookup
+  branch), scored with the target's probabilities at its nodes (one tree forward);
+* ``best``: the B-node tree of depth <= gamma that maximises E[tau] itself: path probabilities only fall
+  along a path, so the B nodes of largest path probability form a tree, found best-first with one target
+  forward per node. No drafter of this tree shape can do better at these contexts: the ceiling.
+
+A drafter far below the ceiling is the drafter's fault; a goal above the ceiling is out of reach at this B
+for this target and temperature. HF transformers, host loops (an evaluation, not the serving path).
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ubtree_vllm.config import UBTreeConfig
+from ubtree_vllm.tree.topology import ancestor_mask
+from ubtree_vllm.types import DraftContext
+
+
+@dataclass
+class CeilingResult:
+    dataset: str
+    temperature: float
+    num_contexts: int
+    drafter_tau: float  # mean E[tau] of the drafter's tree
+    best_tau: float  # mean E[tau] of the best tree (the ceiling)
+    wall_s: float
+
+
+class TreeScorer:
+    """The target's distribution at every node of a tree over one cached context."""
+
+    def __init__(self, target: torch.nn.Module, temperature: float, max_depth: int) -> None:
+        self.target, self.temperature, self.max_depth = target, temperature, max_depth
+        self.dtype = next(target.parameters()).dtype
+        self.device = next(target.parameters()).device
+
+    def probs(self, cache: Any, ctx_len: int, tokens: list[int], parents: list[int], depth: list[int]) -> torch.Tensor:
+        """[n, V] float32 at the n nodes; the cache is cropped back to the context afterwards."""
+        n = len(tokens)
+        tree_mask = ancestor_mask(torch.tensor([parents], device=self.device), self.max_depth)  # [1, n, n]
+        allowed = torch.cat([torch.ones(1, n, ctx_len, dtype=torch.bool, device=self.device), tree_mask], dim=2)
+        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        bias.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        out = self.target(input_ids=torch.tensor([tokens], device=self.device),
+                          position_ids=ctx_len + torch.tensor([depth], device=self.device),
+                          attention_mask=bias[:, None], past_key_values=cache, use_cache=True)
+        cache.crop(ctx_len)
+        logits = out.logits[0].float()  # [n, V]
+        if self.temperature == 0.0:
+            return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.softmax(logits / self.temperature, dim=-1)
+
+
+def expected_accepted(probs: torch.Tensor, tokens: Sequence[int], parents: Sequence[int]) -> float:
+    """sum over non-root nodes of their path probability (parents first; probs [n, V] at the nodes)."""
+    path = [1.0] * len(tokens)
+    for j in range(1, len(tokens)):
+        path[j] = path[parents[j]] * float(probs[parents[j], tokens[j]])
+    return sum(path[1:])
+
+
+def best_tree_accepted(scorer: TreeScorer, cache: Any, ctx_len: int, root: int, budget: int, max_depth: int) -> float:
+    """E[accepted drafts] of the best ``budget``-node tree of depth <= max_depth (best-first)."""
+    tokens, parents, depth, path = [root], [-1], [0], [1.0]
+    frontier: list[tuple[float, int, int]] = []  # (-path probability, parent node, token)
+
+    def expand(j: int) -> None:
+        if depth[j] >= max_depth:
+            return
+        probs = scorer.probs(cache, ctx_len, tokens, parents, depth)[j]
+        values, ids = probs.topk(min(budget, probs.numel()))
+        for v, t in zip(values.tolist(), ids.tolist()):
+            if v > 0.0:
+                heapq.heappush(frontier, (-path[j] * v, j, t))
+
+    expand(0)
+    while len(tokens) <= budget and frontier:
+        neg, parent, token = heapq.heappop(frontier)
+        tokens.append(token), parents.append(parent), depth.append(depth[parent] + 1), path.append(-neg)
+        if len(tokens) <= budget:
+            expand(len(tokens) - 1)
+    return sum(path[1:])
+
+
+@torch.no_grad()
+def tree_ceiling(target: torch.nn.Module, drafter: Any, prompts: Sequence[Sequence[int]], temperature: float,
+                 tree: UBTreeConfig, every: int, max_new_tokens: int, eos: Sequence[int], seed: int = 0
+                 ) -> tuple[float, float, int]:
+    """(mean drafter E[tau], mean best-tree E[tau], contexts) over anchors of the target's rollouts."""
+    from transformers import DynamicCache
+
+    device = next(target.parameters()).device
+    scorer = TreeScorer(target, temperature, tree.block_size)
+    layer_ids = drafter.cfg.target_layer_ids
+    drafted = best = 0.0
+    count = 0
+    torch.manual_seed(seed)
+    for prompt in prompts:
+        sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else \
+            {"do_sample": False}
+        seq = target.generate(torch.tensor([list(prompt)], device=device), max_new_tokens=max_new_tokens + 1,
+                              eos_token_id=list(eos) or None, pad_token_id=(list(eos) or [0])[0], **sample)[0].tolist()
+        for anchor_at in range(len(prompt), len(seq) - 1, every):
+            ctx, root = seq[:anchor_at], seq[anchor_at]
+            cache = DynamicCache(config=target.config)
+            out = target(input_ids=torch.tensor([ctx], device=device), past_key_values=cache, use_cache=True,
+                         output_hidden_states=True)
+            features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+            n = len(ctx)
+            draft_ctx = DraftContext(anchor=torch.tensor([root], device=device),
+                                     anchor_pos=torch.tensor([n], device=device), features=features,
+                                     positions=torch.arange(n, device=device)[None],
+                                     valid=torch.ones(1, n, dtype=torch.bool, device=device),
+                                     tokens=torch.tensor([ctx], device=device))
+            t = drafter.draft_tree(draft_ctx, tree)
+            tokens, parents, depth = t.tokens[0].tolist(), t.parents[0].tolist(), t.depth[0].tolist()
+            drafted += expected_accepted(scorer.probs(cache, n, tokens, parents, depth), tokens, parents)
+            best += best_tree_accepted(scorer, cache, n, root, tree.tree_budget, tree.block_size)
+            count += 1
+    if count == 0:
+        raise ValueError("no context to score: every rollout ended before its first anchor")
+    return 1.0 + drafted / count, 1.0 + best / count, count
+
+
+def evaluate_ceiling(drafter_dir: str, target: str, datasets: Sequence[str], temperatures: Sequence[float],
+                     num_prompts: int | None, tree: UBTreeConfig, every: int, max_new_tokens: int, data_dir: str,
+                     device: str, seed: int, records_path: str | None,
+                     log: Callable[[str], None] = print) -> list[CeilingResult]:
+    """One pair of microbench records (drafter, best) per dataset x temperature."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from ubtree_vllm.drafter.io import load_drafter
+    from ubtree_vllm.training.data import chat_prompt_ids, load_tokenizer_and_eos, resolve_target_path
+    from ubtree_vllm.training.evaluate import load_eval_prompts
+
+    if every < 1:
+        raise ValueError(f"--every must be >= 1, got {every}")
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    target_path = resolve_target_path(target)
+    tokenizer, eos = load_tokenizer_and_eos(target_path)
+    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(dev).eval()
+    drafter = load_drafter(Path(drafter_dir), device=dev, dtype=dtype)
+    drafter.bind_hf_target(model)
+    drafter.eval()
+    if tree.block_size != drafter.cfg.block_size:
+        raise ValueError(f"block_size {tree.block_size} does not match the drafter's gamma {drafter.cfg.block_size}")
+    results = []
+    for dataset in datasets:
+        prompts = [chat_prompt_ids(tokenizer, text) for text in load_eval_prompts(dataset, data_dir, num_prompts)]
+        for temperature in temperatures:
+            started = time.monotonic()
+            drafter_tau, best_tau, count = tree_ceiling(model, drafter, prompts, float(temperature), tree, every,
+                                                        max_new_tokens, eos, seed)
+            result = CeilingResult(dataset, float(temperature), count, drafter_tau, best_tau,
+                                   time.monotonic() - started)
+            results.append(result)
+            log(f"eval-tau --ceiling: {dataset} T={temperature:g} B={tree.tree_budget} W={tree.beam_width}: drafter "
+                f"tree E[tau] {drafter_tau:.3f}, best tree {best_tau:.3f} over {count} contexts, "
+                f"{result.wall_s:.0f}s")
+            if records_path:
+                from ubtree_vllm.bench.records import append_record, hardware
+
+                note = (f"expected acceptance length at {count} contexts (an anchor every {every} response tokens of "
+                        f"the target's own T={temperature:g} rollouts of {len(prompts)} prompts, <= {max_new_tokens} "
+                        "tokens each), target probabilities in the HF reference (training/ceiling.py)")
+                for method, value, what in (("ubtree", drafter_tau, "the drafter's tree (no lookup branch)"),
+                                            ("best-tree", best_tau, "the best tree of B nodes, depth <= gamma: "
+                                                                    "the ceiling of any drafter")):
+                    append_record({
+                        "kind": "microbench", "metric": "expected_tau", "value": round(value, 4),
+                        "unit": "tokens per round", "method": method, "target": drafter.cfg.target_name,
+                        "drafter": str(drafter_dir), "dataset": dataset, "num_prompts": len(prompts),
+                        "max_new_tokens": max_new_tokens, "temperature": float(temperature), "batch_size": 1,
+                        "tp": 1, "cuda_graphs": False, "hardware": hardware(dev.type),
+                        "tree_budget": tree.tree_budget, "beam_width": tree.beam_width, "top_k": tree.top_k,
+                        "block_size": tree.block_size, "notes": f"{what}; {note}"}, path=records_path)
+    return results
