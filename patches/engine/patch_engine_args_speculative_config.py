@@ -93,7 +93,8 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
 
     from ubtree_vllm import envs
     from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, PROPOSER_CLASS_PATH, VLLM_METHOD,
-                                         TargetInfo, check_hybrid_engine, parse_speculative_config)
+                                         TargetInfo, check_hybrid_engine, default_budget_schedule,
+                                         parse_speculative_config)
 
     target = TargetInfo.from_model_config(target_model_config)
     spec = parse_speculative_config(_merged_user_spec(args), target)
@@ -105,6 +106,9 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
     _check_engine_args(args, mrv2)
     if _user_chose_graph_sizes(args):
         spec = dataclasses.replace(spec, wide_decode_graphs=False)
+    if mrv2 and spec.budget_schedule is None and spec.budget_policy == "load_adaptive":
+        spec = dataclasses.replace(spec, budget_schedule=default_budget_schedule(spec.tree.tree_budget),
+                                   default_schedule=True)
     if mrv2:
         spec = _mrv2_form(args, spec)
     else:

@@ -35,6 +35,8 @@
 #            (default "t0 hard-ce beta0") selects pipelines; a file runs/ablations/NAME/eval-SET.done
 #            skips that evaluation.
 #   humaneval-t1  tau of UBTree at T=1 on HumanEval with the shipped drafter
+#   ceiling  `ubtree eval-tau --ceiling`: E[tau] of the shipped drafter's B=64 tree and of the best 64-node tree under
+#            the target's own distribution, CEILING_PROMPTS (default 32) prompts per set at CEILING_TEMPS (default 1)
 #   mrv2test tests/vllm/test_vllm_mrv2_gpu.py: UBTree on Model Runner V2: greedy equality, T > 0, sync guard
 #   servertest tests/vllm/test_vllm_server_gpu.py: examples/serve.sh (default runner, B=64, graphs) vs `vllm serve`
 #            over HTTP, multiprocess engine (GPU_SERVER_START_TIMEOUT_S per server, default 300)
@@ -276,6 +278,9 @@ for phase in "$@"; do
     projection)
       ubtree bench microbench --which projection --projection-budgets "${PROJECTION_BUDGETS:-16,32,64}" \
         --records "$RECORDS" --no-report ;;
+    ceiling)  # eval-tau --ceiling: E[tau] of the drafter's tree and of the best B-node tree at rollout contexts
+      ubtree eval-tau --ceiling --drafter "$DRAFTER" --data-dir .gpudata --num-prompts "${CEILING_PROMPTS:-32}" \
+        --temperatures "${CEILING_TEMPS:-1}" --every 32 --max-new-tokens 256 --records "$RECORDS" ;;
     humaneval-t1)
       [ -f runs/humaneval-t1.done ] || { ubtree eval-tau --drafter "$DRAFTER" --datasets humaneval --methods ubtree \
         --temperatures 1 "${EVAL[@]}" && touch runs/humaneval-t1.done; } ;;

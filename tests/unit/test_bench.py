@@ -208,6 +208,23 @@ def test_mrv2_runs_build_their_engine_under_the_runner_switch(monkeypatch):
     assert "UBTREE_VLLM_RUNNER" not in os.environ
 
 
+def test_budget_policy_default_and_fixed_reach_the_tree_engines_and_their_records(drafter_dir):
+    """No --budget-schedule: MRV2 tree methods run the serving default (load-adaptive) and their records say which
+    schedule; V1 ones keep B. --fixed-budget pins B everywhere; with --budget-schedule it is refused."""
+    default = settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree-mrv2,ubtree", tree_budgets="16",
+                                          top_k=16))
+    mrv2, v1 = ubtree_run(default, 16, "ubtree-mrv2"), ubtree_run(default, 16, "ubtree")
+    assert "budget_policy" not in mrv2.speculative_config and mrv2.budget_schedule == "1-8:16,9-16:8,17-32:4,33-1024:2"
+    assert "the default policy" in mrv2.note and v1.budget_schedule is None
+    fixed = settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree-mrv2", tree_budgets="16", top_k=16,
+                                        fixed_budget=True))
+    run = ubtree_run(fixed, 16, "ubtree-mrv2")
+    assert run.speculative_config["budget_policy"] == "fixed" and run.budget_schedule is None
+    with pytest.raises(BenchArgumentError, match="--fixed-budget pins B at every step and --budget-schedule"):
+        settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree-mrv2", tree_budgets="16", top_k=16,
+                                    fixed_budget=True, budget_schedule="1-4:16"))
+
+
 def test_budget_schedule_reaches_the_tree_engines_and_their_records(drafter_dir, tmp_path):
     settings = settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ar,ngram,ubtree-mrv2", tree_budgets="16",
                                            top_k=16, budget_schedule="1-4:16, 5-32:8".replace(" ", "")))
@@ -248,7 +265,7 @@ def test_tree_attention_mode_reaches_the_tree_engines_and_their_records(drafter_
     assert "tree_attention" not in default.speculative_config and default.tree_attention is None
     from ubtree_vllm.bench.report import budget_label
 
-    assert budget_label(record) == "16 (flash_merge attention)"
+    assert budget_label(record) == "16 (1-8:16,9-16:8,17-32:4,33-1024:2; flash_merge attention)"  # the default policy
 
 
 def test_tree_attention_modes_run_side_by_side_in_one_invocation(drafter_dir):

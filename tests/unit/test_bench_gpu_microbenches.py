@@ -228,8 +228,8 @@ def test_verify_forward_on_gpu_with_a_two_layer_target():
 def test_projection_on_gpu_with_a_four_layer_target():
     from ubtree_vllm.bench.projection import TARGET, run_projection
 
-    rows = run_projection(target_overrides={"num_hidden_layers": 4}, engine_kwargs={"gpu_memory_utilization": 0.4},
-                          budgets=(16,), concurrency=(1,), num_prompts=2, new_tokens=16)
+    rows = list(run_projection(target_overrides={"num_hidden_layers": 4}, engine_kwargs={"gpu_memory_utilization": 0.4},
+                               budgets=(16,), concurrency=(1,), num_prompts=2, new_tokens=16))
     assert [(r["metric"], r["tree_budget"], r["concurrency"]) for r in rows] == [("round_over_plain_step", 16, 1)]
     assert rows[0]["value"] > 0 and rows[0]["target"] == TARGET and rows[0]["drafter"] == "untrained"
     assert rows[0]["method"] == "ubtree-mrv2-lookup" and "projection input" in rows[0]["notes"]

@@ -94,6 +94,13 @@ def test_a_tree_step_that_cannot_fit_fails_naming_the_largest_value_that_fits():
     with pytest.raises(ValueError, match=r"the largest last batch size that fits budget 64 is 7"):
         check_tree_steps_fit(config(max_tokens=512, schedule=[[1, 600, 64]], max_num_seqs=1024),
                              graph_sizes_chosen=False)
+    # the budget policy's default schedule is left to vLLM's scheduler, which truncates the drafts to the token budget
+    # (a prefix of the rank-ordered nodes, the best smaller tree); the pinned B is still checked
+    check_tree_steps_fit(config(max_tokens=512, schedule=[[1, 4, 64], [9, 32, 16]]), graph_sizes_chosen=False,
+                         default_schedule=True)
+    with pytest.raises(ValueError, match="num_speculative_tokens = 64: .* the largest num_speculative_tokens"):
+        check_tree_steps_fit(config(max_tokens=48, schedule=[[1, 4, 64]]), graph_sizes_chosen=False,
+                             default_schedule=True)
     # a range the scheduler never reaches (first > max_num_seqs) is not checked
     check_tree_steps_fit(config(max_tokens=600, schedule=[[1, 8, 64], [64, 256, 64]]), graph_sizes_chosen=False)
     # graph sizes the user chose: the steps must fit the largest captured graph too (else they run without graphs)

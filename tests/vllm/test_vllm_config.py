@@ -77,6 +77,10 @@ def test_additional_config_round_trip(tiny_drafter):
     ({"num_speculative_tokens_per_batch_size": [[3, 2, 4]]}, r"needs 1 <= first batch size <= last batch size"),
     ({"num_speculative_tokens_per_batch_size": [[1, 4]]}, r"each entry must be \[first batch size, last batch size"),
     ({"num_speculative_tokens_per_batch_size": []}, r"must be a non-empty list"),
+    ({"budget_policy": "adaptive"}, r"speculative_config.budget_policy \(how the tree budget follows the number of "
+                                    r"requests in flight\) must be one of \['load_adaptive', 'fixed'\], got 'adaptive'"),
+    ({"budget_policy": "fixed", "num_speculative_tokens_per_batch_size": [[1, 4, 8]]},
+     r"budget_policy 'fixed' .* takes no num_speculative_tokens_per_batch_size; remove one of the two"),
     ({"tree_attention": "flash"}, r"speculative_config.tree_attention \(how tree rows attend on CUDA\) must be one of "
                                   r"\['triton', 'flash_merge'\], got 'flash'"),
 ])
@@ -159,7 +163,7 @@ def test_missing_or_broken_drafter_folder(tiny_drafter, tmp_path):
 def test_spec_keys_are_documented():
     assert set(SPEC_KEYS) == {"method", "model", "num_speculative_tokens", "beam_width", "top_k", "prompt_lookup",
                               "prompt_lookup_min", "prompt_lookup_max", "num_speculative_tokens_per_batch_size",
-                              "tree_attention"}
+                              "budget_policy", "tree_attention"}
 
 
 def test_from_vllm_config_recognises_only_the_rewritten_form(tiny_drafter):
@@ -229,3 +233,22 @@ def test_budget_schedule_reaches_the_config(tiny_drafter):
                                    TINY)
     assert cfg.budget_schedule == ((1, 2, 8), (3, 16, 4))
     assert parse_speculative_config(spec(tiny_drafter), TINY).budget_schedule is None
+
+
+def test_default_budget_schedule_halves_b_per_doubling_past_eight_requests():
+    from ubtree_vllm.vllm.config import default_budget_schedule
+
+    assert default_budget_schedule(64) == ((1, 8, 64), (9, 16, 32), (17, 32, 16), (33, 1024, 8))
+    assert default_budget_schedule(4) == ((1, 8, 4), (9, 16, 2), (17, 32, 1), (33, 1024, 1))  # never below 1
+
+
+def test_budget_policy_is_parsed_and_travels_to_the_workers(tiny_drafter):
+    cfg = parse_speculative_config(spec(tiny_drafter), TINY)
+    assert (cfg.budget_policy, cfg.budget_schedule, cfg.default_schedule) == ("load_adaptive", None, False)
+    assert parse_speculative_config(spec(tiny_drafter, budget_policy="fixed"), TINY).budget_policy == "fixed"
+    import dataclasses
+
+    from ubtree_vllm.vllm.config import UBTreeVllmConfig
+
+    marked = dataclasses.replace(cfg, default_schedule=True)
+    assert UBTreeVllmConfig.from_additional_config(marked.to_additional_config()).default_schedule

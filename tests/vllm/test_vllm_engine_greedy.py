@@ -99,7 +99,8 @@ def test_options_trees_cannot_serve_are_rejected(ubtree_llm):
 
 def test_load_adaptive_budget_verifies_the_scheduled_first_nodes(tiny_target, tiny_drafter, reference_batch):
     """num_speculative_tokens_per_batch_size: with 8 requests in flight vLLM's scheduler picks B' = 3 of B = 8, the
-    runner hands it the first 3 nodes of each tree (a subtree), and greedy output stays plain decoding's."""
+    runner hands it the first 3 nodes of each tree (numbered by rank: the best 3-node subtree), and greedy output stays
+    plain decoding's."""
     schedule = [[1, 4, 8], [5, 16, 3]]
     llm = LLM(model=str(tiny_target), speculative_config={"method": "ubtree", "model": str(tiny_drafter), **TINY_TREE,
                                                           "num_speculative_tokens_per_batch_size": schedule},

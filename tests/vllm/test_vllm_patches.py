@@ -117,6 +117,35 @@ def test_engine_args_mrv2_form_on_cuda_is_dflash_with_a_proposer_only_copy(tiny_
         rewrite._rewrite_to_vllm(args, args.create_model_config())
 
 
+def test_engine_args_default_budget_policy_is_load_adaptive_on_mrv2_only(tiny_target, tiny_drafter, monkeypatch,
+                                                                        tmp_path):
+    """No schedule given: on Model Runner V2 the rewrite hands vLLM default_budget_schedule(B), marked as the default
+    for the workers' fit check; budget_policy "fixed" and the V1 runner keep B at every step; a user's schedule wins.
+    Faked CUDA, rewrite only."""
+    from vllm.platforms import current_platform
+
+    from ubtree_vllm.vllm.config import default_budget_schedule
+
+    rewrite = importlib.import_module("ubtree_vllm.patches.engine.patch_engine_args_speculative_config")
+    monkeypatch.setenv("UBTREE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+
+    def rewritten(runner, **overrides):
+        monkeypatch.setenv("UBTREE_VLLM_RUNNER", runner)
+        args = EngineArgs(model=str(tiny_target), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
+                          speculative_config=ubtree_spec(tiny_drafter, **overrides))
+        rewrite._rewrite_to_vllm(args, args.create_model_config())
+        return (args.speculative_config.get("num_speculative_tokens_per_batch_size"),
+                args.additional_config[ADDITIONAL_CONFIG_KEY]["default_schedule"])
+
+    assert rewritten("mrv2") == ([list(e) for e in default_budget_schedule(8)], True)
+    assert rewritten("mrv2", budget_policy="fixed") == (None, False)
+    assert rewritten("v1") == (None, False)
+    assert rewritten("mrv2", num_speculative_tokens_per_batch_size=[[1, 2, 8], [3, 64, 4]]) == \
+        ([[1, 2, 8], [3, 64, 4]], False)
+
+
 def test_engine_args_default_runner_on_cuda_is_mrv2_where_it_applies(tiny_target, tiny_drafter, monkeypatch,
                                                                      tmp_path):
     """UBTREE_VLLM_RUNNER unset (auto) on CUDA: Model Runner V2's "dflash" form; the V1 ``custom_class`` form

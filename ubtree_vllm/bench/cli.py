@@ -40,6 +40,9 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-schedule", default=None, metavar="FIRST-LAST:BUDGET,...",
                         help="load-adaptive tree budget for the tree methods (vLLM's num_speculative_tokens_per_batch"
                              "_size), e.g. 1-4:64,5-32:16: with 5-32 requests in flight each tree verifies 16 nodes")
+    parser.add_argument("--fixed-budget", action="store_true",
+                        help="budget_policy fixed: every tree verifies B nodes at every load (default: the serving "
+                             "default, load-adaptive on Model Runner V2)")
     parser.add_argument("--tree-attention", default="triton",
                         help=f"comma-separated speculative_config.tree_attention modes ({', '.join(TREE_ATTENTION_MODES)}; "
                              "CUDA), each tree method runs once per mode: triton walks each tree row's context; "

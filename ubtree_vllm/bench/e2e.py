@@ -35,7 +35,7 @@ import json
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +165,14 @@ def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path
             engine_kwargs: dict[str, Any], records_path: str | Path | None = None,
             log: Log = print) -> list[dict[str, Any]]:
     """Every planned engine x concurrency x prompt set x temperature; returns the records (appended if a path)."""
+    return list(iter_e2e(settings, prompt_sets, target_path, engine_kwargs, records_path, log))
+
+
+def iter_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path: str | Path,
+             engine_kwargs: dict[str, Any], records_path: str | Path | None = None,
+             log: Log = print) -> Iterator[dict[str, Any]]:
+    """:func:`run_e2e`, yielding each cell's records as soon as they are measured (and appended, if a path), so a
+    caller cut off by a time limit keeps the cells already done."""
     import torch
 
     from ubtree_vllm.bench.records import append_record
@@ -246,11 +254,11 @@ def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path
                             if records_path is not None:
                                 new = [append_record(r, records_path) for r in new]
                             rows.extend(new)
+                            yield from new
             finally:
                 stop_engine(llm)
                 del llm
                 release_memory()
-    return rows
 
 
 SUMMARY_COLUMNS = (("method", "method", 12), ("B", "tree_budget", 4), ("dataset", "dataset", 10),

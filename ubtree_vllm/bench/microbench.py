@@ -47,7 +47,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -283,7 +283,7 @@ def verify_forward(settings: MicrobenchSettings) -> list[dict[str, Any]]:
                           cuda_graphs=not engine_kwargs.get("enforce_eager", False))
 
 
-def projection(settings: MicrobenchSettings) -> list[dict[str, Any]]:
+def projection(settings: MicrobenchSettings) -> Iterator[dict[str, Any]]:
     """Round-cost records on a dummy Qwen3-8B with an untrained drafter of its shape (GPU only)."""
     from ubtree_vllm.bench.projection import run_projection
 
@@ -304,7 +304,7 @@ def grammar_rows(settings: MicrobenchSettings) -> list[dict[str, Any]]:
 
 @dataclass(frozen=True)
 class Microbench:
-    run: Callable[[MicrobenchSettings], list[dict[str, Any]]]
+    run: Callable[[MicrobenchSettings], Iterable[dict[str, Any]]]
     gpu_only: bool
     uses_drafter: bool
 
@@ -346,7 +346,8 @@ def parse_which(value: str) -> tuple[str, ...]:
 
 def run_microbenches(names: tuple[str, ...], settings: MicrobenchSettings,
                      records_path: str | Path | None = None) -> list[dict[str, Any]]:
-    """Run the named microbenchmarks; append their records when `records_path` is given."""
+    """Run the named microbenchmarks; append their records when `records_path` is given, each as soon as its entry
+    produces it (an entry may be a generator: projection yields a record per measured cell)."""
     from ubtree_vllm.bench.records import append_record
 
     check_selection(names, settings)

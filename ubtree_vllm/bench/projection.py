@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +63,13 @@ def random_prompts(vocab_size: int, count: int = NUM_PROMPTS, length: int = PROM
 def run_projection(seed: int = 0, target_overrides: Mapping[str, Any] | None = None,
                    engine_kwargs: Mapping[str, Any] | None = None, budgets: tuple[int, ...] = BUDGETS,
                    concurrency: tuple[int, ...] = CONCURRENCY, num_prompts: int = NUM_PROMPTS,
-                   new_tokens: int = NEW_TOKENS) -> list[dict[str, Any]]:
-    """The round-cost records of the projection run (see the module docstring); nothing is appended here."""
+                   new_tokens: int = NEW_TOKENS) -> Iterator[dict[str, Any]]:
+    """The round-cost records of the projection run (see the module docstring), each yielded as soon as its cell is
+    measured (a run cut off by a time limit keeps the cells done: on the H200 each 8B engine takes ~2.5 minutes to start
+    and measure); nothing is appended here."""
     import torch
 
-    from ubtree_vllm.bench.e2e import run_e2e
+    from ubtree_vllm.bench.e2e import iter_e2e
     from ubtree_vllm.bench.prompts import PromptSet
     from ubtree_vllm.bench.round_cost import METRIC
     from ubtree_vllm.bench.settings import E2ESettings, validate
@@ -83,18 +85,18 @@ def run_projection(seed: int = 0, target_overrides: Mapping[str, Any] | None = N
         settings = validate(E2ESettings(target=str(target_dir), drafter=str(drafter_dir), datasets=("random-tokens",),
                                         temperatures=(0.0,), num_prompts=num_prompts, max_new_tokens=new_tokens,
                                         methods=("ar", METHOD), tree_budgets=budgets, concurrency=concurrency,
-                                        seed=seed), check_datasets=False)
+                                        seed=seed, fixed_budget=True), check_datasets=False)
         prompts = PromptSet("random-tokens", random_prompts(int(target["vocab_size"]), num_prompts, seed=seed))
         # 0.3 of an H200 (42 GB) holds the 16 GB of weights, the graphs and the KV of 32 x 640 tokens; more would not
         # fit the later engines: each engine of the run left ~15-17 GB of the device in use after its stop (H200,
         # 2026-12-03), and vLLM refuses to start when the free memory is below its share
         kwargs = {"load_format": "dummy", "max_model_len": 4096, "gpu_memory_utilization": 0.3,
                   **(engine_kwargs or {})}
-        rows = run_e2e(settings, [prompts], target_dir, kwargs)
-    note = (f"projection input: {TARGET} (dummy weights) with an untrained drafter of its shape, {num_prompts} "
-            f"random-token prompts of {PROMPT_LEN} tokens, {new_tokens} new tokens")
-    return [{**r, "drafter": "untrained", "notes": f"{note}; {r['notes']}"} for r in rows
-            if r["kind"] == "microbench" and r["metric"] == METRIC]
+        note = (f"projection input: {TARGET} (dummy weights) with an untrained drafter of its shape, {num_prompts} "
+                f"random-token prompts of {PROMPT_LEN} tokens, {new_tokens} new tokens")
+        for r in iter_e2e(settings, [prompts], target_dir, kwargs):
+            if r["kind"] == "microbench" and r["metric"] == METRIC:
+                yield {**r, "drafter": "untrained", "notes": f"{note}; {r['notes']}"}
 
 
 def projection_rows(micro: list[dict[str, Any]]) -> list[list[Any]]:

@@ -123,8 +123,11 @@ class E2ESettings:
     # --profile DIR: torch.profiler summaries per run instead of records (bench/profile.py)
     profile_dir: str | None = None
     tensor_parallel_size: int = 1
-    # --budget-schedule: ((first batch size, last batch size, B'), ...) for every tree method, None: B pinned
+    # --budget-schedule: ((first batch size, last batch size, B'), ...) for every tree method, None: the serving
+    # default (budget_policy load_adaptive: default_budget_schedule(B) on MRV2, B pinned on V1)
     budget_schedule: tuple[tuple[int, int, int], ...] | None = None
+    # --fixed-budget: budget_policy "fixed", B at every step on every runner
+    fixed_budget: bool = False
     # --tree-attention: speculative_config.tree_attention modes; every tree method runs once per mode and budget
     tree_attention: tuple[str, ...] = ("triton",)
     # Drafter facts read from its config.json (None without a drafter).
@@ -224,6 +227,8 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
     if settings.profile_dir is not None and (settings.agreement or settings.stage_timing):
         raise BenchArgumentError("--profile, --stage-timing and --agreement are separate modes; pass one")
 
+    if settings.fixed_budget and settings.budget_schedule is not None:
+        raise BenchArgumentError("--fixed-budget pins B at every step and --budget-schedule varies it; pass one")
     if settings.budget_schedule is not None and not any(m in TREE_METHODS for m in settings.methods):
         raise BenchArgumentError(f"--budget-schedule applies to the tree methods ({', '.join(TREE_METHODS)}); "
                                  f"--methods has none")
@@ -288,6 +293,7 @@ def settings_from_args(args: argparse.Namespace, check_datasets: bool = True) ->
         profile_dir=getattr(args, "profile", None),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         budget_schedule=parse_budget_schedule(getattr(args, "budget_schedule", None)),
+        fixed_budget=getattr(args, "fixed_budget", False),
         tree_attention=parse_list("--tree-attention", getattr(args, "tree_attention", "triton"), str, "modes"),
     ), check_datasets=check_datasets)
 
@@ -311,6 +317,14 @@ def ubtree_run(settings: E2ESettings, budget: int, method: str = "ubtree", tree_
         spec["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in settings.budget_schedule]
         schedule = schedule_text(settings.budget_schedule)
         note += f" load-adaptive budget {schedule} (requests in flight FIRST-LAST: nodes verified per tree)"
+    elif settings.fixed_budget:
+        spec["budget_policy"] = "fixed"
+        note += " fixed budget (budget_policy fixed)"
+    elif env.get("UBTREE_VLLM_RUNNER") == "mrv2":  # the serving default: budget_policy load_adaptive
+        from ubtree_vllm.vllm.config import default_budget_schedule
+
+        schedule = schedule_text(default_budget_schedule(budget))
+        note += f" load-adaptive budget {schedule} (the default policy; requests in flight FIRST-LAST: nodes per tree)"
     attention = None
     if tree_attention != "triton":
         spec["tree_attention"] = attention = tree_attention

@@ -60,7 +60,7 @@ class TreeScorer:
         out = self.target(input_ids=torch.tensor([tokens], device=self.device),
                           position_ids=ctx_len + torch.tensor([depth], device=self.device),
                           attention_mask=bias[:, None], past_key_values=cache, use_cache=True)
-        cache.crop(ctx_len)
+        cache.crop(-n)  # drop the n tree entries: the context's ctx_len stay
         logits = out.logits[0].float()  # [n, V]
         if self.temperature == 0.0:
             return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()

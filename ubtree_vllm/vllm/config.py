@@ -81,7 +81,25 @@ MAX_TREE_BUDGET = 128
 # over no speculation, without it 1.21-2.01x, same invocation; records in docs/benchmarks/records.jsonl).
 DEFAULT_PROMPT_LOOKUP = True
 SPEC_KEYS = ("method", "model", "num_speculative_tokens", "beam_width", "top_k", "prompt_lookup",
-             "prompt_lookup_min", "prompt_lookup_max", "num_speculative_tokens_per_batch_size", "tree_attention")
+             "prompt_lookup_min", "prompt_lookup_max", "num_speculative_tokens_per_batch_size", "budget_policy",
+             "tree_attention")
+# How the tree budget follows the load when num_speculative_tokens_per_batch_size is not given:
+# "load_adaptive" -- on Model Runner V2, default_budget_schedule(B); "fixed" -- B at every step. The V1 runner
+# keeps B fixed unless a schedule is given (vLLM compiles only PIECEWISE graphs for a schedule there; not measured).
+BUDGET_POLICIES = ("load_adaptive", "fixed")
+DEFAULT_BUDGET_POLICY = "load_adaptive"
+
+
+def default_budget_schedule(budget: int) -> tuple[tuple[int, int, int], ...]:
+    """load_adaptive's schedule for tree budget B: B up to 8 requests in flight, B/2 up to 16, B/4 up to 32, B/8
+    beyond (each at least 1). The schedule of the H200 MT-Bench concurrency sweeps at B = 64 (the report's
+    load-adaptive rows, 2026-12-02): ahead of vLLM's n-gram at every load measured, where a fixed B = 64 fell
+    behind no speculation from 32 requests in flight. vLLM carries the last range's budget past 1024; ranges past
+    max_num_seqs are never formed; a step whose
+    trees do not fit the scheduler's token budget has its drafts truncated by vLLM's scheduler to a prefix, which
+    is the best smaller tree (nodes are numbered by rank, tree/search.py)."""
+    return ((1, 8, budget), (9, 16, max(1, budget // 2)), (17, 32, max(1, budget // 4)),
+            (33, 1024, max(1, budget // 8)))
 # How tree rows attend on CUDA (vllm/attention/flash.py): "triton" -- the Triton kernel walks each row's
 # committed context and its path; "flash_merge" -- FlashAttention attends every row to its committed
 # context (the kernel plain decoding uses) and the Triton kernel adds the path rows by log-sum-exp.
@@ -133,6 +151,11 @@ class UBTreeVllmConfig:
     # size, B'), ...); a step of n requests verifies the first B' nodes of each tree (a subtree: the
     # nodes are parents first). None: always B. Read by vLLM's scheduler, not by the workers.
     budget_schedule: tuple[tuple[int, int, int], ...] | None = None
+    # BUDGET_POLICIES: what a missing schedule means (the engine-args rewrite applies it)
+    budget_policy: str = DEFAULT_BUDGET_POLICY
+    # True when budget_schedule is the policy's default (not the user's): a range past the token budget is then
+    # left to vLLM's scheduler (it truncates the drafts) instead of refused at start
+    default_schedule: bool = False
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -142,7 +165,8 @@ class UBTreeVllmConfig:
     def to_additional_config(self) -> dict[str, Any]:
         """Plain JSON for ``VllmConfig.additional_config["ubtree"]`` (hashed by vLLM)."""
         return {"drafter": self.drafter_dir, "runner": self.runner, "wide_decode_graphs": self.wide_decode_graphs,
-                "tree_attention": self.tree_attention, **self.tree.to_dict()}
+                "tree_attention": self.tree_attention, "default_schedule": self.default_schedule,
+                **self.tree.to_dict()}
 
     @classmethod
     def from_additional_config(cls, values: Mapping[str, Any]) -> "UBTreeVllmConfig":
@@ -151,8 +175,12 @@ class UBTreeVllmConfig:
         drafter_dir = values.pop("drafter", None)
         runner = values.pop("runner", "v1")
         wide_decode_graphs = values.pop("wide_decode_graphs", True)
+        default_schedule = values.pop("default_schedule", False)
         tree_attention = _tree_attention_mode(values.pop("tree_attention", "triton"),
                                               f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]['tree_attention']")
+        if not isinstance(default_schedule, bool):
+            raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]['default_schedule'] must be true or "
+                             f"false, got {default_schedule!r}")
         if not isinstance(wide_decode_graphs, bool):
             raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]['wide_decode_graphs'] must be true or "
                              f"false, got {wide_decode_graphs!r}")
@@ -167,7 +195,8 @@ class UBTreeVllmConfig:
             raise ValueError(f"block_size {tree.block_size} does not match the drafter's gamma "
                              f"{drafter.block_size} ({drafter_dir} changed since the engine was configured)")
         return cls(drafter_dir=drafter_dir, tree=tree, drafter=drafter, runner=runner,
-                   wide_decode_graphs=wide_decode_graphs, tree_attention=tree_attention)
+                   wide_decode_graphs=wide_decode_graphs, tree_attention=tree_attention,
+                   default_schedule=default_schedule)
 
 
 def load_drafter_config(model: Any) -> DrafterConfig:
@@ -256,10 +285,17 @@ def parse_speculative_config(spec: Mapping[str, Any], target: TargetInfo) -> UBT
     tree = UBTreeConfig(tree_budget=budget, beam_width=width, top_k=top_k, block_size=drafter.block_size,
                         prompt_lookup=lookup, lookup_min_n=min_n, lookup_max_n=max_n)
     tree.check_vocab(target.vocab_size)
+    policy = spec.get("budget_policy", DEFAULT_BUDGET_POLICY)
+    if policy not in BUDGET_POLICIES:
+        raise ValueError(f"speculative_config.budget_policy (how the tree budget follows the number of requests in "
+                         f"flight) must be one of {list(BUDGET_POLICIES)}, got {policy!r}")
+    if policy == "fixed" and spec.get("num_speculative_tokens_per_batch_size") is not None:
+        raise ValueError("speculative_config.budget_policy 'fixed' verifies num_speculative_tokens nodes at every step "
+                         "and takes no num_speculative_tokens_per_batch_size; remove one of the two")
     schedule = _budget_schedule(spec.get("num_speculative_tokens_per_batch_size"), budget)
     attention = _tree_attention_mode(spec.get("tree_attention", "triton"), "speculative_config.tree_attention")
     return UBTreeVllmConfig(drafter_dir=str(Path(spec["model"]).expanduser().resolve()), tree=tree,
-                            drafter=drafter, budget_schedule=schedule, tree_attention=attention)
+                            drafter=drafter, budget_schedule=schedule, budget_policy=policy, tree_attention=attention)
 
 
 def _tree_attention_mode(value: Any, field: str) -> str:

@@ -24,4 +24,5 @@ class UBTreeCPUWorker(StageTimesRPC, TPDigestRPC, CPUWorker):
         super().__init__(*args, **kwargs)
         config = from_vllm_config(self.vllm_config)
         if config is not None:  # before any device memory: a tree step that cannot fit fails here, naming the field
-            check_tree_steps_fit(self.vllm_config, graph_sizes_chosen=not config.wide_decode_graphs)
+            check_tree_steps_fit(self.vllm_config, graph_sizes_chosen=not config.wide_decode_graphs,
+                                 default_schedule=config.default_schedule)

@@ -90,7 +90,7 @@ def widen_decode_graph_sizes(vllm_config: Any, draft_query_len: int | None = Non
     return True
 
 
-def check_tree_steps_fit(vllm_config: Any, graph_sizes_chosen: bool) -> None:
+def check_tree_steps_fit(vllm_config: Any, graph_sizes_chosen: bool, default_schedule: bool = False) -> None:
     """ValueError, naming the field and the largest value that fits, when a tree step cannot fit the engine.
 
     A step of n requests at budget B' verifies ``n * (1 + B')`` tokens. It must fit the scheduler's token
@@ -98,7 +98,9 @@ def check_tree_steps_fit(vllm_config: Any, graph_sizes_chosen: bool) -> None:
     batch size (capped at ``max_num_seqs``). When the user chose the CUDA-graph sizes
     (``graph_sizes_chosen``: they are not widened), the same steps must also fit
     ``max_cudagraph_capture_size``, or they would run without graphs. Called by the UBTree workers before
-    they build anything."""
+    they build anything. ``default_schedule``: the schedule is the budget policy's default, not the user's; its
+    ranges are not checked (vLLM's scheduler truncates each request's drafts to what the token budget holds, a
+    prefix, which is the best smaller tree)."""
     scheduler = vllm_config.scheduler_config
     budget = vllm_config.speculative_config.num_speculative_tokens
     sampled, schedule = _tree_steps(vllm_config)
@@ -111,7 +113,7 @@ def check_tree_steps_fit(vllm_config: Any, graph_sizes_chosen: bool) -> None:
             raise ValueError(f"speculative_config.num_speculative_tokens = {budget}: one request's tree step "
                              f"verifies {sampled + budget} tokens but {field} is {limit}; the largest "
                              f"num_speculative_tokens that fits is {limit - sampled}")
-        for first, last, entry_budget in schedule:
+        for first, last, entry_budget in () if default_schedule else schedule:
             if first > scheduler.max_num_seqs:
                 continue  # the scheduler never forms that batch
             n = min(last, scheduler.max_num_seqs)
