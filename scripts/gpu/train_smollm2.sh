@@ -50,7 +50,8 @@
 #   sweep    `ubtree bench e2e` concurrency SWEEP_CONCURRENCY (default 1,4,16,32) on SWEEP_DATASETS (default mt_bench;
 #            SWEEP_PROMPTS per set, default 64) at SWEEP_TEMPS (default 0);
 #            SWEEP_METHODS (default ar,ngram,ubtree-mrv2) and SWEEP_BUDGETS (default 64) select the runs;
-#            BUDGET_SCHEDULE (e.g. 1-4:64,5-16:32,17-64:16) makes the tree methods' budget load-adaptive
+#            BUDGET_SCHEDULE (e.g. 1-4:64,5-16:32,17-64:16) sets the tree methods' load-adaptive budget (default: the
+#            serving default, budget_policy load_adaptive on MRV2); SWEEP_FIXED=1 pins B instead (--fixed-budget)
 #   stages   `ubtree bench e2e --stage-timing`: mean time per engine step of each UBTree runner stage, V1 and MRV2
 #            (ar for the step wall time; same selectors as bench, default mt_bench, T=0, 4 prompts, B=16,64;
 #            STAGE_CONCURRENCY, default 1, e.g. 1,32 with BENCH_PROMPTS >= 32; BUDGET_SCHEDULE as for sweep)
@@ -222,7 +223,8 @@ for phase in "$@"; do
         --datasets "${SWEEP_DATASETS:-mt_bench}" --temperatures "${SWEEP_TEMPS:-0}" --num-prompts "${SWEEP_PROMPTS:-64}" \
         --max-new-tokens 256 --methods "${SWEEP_METHODS:-ar,ngram,ubtree-mrv2}" \
         --tree-budgets "${SWEEP_BUDGETS:-64}" --beam-width 12 --top-k 64 --concurrency "${SWEEP_CONCURRENCY:-1,4,16,32}" \
-        ${BUDGET_SCHEDULE:+--budget-schedule "$BUDGET_SCHEDULE"} ${TREE_ATTENTION:+--tree-attention "$TREE_ATTENTION"} ;;
+        ${BUDGET_SCHEDULE:+--budget-schedule "$BUDGET_SCHEDULE"} ${SWEEP_FIXED:+--fixed-budget} \
+        ${TREE_ATTENTION:+--tree-attention "$TREE_ATTENTION"} ;;
     stages)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization 0.25 --stage-timing \
