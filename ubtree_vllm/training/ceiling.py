@@ -143,24 +143,13 @@ def evaluate_ceiling(drafter_dir: str, target: str, datasets: Sequence[str], tem
                      device: str, seed: int, records_path: str | None,
                      log: Callable[[str], None] = print) -> list[CeilingResult]:
     """One pair of microbench records (drafter, best) per dataset x temperature."""
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM
-
-    from ubtree_vllm.drafter.io import load_drafter
-    from ubtree_vllm.training.data import chat_prompt_ids, load_tokenizer_and_eos, resolve_target_path
-    from ubtree_vllm.training.evaluate import load_eval_prompts
+    from ubtree_vllm.training.data import chat_prompt_ids
+    from ubtree_vllm.training.evaluate import load_eval_prompts, load_target_and_drafter
 
     if every < 1:
         raise ValueError(f"--every must be >= 1, got {every}")
-    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    target_path = resolve_target_path(target)
-    tokenizer, eos = load_tokenizer_and_eos(target_path)
-    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(dev).eval()
-    drafter = load_drafter(Path(drafter_dir), device=dev, dtype=dtype)
-    drafter.bind_hf_target(model)
-    drafter.eval()
+    model, drafter, tokenizer, eos = load_target_and_drafter(drafter_dir, target, device)
+    dev = next(model.parameters()).device
     if tree.block_size != drafter.cfg.block_size:
         raise ValueError(f"block_size {tree.block_size} does not match the drafter's gamma {drafter.cfg.block_size}")
     results = []

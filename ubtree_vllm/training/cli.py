@@ -12,7 +12,6 @@ dedicated flags, then from `--set KEY=VALUE` overrides (see training/run_config.
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from ubtree_vllm.errors import CommandError
 
@@ -119,18 +118,19 @@ def run_train(args: argparse.Namespace) -> int:
     return 0 if result.status == "finished" else EXIT_PAUSED
 
 
+def _split(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
 def run_eval_tau(args: argparse.Namespace) -> int:
     from ubtree_vllm.training.evaluate import evaluate
 
-    def split(text: str) -> list[str]:
-        return [t.strip() for t in text.split(",") if t.strip()]
-
     if args.ceiling:
-        return _run_ceiling(args, split)
+        return _run_ceiling(args)
     try:
         results = evaluate(
-            args.drafter, target=args.target, datasets=split(args.datasets), methods=split(args.methods),
-            temperatures=[float(t) for t in split(args.temperatures)], num_prompts=args.num_prompts,
+            args.drafter, target=args.target, datasets=_split(args.datasets), methods=_split(args.methods),
+            temperatures=[float(t) for t in _split(args.temperatures)], num_prompts=args.num_prompts,
             batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, tree_budget=args.tree_budget,
             beam_width=args.beam_width, top_k=args.top_k, data_dir=args.data_dir, device=args.device,
             seed=args.seed, records_path=None if args.no_record else args.records)
@@ -142,7 +142,7 @@ def run_eval_tau(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_ceiling(args: argparse.Namespace, split: Any) -> int:
+def _run_ceiling(args: argparse.Namespace) -> int:
     from ubtree_vllm.config import UBTreeConfig
     from ubtree_vllm.drafter.config import DrafterConfig
     from ubtree_vllm.training.ceiling import evaluate_ceiling
@@ -151,8 +151,8 @@ def _run_ceiling(args: argparse.Namespace, split: Any) -> int:
         gamma = DrafterConfig.load(args.drafter).block_size
         tree = UBTreeConfig(tree_budget=args.tree_budget, beam_width=min(args.beam_width, args.tree_budget),
                             top_k=args.top_k, block_size=gamma)
-        results = evaluate_ceiling(args.drafter, args.target, split(args.datasets),
-                                   [float(t) for t in split(args.temperatures)], args.num_prompts, tree, args.every,
+        results = evaluate_ceiling(args.drafter, args.target, _split(args.datasets),
+                                   [float(t) for t in _split(args.temperatures)], args.num_prompts, tree, args.every,
                                    args.max_new_tokens, args.data_dir, args.device, args.seed,
                                    None if args.no_record else args.records)
     except (ValueError, FileNotFoundError) as exc:

@@ -127,6 +127,23 @@ def _drafter_notes(drafter_dir: Path) -> str:
             f"T_train={data.get('temperature')}")
 
 
+def load_target_and_drafter(drafter_dir: str | Path, target: str = "default", device: str = "auto"
+                            ) -> tuple[torch.nn.Module, Any, Any, list[int]]:
+    """(HF target, drafter bound to it, tokenizer, EOS ids) on ``device`` (auto: CUDA if any), both in eval mode:
+    bf16 on CUDA, fp32 on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    target_path = resolve_target_path(target)
+    tokenizer, eos = load_tokenizer_and_eos(target_path)
+    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(dev).eval()
+    drafter = load_drafter(Path(drafter_dir), device=dev, dtype=dtype)
+    drafter.bind_hf_target(model)
+    drafter.eval()
+    return model, drafter, tokenizer, eos
+
+
 def evaluate(drafter_dir: str | Path, target: str = "default", datasets: Sequence[str] = EVAL_DATASETS,
              methods: Sequence[str] = ("single", "ubtree"), temperatures: Sequence[float] = (0.0, 1.0),
              num_prompts: int | None = None, batch_size: int = 16, max_new_tokens: int = 256,
@@ -134,20 +151,11 @@ def evaluate(drafter_dir: str | Path, target: str = "default", datasets: Sequenc
              device: str = "auto", seed: int = 0, records_path: str | None = "docs/benchmarks/records.jsonl",
              log: Callable[[str], None] = print) -> list[TauResult]:
     """Measure tau for every (dataset, method, temperature); one e2e record each."""
-    from transformers import AutoModelForCausalLM
-
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"method must be one of {sorted(METHODS)}, got {m!r}")
-    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    target_path = resolve_target_path(target)
-    tokenizer, eos = load_tokenizer_and_eos(target_path)
-    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(dev).eval()
     drafter_dir = Path(drafter_dir)
-    drafter = load_drafter(drafter_dir, device=dev, dtype=dtype)
-    drafter.bind_hf_target(model)
-    drafter.eval()
+    model, drafter, tokenizer, eos = load_target_and_drafter(drafter_dir, target, device)
     gamma = drafter.cfg.block_size
     trees = {m: tree_config(m, gamma, tree_budget, beam_width, top_k) for m in methods}
     notes = _drafter_notes(drafter_dir)
