@@ -34,7 +34,10 @@ unnormalised partial (running max and sum in base 2, fp32 accumulator) to a scra
 ``_tree_attention_combine_kernel`` merges the splits of each live entry and head by
 log-sum-exp into ``out``. The split count depends on host-known shapes only (M, H_kv, the SM
 count), so a captured graph replays the same launches; with one split the kernel writes ``out``
-itself, as before.
+itself, as before. The count is a power of two (``SPLIT_CHOICES``), and the first launch of a
+configuration compiles all of them: steps outside CUDA graphs (a prefill beside tree rows) have
+row counts of their own, and on the H200 (2026-12-03 sweep) each new count compiled mid-serving
+plausibly made 4 and 8 requests in flight slower than 1 on the first dataset measured there.
 
 Context given (``context_out`` / ``context_lse``). When another kernel already attended every
 row to its committed context -- FlashAttention called with the context lengths as ``seqused_k``,
@@ -48,6 +51,9 @@ The launcher reads no device value (no host sync); the grid is ``(cdiv(M, ROWS),
 Test oracle: :func:`ubtree_vllm.triton_ops.reference.tree_attention_reference`.
 """
 from __future__ import annotations
+
+import logging
+from collections.abc import Callable
 
 import torch
 
@@ -74,7 +80,9 @@ if triton is not None:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         return m_new, l_i, acc
 
-    @triton.jit
+    # Per-step values are not specialised on (Triton would compile a variant per value class at run time):
+    # the entry count and the split-partial strides that scale with it.
+    @triton.jit(do_not_specialize=["num_entries", "stride_pa_split", "stride_pm_split", "stride_cl_h"])
     def _tree_attention_kernel(
             # Outputs
             out_ptr, stride_out_t, stride_out_h,
@@ -196,7 +204,7 @@ if triton is not None:
                 tl.store(ml + 1, l_i, mask=sel & (g < GROUP))
             cur = tl.min(tl.where(live & (req > cur), req, no_req), axis=0)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_pa_split", "stride_pm_split"])
     def _tree_attention_combine_kernel(
             out_ptr, stride_out_t, stride_out_h,
             row_index_ptr,
@@ -225,6 +233,7 @@ if triton is not None:
                  o.to(out_ptr.dtype.element_ty), mask=row_d >= 0)
 
 
+_LOG = logging.getLogger(__name__)
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
@@ -246,12 +255,18 @@ def launch_meta(group: int, head_size: int, block_size: int, dtype: torch.dtype,
             "CONTEXT_GIVEN": context_given}
 
 
+# The split counts the automatic rule picks: powers of two, so an engine compiles at most these few variants of
+# the kernel, all when a configuration is first launched (precompile_split_variants), never at run time.
+SPLIT_CHOICES = tuple(1 << i for i in range(MAX_SPLITS.bit_length()))
+
+
 def auto_num_splits(num_programs: int, num_sms: int) -> int:
-    """Context splits for a grid of ``num_programs`` (tiles x kv heads): enough to give every SM about two
-    programs when the grid is smaller than the device, else 1; at most MAX_SPLITS."""
+    """Context splits for a grid of ``num_programs`` (tiles x kv heads): when the grid is smaller than the device,
+    the largest of SPLIT_CHOICES that gives every SM at most about two programs, else 1."""
     if num_programs >= num_sms:
         return 1
-    return max(1, min(MAX_SPLITS, -(-2 * num_sms // num_programs)))
+    wanted = min(MAX_SPLITS, -(-2 * num_sms // num_programs))
+    return 1 << (wanted.bit_length() - 1)
 
 
 _SM_COUNTS: dict[int, int] = {}
@@ -366,41 +381,73 @@ def tree_attention(
         sms = _INTERPRETER_SMS if query.device.type == "cpu" else _sm_count(query.device)
         num_splits = auto_num_splits(tiles * num_kv_heads, sms)
     assert 1 <= num_splits <= MAX_SPLITS, f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}"
-    meta["NUM_SPLITS"] = num_splits
-    if num_splits > 1:  # fresh each call: inside a CUDA-graph capture they come from the graph's pool
-        part_acc = torch.empty((num_splits, num_rows, num_heads, head_size), dtype=torch.float32, device=query.device)
-        part_ml = torch.empty((num_splits, num_rows, num_heads, 2), dtype=torch.float32, device=query.device)
-    else:  # unused by the kernel (its NUM_SPLITS == 1 branch writes out)
-        part_acc = part_ml = torch.empty((1, 1, 1, 2), dtype=torch.float32, device=query.device)
     if context_given:
         ctx_out, ctx_lse = context_out, context_lse
     else:  # unused by the kernel (its CONTEXT_GIVEN branch is compiled out)
         ctx_out, ctx_lse = out, torch.empty((1, 1), dtype=torch.float32, device=query.device)
-    grid = (tiles, num_kv_heads, num_splits)
-    _tree_attention_kernel[grid](
-        # Outputs
-        out, out.stride(0), out.stride(1),  # mutable
-        # Inputs
-        query, query.stride(0), query.stride(1),
-        key, key.stride(0), key.stride(1),
-        value, value.stride(0), value.stride(1),
-        key_cache, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache, value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_table, block_table.stride(0),
-        row_index, row_req, row_context_len,
-        row_path, row_path.stride(0),
-        part_acc, part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-        part_ml, part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
-        ctx_out, ctx_out.stride(0), ctx_out.stride(1), ctx_lse, ctx_lse.stride(0), ctx_lse.stride(1),
-        # Scalars
-        scale * _LOG2E, num_rows, row_path.shape[1],
-        **meta,
-    )
-    if num_splits > 1:
-        _tree_attention_combine_kernel[(num_rows, num_heads)](
+
+    def kernel_args(splits: int, rows: int) -> tuple[tuple, tuple]:
+        """The main and the combine launch's arguments at ``splits`` context splits for ``rows`` entries."""
+        if splits > 1:  # fresh each call: inside a CUDA-graph capture they come from the graph's pool
+            part_acc = torch.empty((splits, rows, num_heads, head_size), dtype=torch.float32, device=query.device)
+            part_ml = torch.empty((splits, rows, num_heads, 2), dtype=torch.float32, device=query.device)
+        else:  # unused by the kernel (its NUM_SPLITS == 1 branch writes out)
+            part_acc = part_ml = torch.empty((1, 1, 1, 2), dtype=torch.float32, device=query.device)
+        partials = (part_acc, part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+                    part_ml, part_ml.stride(0), part_ml.stride(1), part_ml.stride(2))
+        main = (
+            # Outputs
             out, out.stride(0), out.stride(1),  # mutable
-            row_index,
-            part_acc, part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-            part_ml, part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
-            HEAD_SIZE=head_size, NUM_SPLITS=num_splits, SPLITS_PAD=1 << (num_splits - 1).bit_length())
+            # Inputs
+            query, query.stride(0), query.stride(1),
+            key, key.stride(0), key.stride(1),
+            value, value.stride(0), value.stride(1),
+            key_cache, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache, value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+            block_table, block_table.stride(0),
+            row_index, row_req, row_context_len,
+            row_path, row_path.stride(0),
+            *partials,
+            ctx_out, ctx_out.stride(0), ctx_out.stride(1), ctx_lse, ctx_lse.stride(0), ctx_lse.stride(1),
+            # Scalars
+            scale * _LOG2E, rows, row_path.shape[1])
+        return main, (out, out.stride(0), out.stride(1), row_index, *partials)
+
+    if not context_given and not _interpreting():
+        key_ = (tuple(sorted(meta.items())), query.device,
+                tuple(t.dtype for t in (query, out, block_table, row_index, row_req, row_context_len, row_path)))
+        if key_ not in _PRECOMPILED:
+            _PRECOMPILED.add(key_)
+            try:
+                precompile_split_variants(kernel_args, meta, head_size)
+            except Exception as error:  # an optimisation only: the launches below still compile what they need
+                _LOG.warning("tree_attention: precompiling the split variants failed (%s: %s); a new split count "
+                             "will compile when it is first launched", type(error).__name__, error)
+    main_args, combine_args = kernel_args(num_splits, num_rows)
+    _tree_attention_kernel[(tiles, num_kv_heads, num_splits)](*main_args, **{**meta, "NUM_SPLITS": num_splits})
+    if num_splits > 1:
+        _tree_attention_combine_kernel[(num_rows, num_heads)](*combine_args, **combine_meta(head_size, num_splits))
     return out
+
+
+# Launch configurations whose split variants are compiled (precompile_split_variants), per process.
+_PRECOMPILED: set[tuple] = set()
+
+
+def combine_meta(head_size: int, num_splits: int) -> dict[str, int]:
+    """The combine kernel's compile-time parameters."""
+    return {"HEAD_SIZE": head_size, "NUM_SPLITS": num_splits, "SPLITS_PAD": 1 << (num_splits - 1).bit_length()}
+
+
+def precompile_split_variants(kernel_args: Callable[[int, int], tuple[tuple, tuple]], meta: dict[str, object],
+                              head_size: int) -> None:
+    """Compile (``JITFunction.warmup``: no launch, so also safe inside a CUDA-graph capture) the kernel at every
+    split count of SPLIT_CHOICES, and the combine kernel for each count > 1, with the argument types and value
+    classes of the launch ``kernel_args(splits, rows)`` builds. The automatic split count follows the step's row
+    count, which varies from step to step in the steps CUDA graphs do not cover (a prefill beside tree rows);
+    without this each new count compiled in the middle of serving (seconds on the H200)."""
+    for splits in SPLIT_CHOICES:
+        main_args, combine_args = kernel_args(splits, 1)
+        _tree_attention_kernel.warmup(*main_args, grid=(1, 1, splits), **{**meta, "NUM_SPLITS": splits})
+        if splits > 1:
+            _tree_attention_combine_kernel.warmup(*combine_args, grid=(1, 1), **combine_meta(head_size, splits))

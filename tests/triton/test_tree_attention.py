@@ -96,14 +96,59 @@ def test_context_given_by_log_sum_exp_matches_reference(num_heads, num_kv_heads,
 
 
 def test_split_count_fills_a_small_grid_only():
-    from ubtree_vllm.triton_ops.tree_attention import MAX_SPLITS, auto_num_splits
+    from ubtree_vllm.triton_ops.tree_attention import MAX_SPLITS, SPLIT_CHOICES, auto_num_splits
 
     assert auto_num_splits(15, 132) == MAX_SPLITS  # SmolLM2 at batch 1, B = 64: 5 tiles x 3 kv heads
-    assert auto_num_splits(99, 132) == 3
+    assert auto_num_splits(99, 132) == 2  # 3 wanted: the largest power of two below
+    assert auto_num_splits(27, 132) == 8  # 10 wanted
     assert auto_num_splits(132, 132) == auto_num_splits(390, 132) == 1  # a full device: one walk per program
+    # only the precompiled counts, for every grid: no split count is compiled at run time
+    assert {auto_num_splits(p, 132) for p in range(1, 400)} == set(SPLIT_CHOICES)
     with pytest.raises(AssertionError, match="num_splits"):
         case = make_case()
         tree_attention(*case.args(), torch.empty_like(case.query), num_splits=MAX_SPLITS + 1)
+
+
+def _compiled_variants(kernel) -> int:
+    """How many specialisations of a JIT kernel this process has compiled (over the devices)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:  # older Triton: {device: {key: kernel}}
+        return sum(len(c) for c in kernel.cache.values())
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+@pytest.mark.skipif(not CUDA, reason="compilation is a GPU matter (the interpreter compiles nothing)")
+def test_no_compile_when_the_row_count_changes():
+    """The first launch of a configuration compiles every split variant; later launches whose row counts pick
+    other split counts (the eager steps of a server, a prefill beside tree rows) compile nothing."""
+    from ubtree_vllm.triton_ops.tree_attention import (SPLIT_CHOICES, _tree_attention_combine_kernel,
+                                                       _tree_attention_kernel, auto_num_splits, launch_meta)
+
+    case = make_case(num_heads=6, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
+    args = case.args()
+    out = torch.full_like(case.query, float("nan"))
+    tree_attention(*args, out)
+    before = (_compiled_variants(_tree_attention_kernel), _compiled_variants(_tree_attention_combine_kernel))
+    rows_per_tile = launch_meta(2, 64, case.key_cache.shape[1], torch.bfloat16)["ROWS"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    seen = set()
+    for tiles in (1, 2, 3, 5, 9, 17, 33, 45, 60):
+        rows = tiles * rows_per_tile
+        seen.add(auto_num_splits(tiles * 3, sms))
+        # more entries, the extra ones unused (-1): the row count a mixed step brings (a prefill beside tree rows)
+        pad = rows - case.row_index.shape[0]
+        if pad < 0:
+            continue
+        grow = lambda t, fill: torch.cat([t, torch.full((pad, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)])
+        got = torch.full_like(case.query, float("nan"))
+        tree_attention(case.query, case.key, case.value, case.key_cache, case.value_cache, case.block_table,
+                       grow(case.row_index, -1), grow(case.row_req, 0), grow(case.row_context_len, 0),
+                       grow(case.row_path, -1), case.scale, got)
+        assert_written_rows(got, out, case.row_index, atol=2e-2, rtol=2e-2)
+    assert len(seen) > 1, "the row counts must reach several split counts"
+    assert seen <= set(SPLIT_CHOICES)
+    after = (_compiled_variants(_tree_attention_kernel), _compiled_variants(_tree_attention_combine_kernel))
+    assert after == before, f"compiled at run time: {before} -> {after} (main, combine) variants"
 
 
 def test_int32_indices_and_no_path_padding():
