@@ -2,9 +2,10 @@
 
 For each engine of `settings.planned_methods` (ar first; ubtree once per tree budget B):
 build one `vllm.LLM`, send one warm-up request, then for every concurrency c (after a warm-up
-of c requests of WARMUP_TOKENS tokens each, so one-time work at a new batch size -- Triton
-compiles of a kernel specialization, a budget schedule's next bucket -- stays out of the
-measurement, as in a server that has run a while), dataset and temperature run the dataset's
+of 2c requests of staggered lengths through the same window, `warm_up_at`, so one-time work at
+a new batch size or in a mixed prefill + decode step -- Triton compiles of a kernel
+specialization, a budget schedule's next bucket -- stays out of the measurement, as in a server
+that has run a while), dataset and temperature run the dataset's
 prompts and append one e2e record; then shut the engine
 down (del + gc, `torch.cuda.empty_cache()` on CUDA) before building the next one, so only
 one engine holds device memory at a time.
@@ -91,17 +92,20 @@ def release_memory() -> None:
 
 def run_requests(llm: Any, prompts: Sequence[Sequence[int]], params: Any,
                  concurrency: int) -> tuple[list[Any], float, int]:
-    """Finished RequestOutputs (completion order), wall seconds and engine steps, <= `concurrency` in flight."""
+    """Finished RequestOutputs (completion order), wall seconds and engine steps, <= `concurrency` in flight.
+    `params`: one SamplingParams for every prompt, or a sequence of them, one per prompt."""
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
-    queue = deque(prompts)
+    per_prompt = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    queue = deque(zip(prompts, per_prompt))
     outputs: list[Any] = []
     in_flight = steps = 0
     started = time.perf_counter()
     while queue or in_flight:
         while queue and in_flight < concurrency:
-            llm.enqueue(TokensPrompt(prompt_token_ids=list(queue.popleft())), params, use_tqdm=False)
+            prompt, prompt_params = queue.popleft()
+            llm.enqueue(TokensPrompt(prompt_token_ids=list(prompt)), prompt_params, use_tqdm=False)
             in_flight += 1
         if not engine.has_unfinished_requests():
             raise RuntimeError(f"vLLM reports no unfinished request while {in_flight} are in flight")
@@ -155,10 +159,18 @@ def _start_engine(label: str, settings: E2ESettings, target_path: Path, engine_k
     return run, build_engine(target_path, run, engine_kwargs)
 
 
-def warmup_at(prompt_set: PromptSet, concurrency: int) -> PromptSet:
-    """``concurrency`` prompts of the set (cycled when it has fewer): a warm-up that fills the window."""
-    prompts = tuple(prompt_set.prompts[i % len(prompt_set.prompts)] for i in range(concurrency))
-    return dataclasses.replace(prompt_set, prompts=prompts)
+def warm_up_at(llm: Any, prompt_set: PromptSet, concurrency: int) -> None:
+    """Unmeasured: 2 x ``concurrency`` prompts of the set (cycled when it has fewer) through the same sliding
+    window, each request stopping after a different number of tokens (WARMUP_TOKENS / 4 .. WARMUP_TOKENS), so
+    requests finish at different steps and new ones are prefilled beside decoding ones: the batch sizes and the
+    mixed prefill + decode steps of a measured run meet their one-time work (a kernel's first compile, a
+    schedule's next bucket) here, not in the measurement, as in a server that has run a while."""
+    from vllm import SamplingParams
+
+    prompts = [prompt_set.prompts[i % len(prompt_set.prompts)] for i in range(2 * concurrency)]
+    params = [SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS * (1 + i % 4) // 4, ignore_eos=True,
+                             detokenize=False) for i in range(len(prompts))]
+    run_requests(llm, prompts, params, concurrency)
 
 
 def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path: str | Path,
@@ -201,9 +213,8 @@ def iter_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_pat
             try:
                 measure(llm, warmup, 0.0, 1, min(WARMUP_TOKENS, settings.max_new_tokens))
                 for concurrency in settings.concurrency:
-                    if concurrency > 1:  # the batch sizes this concurrency runs at, once, unmeasured
-                        measure(llm, warmup_at(prompt_sets[0], concurrency), 0.0, concurrency,
-                                min(WARMUP_TOKENS, settings.max_new_tokens))
+                    if concurrency > 1:  # the batch sizes and mixed steps this concurrency runs, unmeasured
+                        warm_up_at(llm, prompt_sets[0], concurrency)
                     for prompt_set in prompt_sets:
                         for temperature in settings.temperatures:
                             if clocked:
