@@ -164,6 +164,21 @@ MANIFEST: tuple[PatchSpec, ...] = (
         stage="worker",
     ),
     PatchSpec(
+        name="cpu_mamba2_tree_decode",
+        vllm_symbol="vllm.model_executor.layers.mamba.mamba_mixer2.selective_state_update",
+        why=("vLLM's Mamba2 mixer runs a request's speculative tokens through causal_conv1d_update and "
+             "selective_state_update as one chain (the CPU conv even ignores num_accepted_tokens); a tree node "
+             "needs its parent's state and its ancestors' conv inputs, and vLLM has no hook for a draft topology."),
+        how=("Rebinds the two module-level names the mixer calls (causal_conv1d_update too): during a UBTree "
+             "step's target forward the decode tokens run as the step's trees (ubtree_vllm.vllm.mamba2_tree: "
+             "node j's window from its root path through vLLM's one-token conv, its state from its parent's "
+             "through vLLM's one-token state update, written to slot j) and the layer is recorded for the "
+             "runner's commit of the accepted path; otherwise vLLM's functions run. CPU platform only."),
+        removal_condition=("vLLM's Mamba2 mixer takes a draft topology (tree speculative decoding upstream) or "
+                           "exposes a per-node state hook."),
+        stage="worker",
+    ),
+    PatchSpec(
         name="cpu_gdn_native_conv",
         vllm_symbol="vllm.model_executor.layers.mamba.ops.cpu.gdn_attention.is_arm_bf16",
         why=("vLLM 0.32 packs GDN conv weights for its C++ conv on every ARM-bf16 or AVX-512 BF16 CPU and "

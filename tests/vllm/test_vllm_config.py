@@ -113,9 +113,10 @@ def test_unsupported_architecture_is_rejected(tiny_drafter):
 
 
 @pytest.mark.parametrize("arch,layer", [("BailingMoeV3ForCausalLM", "BailingMoeV3KimiDeltaAttention"),
-                                        ("NemotronHForCausalLM", "MambaMixer2")])
+                                        ("FalconH1ForCausalLM", "MambaMixer2")])
 def test_hybrid_target_is_refused_naming_its_stateful_layers(tiny_drafter, arch, layer):
-    """Ling-3.0 (MLA + KDA), Mamba2 hybrids: refused before any engine exists, naming the layer."""
+    """Ling-3.0 (MLA + KDA), Mamba2 hybrids other than NemotronH: refused before any engine exists, naming the
+    layer."""
     with pytest.raises(ValueError, match=rf"'{arch}'\] is not supported by method 'ubtree': its .*{layer}.* layers "
                                          r"have no tree verification yet"):
         parse_speculative_config(spec(tiny_drafter), TargetInfo((arch,), 512, 64, 4))
@@ -129,16 +130,18 @@ def test_qwen3_5_is_refused_saying_its_gdn_layers_run_for_qwen3_next_only(tiny_d
         parse_speculative_config(spec(tiny_drafter), TargetInfo((arch,), 512, 64, 4))
 
 
-def test_qwen3_next_is_served_on_the_cpu_on_one_rank_without_prefix_caching(tiny_drafter):
-    """Qwen3-Next (GDN) parses; its engine settings are checked: CPU only, one rank, no recurrent-state caching."""
-    target = TargetInfo(("Qwen3NextForCausalLM",), 512, 64, 4)
+@pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "NemotronHForCausalLM"])
+def test_cpu_hybrids_are_served_on_the_cpu_on_one_rank_without_prefix_caching(tiny_drafter, arch):
+    """Qwen3-Next (GDN) and NemotronH (Mamba2) parse; their engine settings are checked: CPU only, one rank, no
+    recurrent-state caching."""
+    target = TargetInfo((arch,), 512, 64, 4)
     assert parse_speculative_config(spec(tiny_drafter), target).tree.tree_budget == 8
     check_hybrid_engine(target, on_cpu=True, tensor_parallel_size=1, enable_prefix_caching=False)
     check_hybrid_engine(TINY, on_cpu=False, tensor_parallel_size=2, enable_prefix_caching=True)  # not a hybrid
     for kwargs, pattern in [
-            (dict(on_cpu=False), r"'Qwen3NextForCausalLM' is served by method 'ubtree' on the CPU only"),
-            (dict(tensor_parallel_size=2), r"tensor_parallel_size must be 1 .* 'Qwen3NextForCausalLM'"),
-            (dict(enable_prefix_caching=True), r"enable_prefix_caching must be False .* 'Qwen3NextForCausalLM'")]:
+            (dict(on_cpu=False), rf"'{arch}' is served by method 'ubtree' on the CPU only"),
+            (dict(tensor_parallel_size=2), rf"tensor_parallel_size must be 1 .* '{arch}'"),
+            (dict(enable_prefix_caching=True), rf"enable_prefix_caching must be False .* '{arch}'")]:
         with pytest.raises(ValueError, match=pattern):
             check_hybrid_engine(target, **{**dict(on_cpu=True, tensor_parallel_size=1,
                                                   enable_prefix_caching=False), **kwargs})

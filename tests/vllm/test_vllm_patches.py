@@ -26,7 +26,7 @@ cpu_platform_only = pytest.mark.skipif(not on_cpu(), reason="exercises the CPU p
 
 TESTED_PATCHES = {"engine_args_speculative_config", "sampling_params_spec_decode", "scheduler_tree_drafts",
                   "structured_output_tree", "cpu_worker_model_runner", "attention_backends", "cpu_gdn_tree_forward",
-                  "cpu_gdn_native_conv"}
+                  "cpu_gdn_native_conv", "cpu_mamba2_tree_decode"}
 
 
 def test_every_manifest_patch_has_a_module_and_a_test_here():
@@ -411,6 +411,53 @@ def test_cpu_gdn_spec_forward_runs_the_tree_form_only_inside_a_ubtree_step(monke
     assert gdn_attention._spec_forward(layer, None, 1, 2) == "tree"
     assert calls == [("vllm", (1, 2)), ("tree", "plan", (1, 2))]
     assert state.linear_stash == {"model.layers.0.linear_attn": "record"}
+
+
+# --- cpu_mamba2_tree_decode ------------------------------------------------------------------
+
+
+@cpu_platform_only
+def test_cpu_mamba2_decode_calls_run_the_tree_forms_only_inside_a_ubtree_step(monkeypatch):
+    import vllm.model_executor.layers.mamba.mamba_mixer2 as mixer
+
+    import ubtree_vllm.vllm.mamba2_tree as mamba2_tree
+    from ubtree_vllm.vllm.attention.state import tree_forward_state
+
+    module = importlib.import_module("ubtree_vllm.patches.worker.patch_cpu_mamba2_tree_decode")
+    module.apply()
+    module.apply()  # idempotent
+    assert getattr(mixer.causal_conv1d_update, MARK) == getattr(mixer.selective_state_update, MARK) == \
+        "cpu_mamba2_tree_decode"
+    calls = []
+    monkeypatch.setattr(mixer, original_attr_name("causal_conv1d_update"),
+                        lambda *args, **kwargs: calls.append(("vllm conv", args, kwargs)) or "chain conv")
+    monkeypatch.setattr(mixer, original_attr_name("selective_state_update"),
+                        lambda *args, **kwargs: calls.append(("vllm ssu", args, kwargs)))
+    monkeypatch.setattr(mamba2_tree, "tree_conv_update",
+                        lambda plan, conv, *args, **kwargs: (calls.append(("tree conv", plan)) or "tree conv",
+                                                             "pending"))
+    monkeypatch.setattr(mamba2_tree, "tree_state_update",
+                        lambda pending, ssu, state, *args, **kwargs: calls.append(("tree ssu", pending, kwargs))
+                        or "record")
+    state, ssm_state = tree_forward_state(), types.SimpleNamespace(data_ptr=lambda: 7)
+    monkeypatch.setattr(state, "step_plan", None)  # other engines, dummy runs
+    assert mixer.causal_conv1d_update("x", "conv", "w", conv_state_indices="i") == "chain conv"
+    mixer.selective_state_update(ssm_state, *"x dt A B C D bias".split(), state_batch_indices="i")
+    assert [c[0] for c in calls] == ["vllm conv", "vllm ssu"]
+    monkeypatch.setattr(state, "step_plan", "plan")
+    monkeypatch.setattr(state, "linear_stash", {})
+    with pytest.raises(RuntimeError, match="without its layer's conv call"):
+        mixer.selective_state_update(ssm_state, *"x dt A B C D bias".split(), state_batch_indices="i", out="o")
+    assert mixer.causal_conv1d_update("x", "conv", "w", "b", "silu", conv_state_indices="i",
+                                      num_accepted_tokens="n", query_start_loc="q", max_query_len=9) == "tree conv"
+    indices = types.SimpleNamespace(dtype="int32")
+    mixer.selective_state_update(ssm_state, *"x dt A B C D bias".split(), dt_softplus=True,
+                                 state_batch_indices=indices, dst_state_batch_indices=indices,
+                                 num_accepted_tokens="n", cu_seqlens="q", out="o", is_blackwell=False)
+    assert calls[2] == ("tree conv", "plan")
+    assert calls[3] == ("tree ssu", "pending", {"D": "D", "dt_bias": "bias", "dt_softplus": True,
+                                                "is_blackwell": False})
+    assert state.linear_stash == {"mamba2:7": "record"}
 
 
 @cpu_platform_only

@@ -83,6 +83,20 @@ def save_tiny_qwen3_next(path: Path, *, vocab_size: int = 512, seed: int = 0) ->
     return Path(path)
 
 
+def save_tiny_nemotron_h(path: Path, *, vocab_size: int = 512, seed: int = 0) -> Path:
+    """A random bf16 NemotronH (Mamba2 hybrid): hidden 256, layers mamba / mlp / attention / mlp ("M-*-"),
+    8 Mamba heads of 64, state size 64, one group, conv width 4, fp32 SSM states (the HF default)."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = NemotronHConfig(vocab_size=vocab_size, hidden_size=256, num_hidden_layers=4, hybrid_override_pattern="M-*-",
+                          mamba_num_heads=8, mamba_head_dim=64, ssm_state_size=64, n_groups=1, conv_kernel=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512,
+                          max_position_embeddings=1024, tie_word_embeddings=False, initializer_range=0.1)
+    NemotronHForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return Path(path)
+
+
 def copy_permutation(vocab_size: int) -> list[int]:
     """The copy target's next-token map t -> (5t + 3) mod V (a bijection for even V)."""
     return [(5 * t + 3) % vocab_size for t in range(vocab_size)]

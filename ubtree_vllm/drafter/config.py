@@ -175,7 +175,8 @@ class DrafterConfig:
             num_key_value_heads=text.num_key_value_heads,
             head_dim=head_dim,
             intermediate_size=text.intermediate_size,
-            rms_norm_eps=text.rms_norm_eps,
+            # NemotronH (Mamba2 hybrids) names it layer_norm_epsilon
+            rms_norm_eps=float(getattr(text, "rms_norm_eps", None) or getattr(text, "layer_norm_epsilon", 1e-6)),
             rope_theta=float(getattr(text, "rope_theta", None) or (getattr(text, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
             max_position_embeddings=text.max_position_embeddings,
             selector_hidden=text.hidden_size,

@@ -53,17 +53,18 @@ GPU_WORKER_CLASS_PATH = "ubtree_vllm.vllm.gpu_worker.UBTreeGPUWorker"
 # Decoder-only targets whose vLLM model returns the aux hidden states of chosen layers
 # (SupportsEagle3) with 1-D RoPE positions, and whose stateful layers verify trees (MoE
 # layers are token-wise and need nothing). M-RoPE targets need tree positions first.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3NextForCausalLM")
-# Hybrid families whose recurrent layers verify trees on the CPU only: Qwen3-Next's Gated DeltaNet runs its
-# tree form through vLLM's CPU GDN kernels (ubtree_vllm.vllm.gdn_tree, docs/design/hybrid.md); the CUDA
-# (Triton) GDN path is not wired. Checked with the engine arguments (check_hybrid_engine).
-CPU_ONLY_HYBRIDS = {"Qwen3NextForCausalLM": "QwenGatedDeltaNetAttention (Gated DeltaNet)"}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3NextForCausalLM",
+                           "NemotronHForCausalLM")
+# Hybrid families whose recurrent layers verify trees on the CPU only: Qwen3-Next's Gated DeltaNet and
+# NemotronH's Mamba2 run their tree forms through vLLM's CPU kernels (ubtree_vllm.vllm.gdn_tree,
+# ubtree_vllm.vllm.mamba2_tree, docs/design/hybrid.md); the CUDA (Triton) paths are not wired. Checked with the engine arguments (check_hybrid_engine).
+CPU_ONLY_HYBRIDS = {"Qwen3NextForCausalLM": "QwenGatedDeltaNetAttention (Gated DeltaNet)",
+                    "NemotronHForCausalLM": "MambaMixer2 (Mamba2)"}
 # Hybrid families vLLM 0.32 serves, and the vLLM layer classes whose recurrent state a tree would have to fork
 # per node and does not yet (docs: README "hybrid targets"); their targets are refused naming these layers.
 HYBRID_LAYERS = {
     "BailingMoeV3ForCausalLM": "BailingMoeV3MLAAttention (MLA) and BailingMoeV3KimiDeltaAttention (Kimi Delta "
                                "Attention)",
-    "NemotronHForCausalLM": "MambaMixer2 (Mamba2)",
     "FalconH1ForCausalLM": "MambaMixer2 (Mamba2)",
     "Zamba2ForCausalLM": "MambaMixer2 (Mamba2)",
     "Mamba2ForCausalLM": "MambaMixer2 (Mamba2)",

@@ -1,0 +1,93 @@
+"""What the tree forms of vLLM's recurrent layers share (CPU): node bookkeeping, per-node conv windows, the roll.
+
+A linear-attention layer (Gated DeltaNet: ``gdn_tree``; Mamba2: ``mamba2_tree``) gets the step's tokens of its
+speculative sequences in order; sequence i is the tree of plan request ``req[i]`` (node 0 the root, parents
+first). Both layers keep vLLM's chain convention for the rolling conv-input buffer ``[dim, width - 1 + S]`` in
+the sequence's first state slot:
+
+* the window a step resumes from is the ``width - 1`` columns at offset ``num_accepted - 1``;
+* after the step the buffer holds that window's newest ``width - 2`` inputs, then node j's input in column
+  ``width - 2 + j`` (:func:`roll_conv_buffers`), so the commit of the accepted path
+  (:func:`ubtree_vllm.vllm.hybrid_state.commit_accepted_states`) moves columns like state slots.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ubtree_vllm.vllm.tree_plan import TreeStepPlan
+
+
+@dataclass(frozen=True)
+class TreeTokens:
+    """Host bookkeeping of a step's speculative tokens, all [T] int64 unless noted."""
+
+    seq: np.ndarray  # sequence of each token
+    node: np.ndarray  # node index within its tree
+    parent: np.ndarray  # parent node, -1 at the root
+    depth: np.ndarray
+    start: np.ndarray  # [Q] first token of each sequence
+    seq_lens: np.ndarray  # [Q] tokens (tree nodes) of each sequence
+
+
+def tree_tokens(plan: TreeStepPlan, req: np.ndarray, seq_lens: np.ndarray, layer_name: str) -> TreeTokens:
+    """Bookkeeping for sequences that are the trees of plan requests ``req`` [Q] with ``seq_lens`` [Q] tokens;
+    RuntimeError when the layer's sequences are not the step's trees (never computes on a wrong layout)."""
+    if not np.array_equal(plan.num_nodes[req], seq_lens):
+        raise RuntimeError(f"ubtree: the {layer_name} speculative sequences ({seq_lens.tolist()} tokens) are not "
+                           f"the step's trees ({plan.num_nodes[req].tolist()} nodes)")
+    seq = np.repeat(np.arange(len(seq_lens)), seq_lens)
+    start = np.cumsum(seq_lens) - seq_lens
+    node = np.arange(len(seq)) - start[seq]
+    return TreeTokens(seq=seq, node=node, parent=plan.parents[req[seq], node], depth=plan.depth[req[seq], node],
+                      start=start, seq_lens=seq_lens)
+
+
+def node_windows(x: torch.Tensor, conv_buf: torch.Tensor, slots: torch.Tensor, num_accepted: torch.Tensor,
+                 tokens: TreeTokens, width: int, dim_first: bool) -> torch.Tensor:
+    """[1 + T, dim, width - 1] each token's conv window, in row 1 + t (the CPU conv kernels skip row 0, vLLM's
+    null block), in the layout of vLLM's conv cache (``dim_first``: dim-contiguous rows, else width-contiguous).
+
+    Window of token t (oldest first): for distance m = width - 1 .. 1 before t, its ancestor at distance m if
+    m <= depth[t], else column ``width - 1 - (m - depth[t])`` of its sequence's committed window. x [T, dim];
+    conv_buf [num_slots, dim, state_len] (read before :func:`roll_conv_buffers`); slots [Q, 1 + S];
+    num_accepted [Q]."""
+    seq, parent, depth, start = tokens.seq, tokens.parent, tokens.depth, tokens.start
+    num_seqs, hist = slots.shape[0], width - 1
+    # [Q * (width - 1) + T, dim]: the committed windows, then the step's inputs
+    offsets = (num_accepted - 1)[:, None] + torch.arange(hist)  # [Q, width - 1]
+    committed = conv_buf[slots[:, 0, None], :, offsets]  # [Q, width - 1, dim]
+    source = torch.cat([committed.reshape(num_seqs * hist, -1), x.to(conv_buf.dtype)])
+    index = np.empty((len(seq), hist), dtype=np.int64)  # [T, width - 1] rows of `source`
+    parent_token = np.where(parent >= 0, start[seq] + parent, -1)  # [T]
+    ancestor = parent_token  # [T] token at distance m before each token, -1 past the root
+    for m in range(1, width):
+        index[:, hist - m] = np.where(m <= depth, num_seqs * hist + ancestor, seq * hist + hist - (m - depth))
+        ancestor = np.where(ancestor >= 0, parent_token[np.maximum(ancestor, 0)], -1)
+    windows = source[torch.from_numpy(np.concatenate([index[:1], index]))].transpose(1, 2)
+    return windows.contiguous() if dim_first else windows
+
+
+def roll_conv_buffers(x: torch.Tensor, conv_buf: torch.Tensor, slots: torch.Tensor, num_accepted: torch.Tensor,
+                      tokens: TreeTokens, width: int) -> None:
+    """Each sequence's buffer: its resumed window's newest width - 2 inputs, then node j's input in column
+    ``width - 2 + j``. x [T, dim]; conv_buf [num_slots, dim, state_len] (mutated)."""
+    for i in range(slots.shape[0]):
+        buf = conv_buf[slots[i, 0]]  # [dim, state_len]
+        offset, first, n = int(num_accepted[i]) - 1, int(tokens.start[i]), int(tokens.seq_lens[i])
+        buf[:, :width - 2 + n] = torch.cat([buf[:, offset + 1:offset + width - 1],
+                                            x[first:first + n].T.to(buf.dtype)], dim=-1)
+
+
+def parent_state_slots(slots: torch.Tensor, num_accepted: torch.Tensor, tokens: TreeTokens,
+                       rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(own slot, parent's slot) [n] of the tokens ``rows``: node j's state goes to slot j; its parent's is in
+    the parent's slot, the root's in slot ``num_accepted - 1`` (the state the sequence resumes from)."""
+    seq = torch.from_numpy(tokens.seq[rows.numpy()]).long()
+    node = torch.from_numpy(tokens.node[rows.numpy()]).long()
+    parent = torch.from_numpy(tokens.parent[rows.numpy()]).long()
+    dst = slots[seq, node]
+    src = torch.where(parent < 0, slots[seq, num_accepted[seq] - 1], slots[seq, parent.clamp(min=0)])
+    return dst, src
