@@ -7,7 +7,8 @@ the next step resumes from it.
 
 Engine level: greedy UBTree on a tiny random bf16 NemotronH is token-identical to the same engine without
 speculation, one request at a time, as a concurrent batch, with the copying oracle drafter (long accepted
-paths, moved nodes) and with a load-adaptive budget (short trees).
+paths, moved nodes) and with a load-adaptive budget (short trees); at T = 1 its samples follow the same
+engine's without speculation (two-sample test on a vocabulary-8 model).
 """
 from __future__ import annotations
 
@@ -267,3 +268,41 @@ def test_load_adaptive_budget_verifies_short_trees(nemotron_h, references, ubtre
         stop_engine(llm)
         del llm
     assert totals["vllm:spec_decode_num_draft_tokens"] / totals["vllm:spec_decode_num_drafts"] < 5, totals
+
+
+def test_t1_samples_follow_plain_decodings_distribution(vllm_models_dir, ubtree_llm):
+    """T = 1 on a vocabulary-8 NemotronH: 3000 continuations of 4 tokens from UBTree (untrained drafter, K = 6 of
+    the 8 tokens, so trees are often partly accepted) against 3000 from the same engine without speculation, a
+    two-sample test per position and adjacent pair (the bf16 engine's arithmetic, not an HF enumeration, is the
+    law). Needs ubtree_llm only to order the engines."""
+    from exact_distribution import two_sample_pvalues  # scipy, imported only by this test
+
+    target = save_tiny_nemotron_h(vllm_models_dir / "vocab8-nemotron-h", vocab_size=8, seed=3)
+    drafter = save_untrained_drafter(target, vllm_models_dir / "vocab8-nemotron-h-drafter", block_size=3, top_k=6,
+                                     seed=1)
+    kwargs = dict(HYBRID_KWARGS, max_num_seqs=64, max_model_len=64)
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=[1, 2, 3])] * 3000
+
+    def samples(llm):
+        return torch.tensor([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)])
+
+    plain = LLM(model=str(target), **kwargs)
+    try:
+        reference = samples(plain)
+    finally:
+        stop_engine(plain)
+        del plain
+        gc.collect()
+    llm = LLM(model=str(target), speculative_config={"method": "ubtree", "model": str(drafter),
+                                                     "num_speculative_tokens": 9, "beam_width": 3, "top_k": 6},
+              **kwargs)
+    try:
+        drafted = samples(llm)
+        drafts, accepted = spec_counts(llm)
+    finally:
+        stop_engine(llm)
+        del llm
+    assert accepted > 0.3 * drafts, (accepted, drafts)  # lossless only tested where trees are partly accepted
+    pvals = two_sample_pvalues(drafted, reference, 8)
+    assert min(pvals) > 1e-3 / len(pvals), pvals
