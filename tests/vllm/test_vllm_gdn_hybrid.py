@@ -11,16 +11,14 @@ oracle drafter (long accepted paths, moved nodes).
 """
 from __future__ import annotations
 
-import gc
 import random
 import types
 
 import numpy as np
 import pytest
 import torch
-from vllm import LLM, SamplingParams
+from vllm import LLM
 from vllm import _custom_ops as ops
-from vllm.inputs import TokensPrompt
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_update_cpu
 
@@ -28,9 +26,10 @@ from ubtree_vllm.bench.e2e import stop_engine
 from ubtree_vllm.triton_ops.reference import tree_causal_conv1d_reference, tree_gated_delta_rule_reference
 from ubtree_vllm.vllm.gdn_tree import tree_spec_forward
 from ubtree_vllm.vllm.hybrid_state import commit_accepted_states
-from vllm_engines import ENGINE_KWARGS, TINY_TREE, spec_counts
+from hybrid_checks import (check_copying_drafter, check_load_adaptive_budget, generate, path_to, plain_references,
+                           random_tree)
+from vllm_engines import ENGINE_KWARGS, TINY_TREE
 from vllm_models import save_tiny_qwen3_next, save_untrained_drafter
-from vllm_oracle import ReferenceOracle, engine_runner, install_oracle
 
 BF16 = torch.bfloat16
 WIDTH, HEADS, HEAD_DIM, SPEC = 4, 2, 128, 8  # conv width, linear heads (k = v), head dim, num_speculative_tokens
@@ -55,22 +54,6 @@ def layer_caches(num_slots: int, gen: torch.Generator) -> tuple[torch.Tensor, to
     conv = torch.randn(num_slots, WIDTH - 1 + SPEC, dim, generator=gen).to(BF16)
     ssm = (torch.randn(num_slots, HEADS, HEAD_DIM, HEAD_DIM, generator=gen) * 0.1).to(BF16)
     return conv.transpose(-1, -2), ssm.view(num_slots, HEADS, HEAD_DIM, HEAD_DIM)
-
-
-def random_tree(num_nodes: int, rng: random.Random) -> tuple[np.ndarray, np.ndarray]:
-    parents = np.array([-1] + [rng.randrange(j) for j in range(1, num_nodes)], dtype=np.int64)
-    depth = np.zeros(num_nodes, dtype=np.int64)
-    for j in range(1, num_nodes):
-        depth[j] = depth[parents[j]] + 1
-    return parents, depth
-
-
-def path_to(parents: np.ndarray, node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = int(parents[node])
-    return path[::-1]
 
 
 def step_inputs(layer, trees, num_accepted, slots, gen):
@@ -219,12 +202,6 @@ PROMPTS = [[_rng.randrange(3, 500) for _ in range(_rng.randrange(3, 70))] for _ 
 HYBRID_KWARGS = dict(ENGINE_KWARGS, dtype="bfloat16", enable_prefix_caching=False)
 
 
-def generate(llm, prompts):
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 @pytest.fixture(scope="module")
 def qwen3_next(vllm_models_dir):
     target = save_tiny_qwen3_next(vllm_models_dir / "tiny-qwen3-next")
@@ -233,15 +210,8 @@ def qwen3_next(vllm_models_dir):
 
 @pytest.fixture(scope="module")
 def references(qwen3_next):
-    """Plain decoding's greedy outputs, one request at a time and as a batch (then the engine is dropped)."""
-    llm = LLM(model=str(qwen3_next[0]), **HYBRID_KWARGS)
-    one, batch = [generate(llm, [p])[0] for p in PROMPTS], generate(llm, PROMPTS)
-    # Shut down now: a late finalizer (the engine stays reachable from the captured log records of the test
-    # that set this fixture up) would tear vLLM's parallel state down under the next engine
-    stop_engine(llm)
-    del llm
-    gc.collect()
-    return one, batch
+    """Plain decoding's greedy outputs, one request at a time and as a batch."""
+    return plain_references(qwen3_next[0], HYBRID_KWARGS, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -254,46 +224,20 @@ def ubtree_llm(qwen3_next, references):
 
 
 def test_greedy_one_request_at_a_time(ubtree_llm, references):
-    assert [generate(ubtree_llm, [p])[0] for p in PROMPTS] == references[0]
+    assert [generate(ubtree_llm, [p], MAX_TOKENS)[0] for p in PROMPTS] == references[0]
 
 
 def test_greedy_concurrent_batch_of_different_lengths(ubtree_llm, references):
-    assert generate(ubtree_llm, PROMPTS) == references[1]
+    assert generate(ubtree_llm, PROMPTS, MAX_TOKENS) == references[1]
 
 
 def test_copying_drafter_accepts_long_paths(ubtree_llm, references):
-    """The truth sits on the second depth-1 branch, cut at random depths: accepted nodes are off their
-    depth, so every GDN layer's commit moves states and conv inputs."""
-    runner = engine_runner(ubtree_llm)
-    oracle = ReferenceOracle(PROMPTS, references[1], runner.drafter.config.tree, vocab_size=512)
-    drafts_before, accepted_before = spec_counts(ubtree_llm)
-    install_oracle(ubtree_llm, oracle)
-    try:
-        assert generate(ubtree_llm, PROMPTS) == references[1]
-    finally:
-        install_oracle(ubtree_llm, None)
-    drafts, accepted = spec_counts(ubtree_llm)
-    assert oracle.calls > 0
-    assert 1 + (accepted - accepted_before) / (drafts - drafts_before) > 2.0
+    check_copying_drafter(ubtree_llm, PROMPTS, references[1], 512, MAX_TOKENS)
 
 
 def test_load_adaptive_budget_verifies_short_trees(qwen3_next, references, ubtree_llm):
-    """With 8 requests in flight vLLM's scheduler picks B' = 3 of B = 8: steps of 4 < 1 + B tokens per request,
-    where vLLM's own rolling of the conv buffer (it keeps state_len - q columns) would misplace the next window.
-    Needs ubtree_llm only to order the engines (the fixture's engine is created first)."""
-    target, drafter = qwen3_next
-    llm = LLM(model=str(target), speculative_config={"method": "ubtree", "model": str(drafter), **TINY_TREE,
-                                                     "num_speculative_tokens_per_batch_size": [[1, 4, 8], [5, 16, 3]]},
-              **HYBRID_KWARGS)
-    try:
-        assert generate(llm, PROMPTS) == references[1]
-        totals = {m.name: float(m.value) for m in llm.get_metrics()
-                  if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens")}
-    finally:
-        stop_engine(llm)
-        del llm
-    # mostly 3 nodes per round (8 in flight); 8 only once fewer than 5 requests are left
-    assert totals["vllm:spec_decode_num_draft_tokens"] / totals["vllm:spec_decode_num_drafts"] < 5, totals
+    """Short trees (B' = 3 of 8). Needs ubtree_llm only to order the engines (the fixture's engine comes first)."""
+    check_load_adaptive_budget(*qwen3_next, HYBRID_KWARGS, PROMPTS, references[1], MAX_TOKENS)
 
 
 def test_prefix_caching_is_refused_before_any_engine_exists(qwen3_next):

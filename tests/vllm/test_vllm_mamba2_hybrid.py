@@ -26,9 +26,10 @@ from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d
 from ubtree_vllm.bench.e2e import stop_engine
 from ubtree_vllm.vllm.hybrid_state import commit_accepted_states
 from ubtree_vllm.vllm.mamba2_tree import tree_conv_update, tree_state_update
+from hybrid_checks import (check_copying_drafter, check_load_adaptive_budget, generate, path_to, plain_references,
+                           random_tree)
 from vllm_engines import ENGINE_KWARGS, TINY_TREE, spec_counts
 from vllm_models import save_tiny_nemotron_h, save_untrained_drafter
-from vllm_oracle import ReferenceOracle, engine_runner, install_oracle
 
 BF16 = torch.bfloat16
 WIDTH, HEADS, HEAD_DIM, STATE, SPEC = 4, 8, 64, 64, 8  # conv width, Mamba heads, head dim, SSM state, S
@@ -42,22 +43,6 @@ def ssu(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplus=False, state_batc
     torch.ops._C.selective_state_update_cpu(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
                                             dst_state_batch_indices, null_block_id, out, num_accepted_tokens,
                                             cu_seqlens)
-
-
-def random_tree(num_nodes: int, rng: random.Random) -> tuple[np.ndarray, np.ndarray]:
-    parents = np.array([-1] + [rng.randrange(j) for j in range(1, num_nodes)], dtype=np.int64)
-    depth = np.zeros(num_nodes, dtype=np.int64)
-    for j in range(1, num_nodes):
-        depth[j] = depth[parents[j]] + 1
-    return parents, depth
-
-
-def path_to(parents: np.ndarray, node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = int(parents[node])
-    return path[::-1]
 
 
 class Step:
@@ -197,12 +182,6 @@ PROMPTS = [[_rng.randrange(3, 500) for _ in range(_rng.randrange(3, 70))] for _ 
 HYBRID_KWARGS = dict(ENGINE_KWARGS, dtype="bfloat16", enable_prefix_caching=False)
 
 
-def generate(llm, prompts):
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 @pytest.fixture(scope="module")
 def nemotron_h(vllm_models_dir):
     target = save_tiny_nemotron_h(vllm_models_dir / "tiny-nemotron-h")
@@ -211,13 +190,8 @@ def nemotron_h(vllm_models_dir):
 
 @pytest.fixture(scope="module")
 def references(nemotron_h):
-    """Plain decoding's greedy outputs, one request at a time and as a batch (then the engine is dropped)."""
-    llm = LLM(model=str(nemotron_h[0]), **HYBRID_KWARGS)
-    one, batch = [generate(llm, [p])[0] for p in PROMPTS], generate(llm, PROMPTS)
-    stop_engine(llm)  # now, not in a late finalizer under the next engine (see test_vllm_gdn_hybrid.py)
-    del llm
-    gc.collect()
-    return one, batch
+    """Plain decoding's greedy outputs, one request at a time and as a batch."""
+    return plain_references(nemotron_h[0], HYBRID_KWARGS, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -230,44 +204,20 @@ def ubtree_llm(nemotron_h, references):
 
 
 def test_greedy_one_request_at_a_time(ubtree_llm, references):
-    assert [generate(ubtree_llm, [p])[0] for p in PROMPTS] == references[0]
+    assert [generate(ubtree_llm, [p], MAX_TOKENS)[0] for p in PROMPTS] == references[0]
 
 
 def test_greedy_concurrent_batch_of_different_lengths(ubtree_llm, references):
-    assert generate(ubtree_llm, PROMPTS) == references[1]
+    assert generate(ubtree_llm, PROMPTS, MAX_TOKENS) == references[1]
 
 
 def test_copying_drafter_accepts_long_paths(ubtree_llm, references):
-    """The truth sits on the second depth-1 branch, cut at random depths: accepted nodes are off their depth,
-    so every Mamba2 layer's commit moves states and conv inputs."""
-    runner = engine_runner(ubtree_llm)
-    oracle = ReferenceOracle(PROMPTS, references[1], runner.drafter.config.tree, vocab_size=512)
-    drafts_before, accepted_before = spec_counts(ubtree_llm)
-    install_oracle(ubtree_llm, oracle)
-    try:
-        assert generate(ubtree_llm, PROMPTS) == references[1]
-    finally:
-        install_oracle(ubtree_llm, None)
-    drafts, accepted = spec_counts(ubtree_llm)
-    assert oracle.calls > 0
-    assert 1 + (accepted - accepted_before) / (drafts - drafts_before) > 2.0
+    check_copying_drafter(ubtree_llm, PROMPTS, references[1], 512, MAX_TOKENS)
 
 
 def test_load_adaptive_budget_verifies_short_trees(nemotron_h, references, ubtree_llm):
-    """With 8 requests in flight vLLM's scheduler picks B' = 3 of B = 8: steps of 4 < 1 + B tokens per request.
-    Needs ubtree_llm only to order the engines (the fixture's engine is created first)."""
-    target, drafter = nemotron_h
-    llm = LLM(model=str(target), speculative_config={"method": "ubtree", "model": str(drafter), **TINY_TREE,
-                                                     "num_speculative_tokens_per_batch_size": [[1, 4, 8], [5, 16, 3]]},
-              **HYBRID_KWARGS)
-    try:
-        assert generate(llm, PROMPTS) == references[1]
-        totals = {m.name: float(m.value) for m in llm.get_metrics()
-                  if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens")}
-    finally:
-        stop_engine(llm)
-        del llm
-    assert totals["vllm:spec_decode_num_draft_tokens"] / totals["vllm:spec_decode_num_drafts"] < 5, totals
+    """Short trees (B' = 3 of 8). Needs ubtree_llm only to order the engines (the fixture's engine comes first)."""
+    check_load_adaptive_budget(*nemotron_h, HYBRID_KWARGS, PROMPTS, references[1], MAX_TOKENS)
 
 
 def test_t1_samples_follow_plain_decodings_distribution(vllm_models_dir, ubtree_llm):
