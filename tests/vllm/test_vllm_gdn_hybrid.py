@@ -5,9 +5,8 @@ node, bit for bit what vLLM's non-speculative decode computes for that token aft
 root path (and what the torch references compute, to bf16 rounding); after the commit of an
 accepted path the next step finds it where vLLM's chain convention looks.
 
-Engine level: greedy UBTree on a tiny random bf16 Qwen3-Next is token-identical to the same
-engine without speculation, one request at a time, as a concurrent batch and with the copying
-oracle drafter (long accepted paths, moved nodes).
+Engine level (tests/vllm/test_vllm_hybrid_engines.py): greedy UBTree on a tiny random bf16 Qwen3-Next is
+token-identical to the same engine without speculation; here, prefix caching is refused.
 """
 from __future__ import annotations
 
@@ -17,18 +16,15 @@ import types
 import numpy as np
 import pytest
 import torch
-from vllm import LLM
 from vllm import _custom_ops as ops
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_update_cpu
 
-from ubtree_vllm.bench.e2e import stop_engine
 from ubtree_vllm.triton_ops.reference import tree_causal_conv1d_reference, tree_gated_delta_rule_reference
 from ubtree_vllm.vllm.gdn_tree import tree_spec_forward
 from ubtree_vllm.vllm.hybrid_state import commit_accepted_states
-from hybrid_checks import (check_copying_drafter, check_load_adaptive_budget, generate, path_to, plain_references,
-                           random_tree)
-from vllm_engines import ENGINE_KWARGS, TINY_TREE
+from hybrid_checks import path_to, random_tree
+from vllm_engines import TINY_TREE
 from vllm_models import save_tiny_qwen3_next, save_untrained_drafter
 
 BF16 = torch.bfloat16
@@ -193,51 +189,13 @@ def test_after_the_commit_the_next_step_resumes_from_the_accepted_path(gdn_step)
         assert torch.equal(s.ssm_state[s.slots[i, 2]], final), i
 
 
-# --- engine: greedy UBTree on a tiny Qwen3-Next == the same engine without speculation ----------------
-
-NUM_PROMPTS, MAX_TOKENS = 8, 24
-_rng = random.Random(1234)
-PROMPTS = [[_rng.randrange(3, 500) for _ in range(_rng.randrange(3, 70))] for _ in range(NUM_PROMPTS)]
-# bf16 (the CPU GDN kernels' only dtype); prefix caching off (vLLM's recurrent-state caching commits chains)
-HYBRID_KWARGS = dict(ENGINE_KWARGS, dtype="bfloat16", enable_prefix_caching=False)
+# --- engine settings: greedy equality runs in test_vllm_hybrid_engines.py --------------------------------
 
 
 @pytest.fixture(scope="module")
 def qwen3_next(vllm_models_dir):
     target = save_tiny_qwen3_next(vllm_models_dir / "tiny-qwen3-next")
     return target, save_untrained_drafter(target, vllm_models_dir / "tiny-qwen3-next-drafter")
-
-
-@pytest.fixture(scope="module")
-def references(qwen3_next):
-    """Plain decoding's greedy outputs, one request at a time and as a batch."""
-    return plain_references(qwen3_next[0], HYBRID_KWARGS, PROMPTS, MAX_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def ubtree_llm(qwen3_next, references):
-    target, drafter = qwen3_next
-    llm = LLM(model=str(target), speculative_config={"method": "ubtree", "model": str(drafter), **TINY_TREE},
-              **HYBRID_KWARGS)
-    yield llm
-    stop_engine(llm)
-
-
-def test_greedy_one_request_at_a_time(ubtree_llm, references):
-    assert [generate(ubtree_llm, [p], MAX_TOKENS)[0] for p in PROMPTS] == references[0]
-
-
-def test_greedy_concurrent_batch_of_different_lengths(ubtree_llm, references):
-    assert generate(ubtree_llm, PROMPTS, MAX_TOKENS) == references[1]
-
-
-def test_copying_drafter_accepts_long_paths(ubtree_llm, references):
-    check_copying_drafter(ubtree_llm, PROMPTS, references[1], 512, MAX_TOKENS)
-
-
-def test_load_adaptive_budget_verifies_short_trees(qwen3_next, references, ubtree_llm):
-    """Short trees (B' = 3 of 8). Needs ubtree_llm only to order the engines (the fixture's engine comes first)."""
-    check_load_adaptive_budget(*qwen3_next, HYBRID_KWARGS, PROMPTS, references[1], MAX_TOKENS)
 
 
 def test_prefix_caching_is_refused_before_any_engine_exists(qwen3_next):

@@ -5,10 +5,8 @@ bit what vLLM's non-speculative decode computes for that token after the node's 
 the ancestors, SSM state from the parent), with vLLM's own CPU kernels; after the commit of an accepted path
 the next step resumes from it.
 
-Engine level: greedy UBTree on a tiny random bf16 NemotronH is token-identical to the same engine without
-speculation, one request at a time, as a concurrent batch, with the copying oracle drafter (long accepted
-paths, moved nodes) and with a load-adaptive budget (short trees); at T = 1 its samples follow the same
-engine's without speculation (two-sample test on a vocabulary-8 model).
+Engine level: at T = 1 UBTree's samples follow the same engine's without speculation (two-sample test on a
+vocabulary-8 NemotronH); greedy equality runs in tests/vllm/test_vllm_hybrid_engines.py.
 """
 from __future__ import annotations
 
@@ -26,9 +24,8 @@ from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d
 from ubtree_vllm.bench.e2e import stop_engine
 from ubtree_vllm.vllm.hybrid_state import commit_accepted_states
 from ubtree_vllm.vllm.mamba2_tree import tree_conv_update, tree_state_update
-from hybrid_checks import (check_copying_drafter, check_load_adaptive_budget, generate, path_to, plain_references,
-                           random_tree)
-from vllm_engines import ENGINE_KWARGS, TINY_TREE, spec_counts
+from hybrid_checks import path_to, random_tree
+from vllm_engines import ENGINE_KWARGS, spec_counts
 from vllm_models import save_tiny_nemotron_h, save_untrained_drafter
 
 BF16 = torch.bfloat16
@@ -173,58 +170,16 @@ def test_sequences_that_are_not_the_steps_trees_are_refused(mamba2_step):
         s.run()
 
 
-# --- engine: greedy UBTree on a tiny NemotronH == the same engine without speculation ------------------
+# --- engine at T = 1: greedy equality runs in test_vllm_hybrid_engines.py ------------------------------
 
-NUM_PROMPTS, MAX_TOKENS = 8, 24
-_rng = random.Random(4321)
-PROMPTS = [[_rng.randrange(3, 500) for _ in range(_rng.randrange(3, 70))] for _ in range(NUM_PROMPTS)]
-# bf16 as the model was saved; prefix caching off (vLLM's recurrent-state caching commits chains)
 HYBRID_KWARGS = dict(ENGINE_KWARGS, dtype="bfloat16", enable_prefix_caching=False)
 
 
-@pytest.fixture(scope="module")
-def nemotron_h(vllm_models_dir):
-    target = save_tiny_nemotron_h(vllm_models_dir / "tiny-nemotron-h")
-    return target, save_untrained_drafter(target, vllm_models_dir / "tiny-nemotron-h-drafter")
-
-
-@pytest.fixture(scope="module")
-def references(nemotron_h):
-    """Plain decoding's greedy outputs, one request at a time and as a batch."""
-    return plain_references(nemotron_h[0], HYBRID_KWARGS, PROMPTS, MAX_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def ubtree_llm(nemotron_h, references):
-    target, drafter = nemotron_h
-    llm = LLM(model=str(target), speculative_config={"method": "ubtree", "model": str(drafter), **TINY_TREE},
-              **HYBRID_KWARGS)
-    yield llm
-    stop_engine(llm)
-
-
-def test_greedy_one_request_at_a_time(ubtree_llm, references):
-    assert [generate(ubtree_llm, [p], MAX_TOKENS)[0] for p in PROMPTS] == references[0]
-
-
-def test_greedy_concurrent_batch_of_different_lengths(ubtree_llm, references):
-    assert generate(ubtree_llm, PROMPTS, MAX_TOKENS) == references[1]
-
-
-def test_copying_drafter_accepts_long_paths(ubtree_llm, references):
-    check_copying_drafter(ubtree_llm, PROMPTS, references[1], 512, MAX_TOKENS)
-
-
-def test_load_adaptive_budget_verifies_short_trees(nemotron_h, references, ubtree_llm):
-    """Short trees (B' = 3 of 8). Needs ubtree_llm only to order the engines (the fixture's engine comes first)."""
-    check_load_adaptive_budget(*nemotron_h, HYBRID_KWARGS, PROMPTS, references[1], MAX_TOKENS)
-
-
-def test_t1_samples_follow_plain_decodings_distribution(vllm_models_dir, ubtree_llm):
+def test_t1_samples_follow_plain_decodings_distribution(vllm_models_dir):
     """T = 1 on a vocabulary-8 NemotronH: 3000 continuations of 4 tokens from UBTree (untrained drafter, K = 6 of
     the 8 tokens, so trees are often partly accepted) against 3000 from the same engine without speculation, a
     two-sample test per position and adjacent pair (the bf16 engine's arithmetic, not an HF enumeration, is the
-    law). Needs ubtree_llm only to order the engines."""
+    law)."""
     from exact_distribution import two_sample_pvalues  # scipy, imported only by this test
 
     target = save_tiny_nemotron_h(vllm_models_dir / "vocab8-nemotron-h", vocab_size=8, seed=3)
