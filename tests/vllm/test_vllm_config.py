@@ -112,13 +112,18 @@ def test_unsupported_architecture_is_rejected(tiny_drafter):
         parse_speculative_config(spec(tiny_drafter), target)
 
 
-@pytest.mark.parametrize("arch,layer", [("BailingMoeV3ForCausalLM", "BailingMoeV3KimiDeltaAttention"),
-                                        ("FalconH1ForCausalLM", "MambaMixer2")])
+@pytest.mark.parametrize("arch,layer", [("BailingMoeV3ForCausalLM", "BailingMoeV3KimiDeltaAttention")])
 def test_hybrid_target_is_refused_naming_its_stateful_layers(tiny_drafter, arch, layer):
-    """Ling-3.0 (MLA + KDA), Mamba2 hybrids other than NemotronH: refused before any engine exists, naming the
-    layer."""
+    """Ling-3.0 (MLA + KDA): refused before any engine exists, naming the layer."""
     with pytest.raises(ValueError, match=rf"'{arch}'\] is not supported by method 'ubtree': its .*{layer}.* layers "
                                          r"have no tree verification yet"):
+        parse_speculative_config(spec(tiny_drafter), TargetInfo((arch,), 512, 64, 4))
+
+
+@pytest.mark.parametrize("arch", ["FalconH1ForCausalLM", "Zamba2ForCausalLM", "Mamba2ForCausalLM"])
+def test_mamba2_families_without_aux_hidden_states_are_refused_saying_so(tiny_drafter, arch):
+    with pytest.raises(ValueError, match=rf"'{arch}'\] is not supported by method 'ubtree': vLLM's model class does "
+                                         r"not return the hidden states of chosen layers \(SupportsEagle3\)"):
         parse_speculative_config(spec(tiny_drafter), TargetInfo((arch,), 512, 64, 4))
 
 

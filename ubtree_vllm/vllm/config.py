@@ -65,14 +65,18 @@ CPU_ONLY_HYBRIDS = {"Qwen3NextForCausalLM": "QwenGatedDeltaNetAttention (Gated D
 HYBRID_LAYERS = {
     "BailingMoeV3ForCausalLM": "BailingMoeV3MLAAttention (MLA) and BailingMoeV3KimiDeltaAttention (Kimi Delta "
                                "Attention)",
-    "FalconH1ForCausalLM": "MambaMixer2 (Mamba2)",
-    "Zamba2ForCausalLM": "MambaMixer2 (Mamba2)",
-    "Mamba2ForCausalLM": "MambaMixer2 (Mamba2)",
 }
 # Families refused for a reason of their own.
 _QWEN3_5_REASON = ("its QwenGatedDeltaNetAttention (Gated DeltaNet) layers verify trees on the CPU for Qwen3-Next "
                    "only: Qwen3.5's flat q/k/v/z layout and its positions have not run under tree verification")
-REFUSED_ARCHITECTURES = {"Qwen3_5ForCausalLM": _QWEN3_5_REASON, "Qwen3_5MoeForCausalLM": _QWEN3_5_REASON}
+# Their MambaMixer2 layers would verify trees as NemotronH's do, but vLLM's model classes do not return the
+# target-layer hidden states the drafter conditions on (no SupportsEagle3; engine start fails without it).
+_NO_AUX_HIDDEN_REASON = ("vLLM's model class does not return the hidden states of chosen layers (SupportsEagle3), "
+                         "which the drafter conditions on; its MambaMixer2 (Mamba2) layers would verify trees as "
+                         "NemotronHForCausalLM's do")
+REFUSED_ARCHITECTURES = {"Qwen3_5ForCausalLM": _QWEN3_5_REASON, "Qwen3_5MoeForCausalLM": _QWEN3_5_REASON,
+                         "FalconH1ForCausalLM": _NO_AUX_HIDDEN_REASON, "Zamba2ForCausalLM": _NO_AUX_HIDDEN_REASON,
+                         "Mamba2ForCausalLM": _NO_AUX_HIDDEN_REASON}
 # vLLM's V1 rejection sampler bounds the draft length (vllm.v1.sample.rejection_sampler
 # MAX_SPEC_LEN); its dummy sampler run at start-up uses num_speculative_tokens rows.
 MAX_TREE_BUDGET = 128
