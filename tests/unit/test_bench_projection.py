@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ubtree_vllm.bench.projection import PROJECTED_TAUS, TARGET, projection_drafter_config, random_prompts
+from ubtree_vllm.bench.projection import TARGET, projection_drafter_config, random_prompts
+from ubtree_vllm.bench.projection_table import PROJECTED_TAUS
 from ubtree_vllm.bench.records import make_record
 from ubtree_vllm.bench.report import render
 from ubtree_vllm.bench.verify_bench import QWEN3_8B_CONFIG

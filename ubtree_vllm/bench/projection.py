@@ -16,7 +16,7 @@ SmolLM2-135M's decode step is bound by the framework, not by the GPU, so its rou
   of an untrained drafter.
 
 The report's "Projection" section turns each record into ``tau / round_over_plain_step`` at tau = 4, 6, 8
-(:data:`PROJECTED_TAUS`), labelled as a projection. GPU only (16 GB of dummy bf16 weights plus the drafter).
+(``bench/projection_table.py``), labelled as a projection. GPU only (16 GB of dummy bf16 weights plus the drafter).
 """
 from __future__ import annotations
 
@@ -26,14 +26,14 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-TARGET = "qwen3-8b-dummy"
+from ubtree_vllm.bench.projection_table import TARGET
+
 METHOD = "ubtree-mrv2-lookup"  # the serving default on CUDA: MRV2, prompt lookup on
 BUDGETS = (16, 32, 64)
 CONCURRENCY = (1, 32)
 NUM_PROMPTS = 32
 PROMPT_LEN = 512
 NEW_TOKENS = 128
-PROJECTED_TAUS = (4.0, 6.0, 8.0)
 NUM_AUX_LAYERS = 5
 
 
@@ -97,13 +97,3 @@ def run_projection(seed: int = 0, target_overrides: Mapping[str, Any] | None = N
         for r in iter_e2e(settings, [prompts], target_dir, kwargs):
             if r["kind"] == "microbench" and r["metric"] == METRIC:
                 yield {**r, "drafter": "untrained", "notes": f"{note}; {r['notes']}"}
-
-
-def projection_rows(micro: list[dict[str, Any]]) -> list[list[Any]]:
-    """Report rows [method, B, conc, round cost, speedup at each PROJECTED_TAUS, hardware, commit] of the records."""
-    from ubtree_vllm.bench.round_cost import METRIC
-
-    rows = [r for r in micro if r["metric"] == METRIC and str(r["target"]).startswith(TARGET)]
-    rows.sort(key=lambda r: (str(r["hardware"]), str(r["method"]), r["concurrency"] or 0, r["tree_budget"] or 0))
-    return [[r["method"], r["tree_budget"], r["concurrency"], r["value"], *(tau / r["value"] for tau in PROJECTED_TAUS),
-             r["hardware"], r["commit"]] for r in rows]

@@ -209,7 +209,7 @@ GOAL_CONFIG = {"tree_budget": 64, "beam_width": 12, "top_k": 64}
 
 def _projection_section(micro: Sequence[dict[str, Any]]) -> list[str]:
     """Projected speedups from the round cost on a production-shaped target (bench/projection.py)."""
-    from ubtree_vllm.bench.projection import PROJECTED_TAUS, TARGET, projection_rows
+    from ubtree_vllm.bench.projection_table import PROJECTED_TAUS, TARGET, projection_rows
 
     rows = projection_rows(list(micro))
     if not rows:
