@@ -2,7 +2,8 @@
 
 One engine pair per family (Qwen3-Next: Gated DeltaNet; NemotronH: Mamba2; CPU V1 runner): one request at a
 time, a concurrent batch of different lengths, the copying oracle drafter (long accepted paths off their depth,
-so every recurrent layer's commit moves states and conv inputs) and a load-adaptive budget (short trees). The
+so every recurrent layer's commit moves states and conv inputs) and a load-adaptive budget (short trees); and at
+T = 1 on a vocabulary-8 model of the family, UBTree's samples follow the same engine's without speculation. The
 layer-level tests are in test_vllm_gdn_hybrid.py and test_vllm_mamba2_hybrid.py.
 """
 from __future__ import annotations
@@ -10,12 +11,16 @@ from __future__ import annotations
 import random
 import types
 
+import gc
+
 import pytest
-from vllm import LLM
+import torch
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
 
 from ubtree_vllm.bench.e2e import stop_engine
 from hybrid_checks import check_copying_drafter, check_load_adaptive_budget, generate, plain_references
-from vllm_engines import ENGINE_KWARGS, TINY_TREE
+from vllm_engines import ENGINE_KWARGS, TINY_TREE, spec_counts
 from vllm_models import save_tiny_nemotron_h, save_tiny_qwen3_next, save_untrained_drafter
 
 NUM_PROMPTS, MAX_TOKENS, VOCAB = 8, 24, 512
@@ -53,3 +58,41 @@ def test_copying_drafter_accepts_long_paths(hybrid):
 
 def test_load_adaptive_budget_verifies_short_trees(hybrid):
     check_load_adaptive_budget(hybrid.target, hybrid.drafter, HYBRID_KWARGS, PROMPTS, hybrid.batch, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_t1_samples_follow_plain_decodings_distribution(vllm_models_dir, family):
+    """T = 1 on a vocabulary-8 model: 3000 continuations of 4 tokens from UBTree (untrained drafter, K = 6 of the 8
+    tokens, so trees are often partly accepted) against 3000 from the same engine without speculation, a two-sample
+    test per position and adjacent pair (the bf16 engine's arithmetic, not an HF enumeration, is the law)."""
+    from exact_distribution import two_sample_pvalues  # scipy, imported only by this test
+
+    target = FAMILIES[family](vllm_models_dir / f"vocab8-{family}", vocab_size=8, seed=3)
+    drafter = save_untrained_drafter(target, vllm_models_dir / f"vocab8-{family}-drafter", block_size=3, top_k=6,
+                                     seed=1)
+    kwargs = dict(HYBRID_KWARGS, max_num_seqs=64, max_model_len=64)
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=[1, 2, 3])] * 3000
+
+    def samples(llm):
+        return torch.tensor([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)])
+
+    plain = LLM(model=str(target), **kwargs)
+    try:
+        reference = samples(plain)
+    finally:
+        stop_engine(plain)
+        del plain
+        gc.collect()
+    llm = LLM(model=str(target), speculative_config={"method": "ubtree", "model": str(drafter),
+                                                     "num_speculative_tokens": 9, "beam_width": 3, "top_k": 6},
+              **kwargs)
+    try:
+        drafted = samples(llm)
+        drafts, accepted = spec_counts(llm)
+    finally:
+        stop_engine(llm)
+        del llm
+    assert accepted > 0.3 * drafts, (accepted, drafts)  # lossless only tested where trees are partly accepted
+    pvals = two_sample_pvalues(drafted, reference, 8)
+    assert min(pvals) > 1e-3 / len(pvals), pvals
