@@ -57,7 +57,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
                            "NemotronHForCausalLM")
 # Hybrid families whose recurrent layers verify trees on the CPU only: Qwen3-Next's Gated DeltaNet and
 # NemotronH's Mamba2 run their tree forms through vLLM's CPU kernels (ubtree_vllm.vllm.gdn_tree,
-# ubtree_vllm.vllm.mamba2_tree, docs/design/hybrid.md); the CUDA (Triton) paths are not wired. Checked with the engine arguments (check_hybrid_engine).
+# ubtree_vllm.vllm.mamba2_tree, docs/design/hybrid.md); the CUDA (Triton) paths are not wired. Checked with
+# the engine arguments (check_hybrid_engine).
 CPU_ONLY_HYBRIDS = {"Qwen3NextForCausalLM": "QwenGatedDeltaNetAttention (Gated DeltaNet)",
                     "NemotronHForCausalLM": "MambaMixer2 (Mamba2)"}
 # Hybrid families vLLM 0.32 serves, and the vLLM layer classes whose recurrent state a tree would have to fork
@@ -97,12 +98,13 @@ DEFAULT_BUDGET_POLICY = "load_adaptive"
 
 def default_budget_schedule(budget: int) -> tuple[tuple[int, int, int], ...]:
     """load_adaptive's schedule for tree budget B: B up to 8 requests in flight, B/2 up to 16, B/4 up to 32, B/8
-    beyond (each at least 1). The schedule of the H200 MT-Bench concurrency sweeps at B = 64 (the report's
-    load-adaptive rows, 2026-12-02): ahead of vLLM's n-gram at every load measured, where a fixed B = 64 fell
-    behind no speculation from 32 requests in flight. vLLM carries the last range's budget past 1024; ranges past
-    max_num_seqs are never formed; a step whose
-    trees do not fit the scheduler's token budget has its drafts truncated by vLLM's scheduler to a prefix, which
-    is the best smaller tree (nodes are numbered by rank, tree/search.py)."""
+    beyond (each at least 1). The schedule of the 2026-12-02 H200 MT-Bench concurrency sweeps at B = 64 (the
+    report's load-adaptive rows), ahead of vLLM's n-gram at every load measured there, where a fixed B = 64 fell
+    behind no speculation from 32 requests in flight; the 2026-12-03 sweep on three sets fell short at some
+    loads (docs/deploy.md, budget_policy). vLLM carries the last range's budget past 1024; ranges past
+    max_num_seqs are never formed; a step whose trees do not fit the scheduler's token budget has its drafts
+    truncated by vLLM's scheduler to a prefix, which is the best smaller tree (nodes are numbered by rank,
+    tree/search.py)."""
     return ((1, 8, budget), (9, 16, max(1, budget // 2)), (17, 32, max(1, budget // 4)),
             (33, 1024, max(1, budget // 8)))
 # How tree rows attend on CUDA (vllm/attention/flash.py): "triton" -- the Triton kernel walks each row's

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from vllm import _custom_ops as ops
 from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_update_cpu
@@ -37,7 +36,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _causal_conv1d_update_cpu, _unpacked_conv_weight
 
 from ubtree_vllm.vllm.hybrid_state import LinearStepLayer
-from ubtree_vllm.vllm.linear_tree import (TreeTokens, node_windows, parent_state_slots, roll_conv_buffers,
+from ubtree_vllm.vllm.linear_tree import (TreeTokens, fork_states_by_depth, node_windows, roll_conv_buffers,
                                           tree_tokens)
 from ubtree_vllm.vllm.tree_plan import TreeStepPlan
 
@@ -63,10 +62,7 @@ def tree_spec_forward(plan: TreeStepPlan, layer: Any, attn_metadata: Any, mixed_
     roll_conv_buffers(mixed_qkv_spec, conv_buf, slots, num_accepted, tokens, width)
     query, key, value = layer.rearrange_mixed_qkv(conv_out)  # each [1, T, H, D]
     out = torch.empty(value.shape[1:], dtype=mixed_qkv_spec.dtype)  # [T, H, Dv]
-    for d in range(int(tokens.depth.max()) + 1):
-        rows = torch.from_numpy(np.nonzero(tokens.depth == d)[0])  # [n] tokens at depth d
-        dst, src = parent_state_slots(slots, num_accepted, tokens, rows)  # [n] each node's slot, its parent's
-        ssm_state.index_copy_(0, dst, ssm_state.index_select(0, src))
+    for rows, dst in fork_states_by_depth(ssm_state, slots, num_accepted, tokens):  # [n] tokens of a depth, slots
         o = ops.fused_sigmoid_gating_delta_rule_update_cpu(
             A_log=layer.A_log, dt_bias=layer.dt_bias, q=query[:, rows], k=key[:, rows], v=value[:, rows],
             a=a_spec[rows].contiguous(), b=b_spec[rows].contiguous(), initial_state_source=ssm_state,

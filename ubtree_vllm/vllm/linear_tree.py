@@ -12,6 +12,7 @@ the sequence's first state slot:
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,13 +82,17 @@ def roll_conv_buffers(x: torch.Tensor, conv_buf: torch.Tensor, slots: torch.Tens
                                             x[first:first + n].T.to(buf.dtype)], dim=-1)
 
 
-def parent_state_slots(slots: torch.Tensor, num_accepted: torch.Tensor, tokens: TreeTokens,
-                       rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(own slot, parent's slot) [n] of the tokens ``rows``: node j's state goes to slot j; its parent's is in
-    the parent's slot, the root's in slot ``num_accepted - 1`` (the state the sequence resumes from)."""
-    seq = torch.from_numpy(tokens.seq[rows.numpy()]).long()
-    node = torch.from_numpy(tokens.node[rows.numpy()]).long()
-    parent = torch.from_numpy(tokens.parent[rows.numpy()]).long()
-    dst = slots[seq, node]
-    src = torch.where(parent < 0, slots[seq, num_accepted[seq] - 1], slots[seq, parent.clamp(min=0)])
-    return dst, src
+def fork_states_by_depth(state: torch.Tensor, slots: torch.Tensor, num_accepted: torch.Tensor,
+                         tokens: TreeTokens) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Depth by depth, shallowest first: copy each node's parent's state into the node's own slot, then yield
+    (rows [n] the tokens at that depth, dst [n] their slots) for the caller to advance those states one token
+    in place before the next depth is forked. Node j's state goes to slot j; its parent's is in the parent's
+    slot, the root's in slot ``num_accepted - 1`` (the state the sequence resumes from). state [num_slots, ...]
+    (mutated); slots [Q, 1 + S]; num_accepted [Q]."""
+    for d in range(int(tokens.depth.max()) + 1):
+        rows = torch.from_numpy(np.nonzero(tokens.depth == d)[0])  # [n]
+        seq, node, parent = (torch.from_numpy(a[rows.numpy()]).long() for a in (tokens.seq, tokens.node, tokens.parent))
+        dst = slots[seq, node]
+        src = torch.where(parent < 0, slots[seq, num_accepted[seq] - 1], slots[seq, parent.clamp(min=0)])
+        state.index_copy_(0, dst, state.index_select(0, src))
+        yield rows, dst

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ubtree_vllm.vllm.hybrid_state import LinearStepLayer
-from ubtree_vllm.vllm.linear_tree import (TreeTokens, node_windows, parent_state_slots, roll_conv_buffers,
+from ubtree_vllm.vllm.linear_tree import (TreeTokens, fork_states_by_depth, node_windows, roll_conv_buffers,
                                           tree_tokens)
 from ubtree_vllm.vllm.tree_plan import TreeStepPlan
 
@@ -77,10 +77,7 @@ def tree_state_update(pending: PendingConv, state_update: Callable[..., Any], st
     through one token each, as plain decoding calls it."""
     tokens, slots = pending.tokens, pending.slots
     z = kwargs.pop("z", None)
-    for d in range(int(tokens.depth.max()) + 1):
-        rows = torch.from_numpy(np.nonzero(tokens.depth == d)[0])  # [n] tokens at depth d
-        dst, src = parent_state_slots(slots, pending.num_accepted, tokens, rows)  # [n]
-        state.index_copy_(0, dst, state.index_select(0, src))
+    for rows, dst in fork_states_by_depth(state, slots, pending.num_accepted, tokens):  # [n] tokens of a depth, slots
         node_out = torch.empty_like(out[rows])  # [n, H, head_dim]
         indices = dst.to(index_dtype)[:, None]  # [n, 1]: one token per node, as in plain decoding
         state_update(state, x[rows], dt[rows], A, B[rows], C[rows], z=None if z is None else z[rows],
