@@ -110,9 +110,10 @@ MANIFEST: tuple[PatchSpec, ...] = (
         vllm_symbol="vllm.v1.core.sched.scheduler.Scheduler.update_draft_token_ids",
         why=("The scheduler receives drafts as flat token lists and validates them against the grammar "
              "as one chain; a tree's topology has no place in vLLM's DraftTokenIds."),
-        how=("Wraps the method: the parents carried by the UBTree runner's TreeDraftTokenIds are stored "
-             "on each structured-output request (ubtree_vllm.vllm.structured_output) before vLLM's code "
-             "runs; other methods' drafts pass untouched."),
+        how=("Wraps the method and its async-scheduling twin update_draft_token_ids_in_output: the parents "
+             "carried by the UBTree runners' TreeDraftTokenIds are stored on each structured-output request "
+             "(ubtree_vllm.vllm.structured_output) before vLLM's code runs; other methods' drafts pass "
+             "untouched."),
         removal_condition=("vLLM's scheduler carries a draft topology (tree speculative decoding upstream, "
                            "e.g. a parents field in DraftTokenIds)."),
     ),

@@ -196,7 +196,7 @@ def test_from_vllm_config_recognises_only_the_rewritten_form(tiny_drafter):
     assert not is_ubtree_speculative_config({"method": MRV2_VLLM_METHOD, "model": "/models/some-dflash-drafter"})
 
 
-def test_unsupported_request_options():
+def test_unsupported_request_options(monkeypatch):
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
@@ -225,6 +225,10 @@ def test_unsupported_request_options():
     penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
     assert unsupported_options(SamplingParams(**penalties)) == []
     assert unsupported_options(SamplingParams(**penalties), runner="mrv2") == []
+    # structured outputs on MRV2: served only with the switch on (until its H200 test passed); logprob_token_ids not
+    monkeypatch.setenv("UBTREE_MRV2_STRUCTURED_OUTPUT", "1")
+    assert unsupported_options(SamplingParams(**cases["structured_outputs"]), runner="mrv2") == []
+    assert unsupported_options(SamplingParams(**cases["logprob_token_ids"]), runner="mrv2") == ["logprob_token_ids"]
 
 
 def test_tree_attention_mode_reaches_the_workers(tiny_drafter):

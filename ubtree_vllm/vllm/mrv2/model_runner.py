@@ -5,7 +5,9 @@ through a method MRV2 already calls:
 
 1. ``__init__``: the speculator is :class:`~ubtree_vllm.vllm.mrv2.speculator.UBTreeSpeculator`
    (the engine presents the speculative config as ``"dflash"``, so MRV2 built a plain DFlash
-   speculator first) and the runner owns the fixed-size tree-attention row buffers.
+   speculator first), the runner owns the fixed-size tree-attention row buffers, and the drafts'
+   host copy for the scheduler's grammar carries each tree's parents
+   (:mod:`ubtree_vllm.vllm.mrv2.tree_drafts_handler`: structured output follows every node's path).
 2. ``load_model``: the rejection sampler becomes
    :class:`~ubtree_vllm.vllm.mrv2.rejection_sampler.UBTreeRejectionSampler`, the sampler's penalties
    and bad words read each node's own path (:mod:`ubtree_vllm.vllm.mrv2.path_processors`), and the target's
@@ -40,6 +42,7 @@ from ubtree_vllm.vllm.config import from_vllm_config
 from ubtree_vllm.vllm.mrv2.rejection_sampler import UBTreeRejectionSampler
 from ubtree_vllm.vllm.mrv2.path_processors import install_path_processors
 from ubtree_vllm.vllm.mrv2.speculator import UBTreeSpeculator
+from ubtree_vllm.vllm.mrv2.tree_drafts_handler import TreeDraftTokensHandler
 from ubtree_vllm.vllm.mrv2.tree_layout import lay_out_tree_rows
 from ubtree_vllm.vllm.stage_clock import StageClock
 
@@ -58,6 +61,8 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         self.speculator = UBTreeSpeculator(vllm_config, device)  # replaces MRV2's DFlashSpeculator
         self.speculator.stage_clock = self.ubtree_stage_clock
         self.speculator.req_states = self.req_states  # the lookup branch's histories (prompt_lookup)
+        # the drafts' host copy for structured output carries each tree's parents (the grammar follows every path)
+        self.draft_tokens_handler = TreeDraftTokensHandler(device, self.speculator.topology.parents)
         self._row_buffers = RowBuffers.empty(self.max_num_tokens, self.gamma + 1, device)
         self._kv_cache_ptrs: torch.Tensor | None = None  # [L] target layers' caches, at the first commit
         self._target_layers: list[Any] = []
