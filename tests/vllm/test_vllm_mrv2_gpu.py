@@ -116,7 +116,8 @@ def test_mrv2_logits_options_greedy_equality_smollm2(mrv2, default_target_dir, t
     """allowed_token_ids, logit_bias and min_tokens through vLLM's MRV2 sampler at every node (depth positions),
     penalties and bad words along each node's path (vllm/mrv2/path_processors.py): each option changes plain
     decoding's greedy
-    text and UBTree reproduces it (bf16 near-tie rule on the raw logits); logprobs of the emitted tokens."""
+    text and UBTree reproduces it (bf16 near-tie rule on the raw logits); logprobs of the emitted tokens, top ones
+    and logprob_token_ids."""
     from collections import Counter
 
     from vllm import SamplingParams
@@ -145,6 +146,8 @@ def test_mrv2_logits_options_greedy_equality_smollm2(mrv2, default_target_dir, t
     reference = {name: plain.generate(prompts, params(logprobs=2, **options), use_tqdm=False)
                  for name, options in cases.items()}
     expected = plain.generate(prompts, params(logprobs=2), use_tqdm=False)
+    scored_ids = [28, 330, 2]  # logprob_token_ids: these ids' logprobs at every emitted token
+    expected_ids = plain.generate(prompts, params(logprob_token_ids=scored_ids), use_tqdm=False)
     del plain
     gc.collect()
     ubtree = engine(default_target_dir, {"method": "ubtree", "model": str(smollm2_drafter(default_target_dir, tmp_path)),
@@ -152,6 +155,7 @@ def test_mrv2_logits_options_greedy_equality_smollm2(mrv2, default_target_dir, t
     got = {name: [list(o.outputs[0].token_ids) for o in ubtree.generate(prompts, params(**options), use_tqdm=False)]
            for name, options in cases.items()}
     scored = ubtree.generate(prompts, params(logprobs=2), use_tqdm=False)
+    by_ids = ubtree.generate(prompts, params(logprob_token_ids=scored_ids), use_tqdm=False)
     del ubtree
     gc.collect()
     for name in cases:
@@ -160,7 +164,8 @@ def test_mrv2_logits_options_greedy_equality_smollm2(mrv2, default_target_dir, t
     # logprobs (raw logits mode on both engines): each emitted token's value from the node row that drew it,
     # equal to plain decoding's up to bf16 rounding, up to the first (near-tie) divergence
     assert_greedy_equal_up_to_near_ties([list(o.outputs[0].token_ids) for o in scored], expected)
-    for got_out, want_out in zip(scored, expected):
+    assert_greedy_equal_up_to_near_ties([list(o.outputs[0].token_ids) for o in by_ids], expected)
+    for got_out, want_out in [*zip(scored, expected), *zip(by_ids, expected_ids)]:
         got_tokens, want_tokens = got_out.outputs[0].token_ids, want_out.outputs[0].token_ids
         for step, (a, b) in enumerate(zip(got_tokens, want_tokens)):
             if a != b:
@@ -171,6 +176,7 @@ def test_mrv2_logits_options_greedy_equality_smollm2(mrv2, default_target_dir, t
                     tolerance = 4 * bf16_ulp(value.logprob)
                     assert abs(got_step[token].logprob - value.logprob) <= tolerance, (step, token)
             assert a in got_step  # the emitted token is always scored
+    assert all(set(scored_ids) <= step.keys() for out in by_ids for step in out.outputs[0].logprobs)
 
 
 def test_mrv2_structured_output_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path, monkeypatch):

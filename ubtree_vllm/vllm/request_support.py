@@ -8,8 +8,7 @@ sampler does not compute, would be wrong for a tree, so such requests are reject
 admission (HTTP 400 in the server) instead of getting different tokens than
 non-speculative decoding:
 
-* on Model Runner V2: logprob_token_ids -- its tree sampler does not report them yet (the V1 runner's
-  does); structured outputs unless ``UBTREE_MRV2_STRUCTURED_OUTPUT=1`` -- the trees' parents reach the
+* on Model Runner V2: structured outputs unless ``UBTREE_MRV2_STRUCTURED_OUTPUT=1`` -- the trees' parents reach the
   scheduler's grammar with the drafts (``ubtree_vllm/vllm/mrv2/tree_drafts_handler.py``; grammars along
   every node's own path in ``ubtree_vllm/vllm/structured_output.py``, as on the V1 runner), but that path
   has not yet passed its H200 test, so it stays off by default;
@@ -22,8 +21,9 @@ position only (min_tokens masks the stop tokens while ``pos + 1 < prompt_len + m
 node's position is its depth position, the one plain decoding samples that token at
 (``ubtree_vllm/vllm/mrv2/rejection_sampler.py``); presence, frequency and repetition penalties count
 the outputs plus each node's own path and bad words match against them
-(``ubtree_vllm/vllm/mrv2/path_processors.py``); ``logprobs`` are
-scored on the row of the node that drew each emitted token, in every logprobs mode. On the V1 runner
+(``ubtree_vllm/vllm/mrv2/path_processors.py``); ``logprobs`` and ``logprob_token_ids`` are
+scored on the row of the node that drew each emitted token, in every logprobs mode (vLLM's own MRV2
+scoring; its chain rejection sampler ignores ``logprob_token_ids``). On the V1 runner
 penalties, ``logprobs`` (raw logprobs modes) and ``logprob_token_ids``, ``bad_words``,
 ``allowed_token_ids``, ``logit_bias``, ``min_p``, ``min_tokens`` (``ubtree_vllm/vllm/sampler.py``) and
 structured outputs (JSON schema, JSON object, regex, grammar, choice;
@@ -46,7 +46,6 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
 def unsupported_options(params: Any, runner: str = "v1") -> list[str]:
     """Names of the options of a vLLM ``SamplingParams`` that method 'ubtree' on ``runner`` cannot serve."""
     checks = (
-        ("logprob_token_ids", bool(getattr(params, "logprob_token_ids", None)) and runner != "v1"),
         ("thinking_token_budget", getattr(params, "thinking_token_budget", None) is not None),
         ("structured_outputs", params.structured_outputs is not None and runner != "v1"
          and not envs.UBTREE_MRV2_STRUCTURED_OUTPUT),
@@ -61,5 +60,5 @@ def unsupported_message(names: list[str]) -> str:
             "(tree verification would not reproduce non-speculative decoding exactly); remove them or "
             "use a server without speculative decoding. Supported: temperature, top_k, top_p, seed, n, "
             "stop, stop_token_ids, ignore_eos, max_tokens, prompt_logprobs, allowed_token_ids, logit_bias, min_p, "
-            "min_tokens, penalties, logprobs, bad_words, and on the V1 runner (UBTREE_VLLM_RUNNER=v1) also "
-            "logprob_token_ids and structured outputs.")
+            "min_tokens, penalties, logprobs, logprob_token_ids, bad_words, and on the V1 runner "
+            "(UBTREE_VLLM_RUNNER=v1) also structured outputs.")

@@ -20,8 +20,8 @@ node j >= 1 = draft j; the scheduler may truncate, and a parents-first prefix is
 
 Output (MRV2's ``SamplerOutput``): ``sampled_token_ids [R, max_depth + 1]`` = accepted draft
 tokens then the bonus, ``num_sampled = accepted + 1``, ``num_rejected = n_r - num_sampled``
-(both 0 for a chunked-prefill row), and where a request asked for ``logprobs``, vLLM's per-row
-``LogprobsTensors`` with output slot i of each request scored on the row of the node that drew it
+(both 0 for a chunked-prefill row), and where a request asked for ``logprobs`` or ``logprob_token_ids``,
+vLLM's per-row ``LogprobsTensors`` with output slot i of each request scored on the row of the node that drew it
 (``accepted_path[r, i]``; vLLM's chain sampler scores row i). The :class:`AcceptResult` of the step is kept in
 ``last_accept`` for the KV commit and the drafter's context. No host sync: fixed-shape
 torch ops plus vLLM's kernels; ``idx_mapping_np`` / ``seq_lens_cpu_upper_bound`` are host
@@ -54,16 +54,31 @@ def vllm_gumbel_draw(processed_logits: torch.Tensor, expanded_idx_mapping: torch
                          apply_temperature=False, is_drafting=False, use_fp64=use_fp64)
 
 
-# scores(logits rows [L, V], num_logprobs, sampled token per row [L], cu_num_logits or None, logits_mode) -> LogprobsTensors
-ScoresFn = Callable[[torch.Tensor, int, torch.Tensor, Any, bool], Any]
+@dataclass
+class TokenIdsRequest:
+    """Which rows ask for ``logprob_token_ids``: vLLM's ``LogprobTokenIdsState`` (per request slot), the request slot
+    of each row ([L]) and the batch's largest count (0: none; then the top-``num_logprobs`` fast path)."""
+
+    state: Any
+    expanded_idx_mapping: torch.Tensor
+    max_per_req: int
+
+
+# scores(logits rows [L, V], num_logprobs, sampled token per row [L], cu_num_logits or None, logits_mode,
+#        token ids request) -> LogprobsTensors
+ScoresFn = Callable[[torch.Tensor, int, torch.Tensor, Any, bool, TokenIdsRequest], Any]
 
 
 def vllm_topk_scores(logits: torch.Tensor, num_logprobs: int, sampled: torch.Tensor, cu_num_logits: Any,
-                     logits_mode: bool) -> Any:
-    """vLLM MRV2's logprobs of the sampled token and the top ``num_logprobs`` per row (CUDA)."""
+                     logits_mode: bool, token_ids: TokenIdsRequest) -> Any:
+    """vLLM MRV2's logprobs of the sampled token and the top ``num_logprobs`` per row, or of each request's
+    ``logprob_token_ids`` where it set them (CUDA; vLLM's own non-speculative scoring)."""
     from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
 
-    return compute_topk_scores(logits, num_logprobs, sampled, cu_num_logits, logits_mode=logits_mode)
+    return compute_topk_scores(logits, num_logprobs, sampled, cu_num_logits,
+                               logprob_token_ids_state=token_ids.state,
+                               expanded_idx_mapping=token_ids.expanded_idx_mapping,
+                               max_per_req_token_ids=token_ids.max_per_req, logits_mode=logits_mode)
 
 
 def emitted_rows(accepted_path: torch.Tensor, output_tokens: torch.Tensor, num_sampled: torch.Tensor,
@@ -208,17 +223,21 @@ class UBTreeRejectionSampler:
     def _logprobs(self, logits: torch.Tensor, processed: torch.Tensor, result: AcceptResult, num_sampled: torch.Tensor,
                   input_batch: Any) -> Any:
         """vLLM's LogprobsTensors of the emitted tokens, each from the node row that drew it (None: no request
-        asked). Raw or processed logits by the engine's logprobs_mode, as vLLM's own rejection sampler."""
+        asked), with the top ``logprobs`` or the request's ``logprob_token_ids``, as vLLM's non-speculative
+        sampler reports them. Raw or processed logits by the engine's logprobs_mode."""
         from vllm.config.model import PROCESSED_LOGPROBS_MODES
-        from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
-        num_logprobs = self.sampler.sampling_states.max_num_logprobs(input_batch.idx_mapping_np)  # host array
-        if num_logprobs == NO_LOGPROBS:
+        dims = self.sampler.get_logprobs_dims(input_batch.idx_mapping_np)  # host arrays
+        if dims is None:
             return None
+        num_logprobs, max_token_ids = dims
         mode = self.sampler.logprobs_mode
         source = processed if mode in PROCESSED_LOGPROBS_MODES else logits
         rows, tokens = emitted_rows(result.accepted_path, result.output_tokens, num_sampled,
                                     input_batch.cu_num_logits[:input_batch.num_reqs + 1], logits.shape[0])
         per_row = logits.shape[0] != input_batch.num_reqs
+        # a row stays inside its request (rows[i] and i share a request), so the row -> slot map is the batch's
+        token_ids = TokenIdsRequest(self.sampler.logprob_token_ids_state, input_batch.expanded_idx_mapping,
+                                    max_token_ids)
         return self.scores(source[rows], num_logprobs, tokens, input_batch.cu_num_logits_np.tolist() if per_row
-                           else None, mode in ("raw_logits", "processed_logits"))
+                           else None, mode in ("raw_logits", "processed_logits"), token_ids)
