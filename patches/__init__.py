@@ -140,11 +140,11 @@ MANIFEST: tuple[PatchSpec, ...] = (
     PatchSpec(
         name="attention_backends",
         vllm_symbol="vllm.v1.attention.backends.registry.AttentionBackendEnum",
-        why=("vLLM 0.32 has no tree attention: CPU_ATTN and FLASH_ATTN support only causal, "
+        why=("vLLM 0.32 has no tree attention: CPU_ATTN, FLASH_ATTN and TRITON_ATTN support only causal, "
              "non-causal or sliding-window masks, not an ancestor mask over draft rows."),
-        how=("register_backend() overrides CPU_ATTN (CPU) or FLASH_ATTN (CUDA) with subclasses "
-             "that recompute tree rows under the ancestor mask (CPU: stashing tree K/V for the KV "
-             "commit); the selector cache is cleared."),
+        how=("register_backend() overrides CPU_ATTN (CPU) or FLASH_ATTN and TRITON_ATTN (CUDA; TRITON_ATTN "
+             "serves float32 targets) with subclasses that recompute tree rows under the ancestor mask (CPU: "
+             "stashing tree K/V for the KV commit); the selector cache is cleared."),
         removal_condition=("vLLM ships a tree attention backend again (it had TREE_ATTN up to "
                            "~0.11) or an attention-mask hook in CommonAttentionMetadata."),
         stage="worker",

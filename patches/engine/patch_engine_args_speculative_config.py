@@ -19,7 +19,7 @@ vLLM on Model Runner V2 with async scheduling allowed.
 3. after vLLM built the ``SpeculativeConfig``, point ``ParallelConfig.worker_cls`` at the
    UBTree worker of this platform (the parallel config is built before the speculative
    config, so only this hook can still set it) and, on CUDA, pin the FLASH_ATTN backend
-   that the UBTree worker overrides with its tree-aware subclass.
+   (TRITON_ATTN for a float32 target) that the UBTree worker overrides with its tree-aware subclass.
 """
 from __future__ import annotations
 
@@ -82,9 +82,9 @@ def _check_engine_args(args: Any, mrv2: bool = False) -> None:
     if current_platform.is_cuda():
         backend = args.attention_backend or getattr(args.attention_config, "backend", None)
         name = getattr(backend, "name", backend)
-        if name not in (None, "FLASH_ATTN", "auto"):
-            raise ValueError(f"attention_backend must be FLASH_ATTN (or unset) with speculative method "
-                             f"'ubtree' on CUDA, got {name!r}")
+        if name not in (None, "auto", *TREE_BACKENDS_CUDA):
+            raise ValueError(f"attention_backend must be one of {list(TREE_BACKENDS_CUDA)} (or unset) with "
+                             f"speculative method 'ubtree' on CUDA, got {name!r}")
 
 
 def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
@@ -120,7 +120,19 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
     args.additional_config = {**(args.additional_config or {}), ADDITIONAL_CONFIG_KEY: spec.to_additional_config()}
     if current_platform.is_cuda() and args.attention_backend is None and \
             getattr(args.attention_config, "backend", None) is None:
-        args.attention_backend = "FLASH_ATTN"
+        args.attention_backend = cuda_tree_backend(target_model_config.dtype)
+
+
+# CUDA attention backends with a tree-aware subclass (ubtree_vllm/vllm/attention/flash.py, triton_attn.py)
+TREE_BACKENDS_CUDA = ("FLASH_ATTN", "TRITON_ATTN")
+
+
+def cuda_tree_backend(dtype: Any) -> str:
+    """The backend pinned for a target of ``dtype`` on CUDA: FLASH_ATTN, or TRITON_ATTN for float32 (FlashAttention
+    has no fp32 kernel; vLLM itself picks a Triton backend there)."""
+    import torch
+
+    return "TRITON_ATTN" if dtype == torch.float32 else "FLASH_ATTN"
 
 
 def _user_chose_graph_sizes(args: Any) -> bool:

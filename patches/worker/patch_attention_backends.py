@@ -2,7 +2,8 @@
 
 vLLM's attention registry (``vllm.v1.attention.backends.registry.register_backend``) is
 the sanctioned override hook: the CPU platform always resolves ``CPU_ATTN`` through it,
-and the UBTree engine args pin ``FLASH_ATTN`` on CUDA. Both subclasses behave exactly
+and the UBTree engine args pin ``FLASH_ATTN`` on CUDA (``TRITON_ATTN`` for a float32 target,
+which FlashAttention cannot run). The subclasses behave exactly
 like the stock backend unless the UBTree runner has published a tree plan for the
 current forward (see :mod:`ubtree_vllm.vllm.attention`), so other engines in the same
 process are unaffected. The backend selector caches its answer per process; the cache
@@ -14,6 +15,7 @@ from __future__ import annotations
 NAME = "attention_backends"
 CPU_BACKEND_PATH = "ubtree_vllm.vllm.attention.cpu.TreeCPUAttentionBackend"
 FLASH_BACKEND_PATH = "ubtree_vllm.vllm.attention.flash.TreeFlashAttentionBackend"
+TRITON_BACKEND_PATH = "ubtree_vllm.vllm.attention.triton_attn.TreeTritonAttentionBackend"
 
 
 def apply() -> None:
@@ -22,12 +24,16 @@ def apply() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if current_platform.is_cpu():
-        backend, path = AttentionBackendEnum.CPU_ATTN, CPU_BACKEND_PATH
+        overrides = {AttentionBackendEnum.CPU_ATTN: CPU_BACKEND_PATH}
     elif current_platform.is_cuda():
-        backend, path = AttentionBackendEnum.FLASH_ATTN, FLASH_BACKEND_PATH
+        overrides = {AttentionBackendEnum.FLASH_ATTN: FLASH_BACKEND_PATH,
+                     AttentionBackendEnum.TRITON_ATTN: TRITON_BACKEND_PATH}
     else:
         return
-    if backend.get_path() == path:
-        return
-    register_backend(backend, path)
-    selector._cached_get_attn_backend.cache_clear()
+    changed = False
+    for backend, path in overrides.items():
+        if backend.get_path() != path:
+            register_backend(backend, path)
+            changed = True
+    if changed:
+        selector._cached_get_attn_backend.cache_clear()

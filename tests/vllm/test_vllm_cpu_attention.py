@@ -133,18 +133,28 @@ def test_in_cache_kv_commit_on_a_flash_attention_layout():
         assert torch.equal(got, exp)
 
 
-def test_cuda_backend_tree_rows_on_a_flash_attention_layout():
-    """The CUDA backend's tree path (the Triton kernel, interpreted on CPU) over FlashAttention's layout."""
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN"])
+def test_cuda_backend_tree_rows_on_their_cache_layout(backend, monkeypatch):
+    """The CUDA backends' tree path (the Triton kernel, interpreted on CPU) over the cache layout FLASH_ATTN and
+    TRITON_ATTN share, through each tree impl's forward (the stock kernel before it faked: it needs CUDA)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU tensors need the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 "
                     "for CPU-only torch builds)")
-    from ubtree_vllm.vllm.attention.flash import TreeFlashAttentionImpl
+    from vllm.v1.attention.backend import AttentionType
 
+    from ubtree_vllm.vllm.attention import flash, tree_rows, triton_attn
+
+    impl_cls = {"FLASH_ATTN": flash.TreeFlashAttentionImpl, "TRITON_ATTN": triton_attn.TreeTritonAttentionImpl}[backend]
+    monkeypatch.setattr(impl_cls.__mro__[1], "forward", lambda self, layer, q, k, v, cache, meta, out, *rest: out)
+    monkeypatch.setattr(tree_rows, "tree_forward_state", lambda: state)  # the test's state, not the process's
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU torch build has no CUDA
     torch.manual_seed(0)
     batch = make_batch()
     plan = batch.plan
-    impl = object.__new__(TreeFlashAttentionImpl)  # only head_size and scale are used by the tree path
-    impl.head_size, impl.scale = HEAD_SIZE, SCALE
+    impl = object.__new__(impl_cls)  # the tree path reads head_size, scale, attn_type and the bound buffers
+    impl.head_size, impl.scale, impl.attn_type = HEAD_SIZE, SCALE, AttentionType.DECODER
+    impl.ubtree_context_from_flash = False
+    metadata = types.SimpleNamespace(block_table=BLOCK_TABLE)
     kv_cache = torch.zeros(NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
     key_cache, value_cache = kv_cache.transpose(1, 2).split(HEAD_SIZE, dim=-1)  # FlashAttentionImpl's view
 
@@ -168,7 +178,8 @@ def test_cuda_backend_tree_rows_on_a_flash_attention_layout():
     assert buffers.row_index[:8].tolist() == plan.row_index.tolist() and buffers.filled == 8
     assert (buffers.row_index[8:] == -1).all()
     output = torch.full_like(query, float("nan"))
-    impl._attend_tree_rows(query, key, value, kv_cache, BLOCK_TABLE, output, buffers)
+    impl.ubtree_row_buffers = buffers
+    impl.forward(None, query, key, value, kv_cache, metadata, output)
     for req_id, req, root in (("r0", 0, 0), ("r2", 2, 11)):
         for node in range(1, len(PARENTS[req_id])):
             path = [root + a for a in ancestors(PARENTS[req_id], node)]
@@ -180,7 +191,12 @@ def test_cuda_backend_tree_rows_on_a_flash_attention_layout():
     state.begin(empty, torch.device("cpu"), buffers)
     assert (buffers.row_index == -1).all() and not state.has_tree_rows
     untouched = torch.full_like(query, float("nan"))
-    impl._attend_tree_rows(query, key, value, kv_cache, BLOCK_TABLE, untouched, buffers)
+    impl.forward(None, query, key, value, kv_cache, metadata, untouched)
+    assert torch.isnan(untouched).all()
+    # an engine without UBTree (no buffers bound) runs the stock kernel alone, even with tree rows published
+    state.begin(plan, torch.device("cpu"), buffers)
+    impl.ubtree_row_buffers = None
+    impl.forward(None, query, key, value, kv_cache, metadata, untouched)
     assert torch.isnan(untouched).all()
 
 

@@ -80,8 +80,9 @@ def assert_greedy_equal_up_to_near_ties(spec: list[list[int]], plain_outputs) ->
             f"divergence at {pos}: reference logits {first} vs {second} differ by {ulps:g} bf16 ulps (not a near-tie)")
 
 
-def run_pair(target, drafter, num_prompts=8, inspect_ubtree_engine=None, tree=None, **engine_kwargs):
-    """Greedy equality of ``num_prompts`` prompts, UBTree (speculative keys ``tree``, default TREE) vs no speculation. ``inspect_ubtree_engine(llm)``
+def run_pair(target, drafter, num_prompts=8, inspect_ubtree_engine=None, tree=None, exact=False, **engine_kwargs):
+    """Greedy equality of ``num_prompts`` prompts, UBTree (speculative keys ``tree``, default TREE) vs no speculation
+    (``exact``: token for token, no near-tie exception; for float32 engines). ``inspect_ubtree_engine(llm)``
     runs before the UBTree engine shuts down and only collects facts (the caller asserts on them
     afterwards, so no traceback keeps the engine alive). Returns (plain tok/s, ubtree tok/s, tau) at batch 1."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
@@ -111,7 +112,13 @@ def run_pair(target, drafter, num_prompts=8, inspect_ubtree_engine=None, tree=No
     # shutdown tears down vLLM's parallel state under the next test's engine.
     del ubtree
     gc.collect()
-    assert_greedy_equal_up_to_near_ties(spec, reference)
+    if exact:
+        for i, (got, out) in enumerate(zip(spec, reference)):
+            expected = list(out.outputs[0].token_ids)
+            first = next((j for j, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+            assert first is None, f"prompt {i}: first difference at token {first}: {got[first]} vs {expected[first]}"
+    else:
+        assert_greedy_equal_up_to_near_ties(spec, reference)
     return MAX_TOKENS / plain_s, MAX_TOKENS / ubtree_s, tau
 
 
@@ -131,6 +138,22 @@ def save_tiny_qwen3(tmp_path):
 
 def test_greedy_equality_tiny_qwen3_cuda_graphs(tmp_path):
     run_pair(*save_tiny_qwen3(tmp_path))
+
+
+@pytest.mark.parametrize("runner", ["mrv2", "v1"])
+def test_float32_greedy_is_token_identical_smollm2(runner, default_target_dir, tmp_path, monkeypatch):
+    """Issue 19's fp32 check: a float32 target on CUDA runs TRITON_ATTN (FlashAttention has no fp32 kernel; the
+    UBTree engine pins it, attention/triton_attn.py recomputes the tree rows), and greedy UBTree output is token for
+    token the same engine's without speculation (both on TRITON_ATTN), with the prompt-lookup branch on."""
+    monkeypatch.setenv("UBTREE_VLLM_RUNNER", runner)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    plain_tps, ubtree_tps, tau = run_pair(default_target_dir, smollm2_drafter(default_target_dir, tmp_path),
+                                          tree={**TREE, "prompt_lookup": True}, exact=True, dtype="float32",
+                                          attention_backend="TRITON_ATTN")
+    print(f"{runner} fp32 SmolLM2 batch 1: no speculation {plain_tps:.1f} tok/s, ubtree {ubtree_tps:.1f} tok/s, "
+          f"tau {tau:.2f}")
+    if os.environ.get("GPU_TEST_DRAFTER"):  # accepted drafts: the KV commit in TRITON_ATTN's cache is exercised
+        assert tau > 1.5, tau
 
 
 def smollm2_drafter(default_target_dir, tmp_path):

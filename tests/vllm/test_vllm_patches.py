@@ -389,6 +389,16 @@ def test_cpu_worker_patch_is_inert_off_the_cpu_platform(fresh_python):
     assert proc.stdout.strip().splitlines()[-1] == "False True"
 
 
+def test_cuda_pins_flash_attention_and_triton_attention_for_float32_targets():
+    """FlashAttention has no fp32 kernel: a float32 target gets TRITON_ATTN (its tree subclass), others FLASH_ATTN."""
+    import torch
+
+    module = importlib.import_module("ubtree_vllm.patches.engine.patch_engine_args_speculative_config")
+    assert module.cuda_tree_backend(torch.float32) == "TRITON_ATTN"
+    assert module.cuda_tree_backend(torch.bfloat16) == module.cuda_tree_backend(torch.float16) == "FLASH_ATTN"
+    assert set(module.TREE_BACKENDS_CUDA) == {"FLASH_ATTN", "TRITON_ATTN"}
+
+
 # --- attention_backends ----------------------------------------------------------------------
 
 
@@ -411,9 +421,11 @@ def test_flash_attention_resolves_to_the_tree_backend_on_cuda():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from ubtree_vllm.vllm.attention.flash import TreeFlashAttentionBackend
+    from ubtree_vllm.vllm.attention.triton_attn import TreeTritonAttentionBackend
 
     importlib.import_module("ubtree_vllm.patches.worker.patch_attention_backends").apply()
     assert AttentionBackendEnum.FLASH_ATTN.get_class() is TreeFlashAttentionBackend
+    assert AttentionBackendEnum.TRITON_ATTN.get_class() is TreeTritonAttentionBackend  # float32 targets
 
 
 # --- cpu_gdn_tree_forward --------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """FLASH_ATTN with tree rows (CUDA): stock FlashAttention, then one Triton launch for tree rows.
 
 FlashAttention computes every row causally; the rows of non-root tree nodes are then
-overwritten by :func:`ubtree_vllm.triton_ops.tree_attention`, one launch per layer. Each
+overwritten by :func:`ubtree_vllm.triton_ops.tree_attention`, one launch per layer
+(:mod:`ubtree_vllm.vllm.attention.tree_rows`, shared with TRITON_ATTN). Each
 tree row attends to its request's committed context, read from FlashAttention's per-token
 paged cache (``kv_cache.transpose(1, 2).split(head_size, -1)`` gives ``[num_blocks,
 block_size, num_kv_heads, head_size]`` key and value views), plus its ancestors-or-self
@@ -38,12 +39,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                                    FlashAttentionMetadata)
 
-from ubtree_vllm.triton_ops import tree_attention
 from ubtree_vllm.vllm.attention.state import RowBuffers, tree_forward_state
+from ubtree_vllm.vllm.attention.tree_rows import (attend_tree_rows, cache_views, refuse_unsupported_features,
+                                                  tree_row_buffers)
 
 
 class TreeFlashAttentionBackend(FlashAttentionBackend):
@@ -70,14 +71,7 @@ class TreeFlashAttentionImpl(FlashAttentionImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        unsupported = [name for name, used in (
-            ("sliding_window", self.sliding_window != (-1, -1)),
-            ("logits_soft_cap", bool(self.logits_soft_cap)),
-            ("alibi_slopes", self.alibi_slopes is not None),
-            ("sinks", self.sinks is not None),
-            ("kv_sharing_target_layer_name", self.kv_sharing_target_layer_name is not None)) if used]
-        if unsupported and self.attn_type == AttentionType.DECODER:
-            raise NotImplementedError(f"ubtree tree attention on CUDA does not support {unsupported} yet")
+        refuse_unsupported_features(self)
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: FlashAttentionMetadata, output: torch.Tensor,
@@ -86,35 +80,16 @@ class TreeFlashAttentionImpl(FlashAttentionImpl):
         """query [T, H, D]; key/value [T, H_kv, D]; kv_cache [num_blocks, H_kv, block, 2D] (logical)."""
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                  output_scale, output_block_scale)
-        if attn_metadata is None or self.attn_type != AttentionType.DECODER:
+        buffers = tree_row_buffers(self, attn_metadata)
+        if buffers is None:
             return output
-        buffers = self.ubtree_row_buffers  # None: a layer of an engine without UBTree
-        if buffers is None or not (tree_forward_state().has_tree_rows or torch.cuda.is_current_stream_capturing()):
-            return output
-        self._attend_tree_rows(query, key, value, kv_cache, attn_metadata.block_table, output, buffers,
-                               attn_metadata if self.ubtree_context_from_flash else None)
-        return output
-
-    def _attend_tree_rows(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                          block_table: torch.Tensor, output: torch.Tensor, buffers: RowBuffers,
-                          context_from: FlashAttentionMetadata | None = None) -> None:
-        """Overwrite the output rows of the buffers' tree rows; one launch over T entries (after FlashAttention's
-        context-only call when ``context_from``, the step's metadata, is given: "flash_merge").
-
-        query [T, H, D]; key/value [T, H_kv, D]; kv_cache [num_blocks, H_kv, block_size, 2D]
-        (logical); block_table [num_reqs, max_blocks] int32; output [T, H, D] (mutable).
-        """
-        num_tokens = query.shape[0]
-        # (B, H, N, 2D) -> ((B, N, H, D), (B, N, H, D)), as FlashAttentionImpl reads the cache.
-        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        key_cache, value_cache = cache_views(kv_cache, self.head_size)
         context_out = context_lse = None
-        if context_from is not None:
-            context_out, context_lse = self._context_part(query, key_cache, value_cache, context_from)
-        tree_attention(query, key, value, key_cache, value_cache, block_table,
-                       buffers.row_index[:num_tokens], buffers.row_req[:num_tokens],
-                       buffers.row_context_len[:num_tokens], buffers.row_path[:num_tokens],
-                       self.scale, output,  # output: mutable
-                       context_out=context_out, context_lse=context_lse)
+        if self.ubtree_context_from_flash:  # "flash_merge": the context part by FlashAttention's context-only call
+            context_out, context_lse = self._context_part(query, key_cache, value_cache, attn_metadata)
+        attend_tree_rows(query, key, value, key_cache, value_cache, attn_metadata.block_table, output, buffers,
+                         self.scale, context_out, context_lse)
+        return output
 
     def _context_part(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       attn_metadata: FlashAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

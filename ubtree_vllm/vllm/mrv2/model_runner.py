@@ -111,8 +111,8 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         elsewhere = sorted({type(m.impl).__name__ for m in self._target_layers
                             if not getattr(m.impl, "ubtree_commit_in_cache", False)})
         if elsewhere:
-            raise RuntimeError(f"ubtree on MRV2 commits KV inside FLASH_ATTN's cache; the target's layers use "
-                               f"{elsewhere}")
+            raise RuntimeError(f"ubtree on MRV2 commits KV inside a FLASH_ATTN or TRITON_ATTN cache; the target's "
+                               f"layers use {elsewhere}")
         names = {m.layer_name for m in self._target_layers}
         groups = [gid for gid, g in enumerate(self.kv_cache_config.kv_cache_groups) if names & set(g.layer_names)]
         if len(groups) != 1:

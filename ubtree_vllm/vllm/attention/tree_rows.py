@@ -1,0 +1,66 @@
+"""What every CUDA tree-aware backend does after its stock kernel: recompute the tree rows.
+
+The stock impl (FLASH_ATTN, TRITON_ATTN) computes every row causally; :func:`attend_tree_rows` then
+overwrites the rows of non-root tree nodes with :func:`ubtree_vllm.triton_ops.tree_attention`, one
+launch per layer over the runner's fixed-size :class:`~ubtree_vllm.vllm.attention.state.RowBuffers`
+(each row attends to its request's committed context in the paged cache plus its ancestors-or-self
+among this forward's fresh K/V). Both backends keep K and V in one cache of logical shape
+``[num_blocks, H_kv, block_size, 2 * head_size]``, so the same views, launch and in-cache KV commit
+serve both. Captured in FULL CUDA graphs like the stock kernel (no host read of a device value).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.v1.attention.backend import AttentionType
+
+from ubtree_vllm.triton_ops import tree_attention
+from ubtree_vllm.vllm.attention.state import RowBuffers, tree_forward_state
+
+
+def refuse_unsupported_features(impl: Any) -> None:
+    """NotImplementedError naming the layer features tree rows do not implement (decoder layers only)."""
+    unsupported = [name for name, used in (
+        ("sliding_window", impl.sliding_window != (-1, -1)),
+        ("logits_soft_cap", bool(impl.logits_soft_cap)),
+        ("alibi_slopes", impl.alibi_slopes is not None),
+        ("sinks", impl.sinks is not None),
+        ("kv_sharing_target_layer_name", impl.kv_sharing_target_layer_name is not None)) if used]
+    if unsupported and impl.attn_type == AttentionType.DECODER:
+        raise NotImplementedError(f"ubtree tree attention on CUDA does not support {unsupported} yet")
+
+
+def tree_row_buffers(impl: Any, attn_metadata: Any) -> RowBuffers | None:
+    """The buffers to recompute this forward's tree rows from, or None: profiling run, not a decoder layer, an
+    engine without UBTree (no buffers bound), or an eager step without tree rows (a capture always launches)."""
+    buffers = impl.ubtree_row_buffers
+    if attn_metadata is None or impl.attn_type != AttentionType.DECODER or buffers is None:
+        return None
+    if not (tree_forward_state().has_tree_rows or torch.cuda.is_current_stream_capturing()):
+        return None
+    return buffers
+
+
+def cache_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_cache [num_blocks, H_kv, block_size, 2 * head_size] (logical) -> key, value [num_blocks, block_size, H_kv,
+    head_size] views, as FLASH_ATTN and TRITON_ATTN read it."""
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    return key_cache, value_cache
+
+
+def attend_tree_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor, block_table: torch.Tensor, output: torch.Tensor, buffers: RowBuffers,
+                     scale: float, context_out: torch.Tensor | None = None,
+                     context_lse: torch.Tensor | None = None) -> None:
+    """Overwrite ``output``'s tree rows; one launch over the forward's T entries.
+
+    query [T, H, D]; key/value [T, H_kv, D]; key/value_cache [num_blocks, block_size, H_kv, D];
+    block_table [num_reqs, max_blocks] int32; output [T, H, D] (mutable); context_out/lse: the context part
+    computed elsewhere (``tree_attention``'s contract), else the kernel walks the context itself."""
+    num_tokens = query.shape[0]
+    tree_attention(query, key, value, key_cache, value_cache, block_table,
+                   buffers.row_index[:num_tokens], buffers.row_req[:num_tokens],
+                   buffers.row_context_len[:num_tokens], buffers.row_path[:num_tokens],
+                   scale, output,  # output: mutable
+                   context_out=context_out, context_lse=context_lse)
