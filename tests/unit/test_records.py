@@ -306,3 +306,35 @@ def test_vs_single_pairs_a_row_with_the_single_path_of_its_own_invocation(tmp_pa
     assert rows["aaa1111"][9:11] == ["2.50", "2.00"]  # against 1.25 of its own run, not the later 2.0
     assert rows["bbb2222"][9:11] == ["3.00", "–"]  # its run had no single path
     assert rows["ccc3333"][9:11] == ["2.00", "1.00"]
+
+
+def test_standing_shows_each_cells_newest_three_way_invocation(tmp_path):
+    """"Where UBTree stands": per (set, T, in flight) the newest invocation that ran ar, ngram and UBTree together,
+    judged against max(1, ngram's); an invocation without ngram, a CPU one or an older one does not show."""
+    path = tmp_path / "records.jsonl"
+    off = {"tree_budget": None, "beam_width": None, "top_k": None, "block_size": None, "drafter": None, "tau": None}
+
+    def invocation(commit, concurrency, tree_speedup, ngram_speedup=None, hardware="1x NVIDIA H200"):
+        cell = {**E2E, "hardware": hardware, "commit": commit, "date": "2026-12-03", "temperature": 0.0,
+                "concurrency": concurrency, "batch_size": 1, "num_prompts": 40, "command": f"bench {commit}"}
+        rec.append_record({**cell, **off, "method": "ar", "output_tokens_per_s": 100.0, "speedup_vs_ar": 1.0},
+                          path=path)
+        if ngram_speedup is not None:
+            rec.append_record({**cell, **off, "method": "ngram", "tree_budget": 8, "beam_width": 1, "top_k": 1,
+                               "tau": 1.8, "output_tokens_per_s": 100.0 * ngram_speedup,
+                               "speedup_vs_ar": ngram_speedup}, path=path)
+        rec.append_record({**cell, "method": "ubtree-mrv2-lookup", "tau": 4.0, "output_tokens_per_s": 100 * tree_speedup,
+                           "speedup_vs_ar": tree_speedup}, path=path)
+
+    invocation("old1234", 1, 0.9, 1.2)
+    invocation("new1234", 1, 2.0, 1.2)  # replaces the old one at 1 in flight
+    invocation("new1234", 8, 0.99, 0.7)  # below ar: not met
+    invocation("new1234", 4, 1.1, 1.3)  # below ngram: not met
+    invocation("nongram", 16, 1.5)  # no ngram in its invocation: not a three-way comparison
+    invocation("cpu1234", 32, 3.0, 1.0, hardware="CPU (2 cores)")
+    regenerate(path)
+    section = (tmp_path / "README.md").read_text().split("## Where UBTree stands")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| smollm2")]
+    assert [row.split(" | ")[3] for row in rows] == ["1", "4", "8"]
+    assert "| 1 | ubtree-mrv2-lookup | 64 | 4.00 | 2.00 | 1.20 | yes | new1234 |" in rows[0]
+    assert "| 1.10 | 1.30 | no |" in rows[1] and "| 0.99 | 0.70 | no |" in rows[2]
