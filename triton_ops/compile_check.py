@@ -22,7 +22,8 @@ TREE_ATTENTION_CONFIGS = ((torch.bfloat16, 64, 3, 16), (torch.float16, 128, 4, 1
                           (torch.float32, 128, 1, 32))
 # (dtype, head size, GQA group, KV block size, context splits) of the split form and its combine launch:
 # SmolLM2 at batch 1 (16 splits) and a Qwen3-8B layer (7)
-TREE_ATTENTION_SPLIT_CONFIGS = ((torch.bfloat16, 64, 3, 16, 16), (torch.bfloat16, 128, 4, 16, 7))
+TREE_ATTENTION_SPLIT_CONFIGS = ((torch.bfloat16, 64, 3, 16, 16), (torch.bfloat16, 128, 4, 16, 7),
+                                (torch.float32, 64, 3, 16, 8))  # fp32: a float32 target on TRITON_ATTN
 _POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 _FLOAT_POINTERS = {"out_ptr", "query_ptr", "key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr", "ctx_out_ptr"}
 
@@ -106,7 +107,7 @@ def compile_tree_bad_words(arch: int) -> int:
 
 
 # (cache dtype, H_kv, E) configurations of kv_path_commit to compile.
-KV_PATH_COMMIT_CONFIGS = ((torch.bfloat16, 8, 256), (torch.float16, 3, 128))
+KV_PATH_COMMIT_CONFIGS = ((torch.bfloat16, 8, 256), (torch.float16, 3, 128), (torch.float32, 3, 128))
 _KV_PATH_COMMIT_KINDS = {"kv_cache_ptrs": "*i64", "src_slot_ptr": "*i64", "dst_slot_ptr": "*i64",
                          "moves_ptr": "*i1", "num_depths": "i32", "block_size": "i32"}
 
@@ -274,7 +275,8 @@ def main() -> int:
         size = compile_tree_layout(max_depth, args.arch)
         print(f"tree_layout sm_{args.arch} depth {max_depth}: cubin {size} bytes")
     for max_depth, (dtype, heads, elems), write_pos in ((16, KV_PATH_COMMIT_CONFIGS[0], True),
-                                                         (5, KV_PATH_COMMIT_CONFIGS[1], False)):
+                                                         (5, KV_PATH_COMMIT_CONFIGS[1], False),
+                                                         (16, KV_PATH_COMMIT_CONFIGS[2], True)):
         size = compile_commit_accepted(max_depth, dtype, heads, elems, write_pos, args.arch)
         print(f"commit_accepted sm_{args.arch} depth {max_depth} {str(dtype).removeprefix('torch.')} heads {heads} "
               f"elems {elems}{' positions' if write_pos else ''}: cubin {size} bytes")
