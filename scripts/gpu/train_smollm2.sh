@@ -41,7 +41,7 @@
 #   servertest tests/vllm/test_vllm_server_gpu.py: examples/serve.sh (default runner, B=64, graphs) vs `vllm serve`
 #            over HTTP, multiprocess engine (GPU_SERVER_START_TIMEOUT_S per server, default 300)
 #   tests    the GPU tests of triton_ops (bf16/fp16 kernel vs its PyTorch reference), of the MRV2 draft body and of the
-#            draft-stage CUDA graphs
+#            draft-stage CUDA graphs; TESTS_K selects some (pytest -k); about 3 minutes in all with 4 workers
 #   bench    `ubtree bench e2e` at batch 1 (ar, dflash-chain, ubtree-mrv2 and ubtree (V1) B=16/32/64); METHODS, BUDGETS,
 #            BENCH_DATASETS, BENCH_TEMPS and BENCH_PROMPTS (per set, default 10) select a slice so
 #            each call stays < 10 minutes; BENCH_DRAFTER (default the committed drafter; e.g. /tmp/kept-drafter, a
@@ -207,7 +207,7 @@ for phase in "$@"; do
       R=$PWD
       # -n 4 where pytest-xdist is installed (the device image has it): the kernel tests are compile-bound
       workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-4}")
-      ( cd /tmp && python3 -m pytest -q -rfE "${workers[@]}" -p no:cacheprovider --rootdir "$R" \
+      ( cd /tmp && python3 -m pytest -q -rfE "${workers[@]}" -p no:cacheprovider --rootdir "$R" -k "${TESTS_K:-}" \
           "$R/tests/triton" "$R/tests/unit/test_draft_graphs.py" "$R/tests/unit/test_mrv2_speculator.py" ) ;;
     bench)
       ubtree bench e2e --target default --drafter "${BENCH_DRAFTER:-$DRAFTER}" --data-dir .gpudata --records "$RECORDS" --no-report \
