@@ -41,7 +41,7 @@
 #   servertest tests/vllm/test_vllm_server_gpu.py: examples/serve.sh (default runner, B=64, graphs) vs `vllm serve`
 #            over HTTP, multiprocess engine (GPU_SERVER_START_TIMEOUT_S per server, default 300)
 #   tests    the GPU tests of triton_ops (bf16/fp16 kernel vs its PyTorch reference), of the MRV2 draft body and of the
-#            draft-stage CUDA graphs; TESTS_K selects some (pytest -k); about 3 minutes in all with 4 workers
+#            draft-stage CUDA graphs; TESTS_K selects some (pytest -k); all of them took over 150 s with 4 workers (2026-12-03)
 #   bench    `ubtree bench e2e` at batch 1 (ar, dflash-chain, ubtree-mrv2 and ubtree (V1) B=16/32/64); METHODS, BUDGETS,
 #            BENCH_DATASETS, BENCH_TEMPS and BENCH_PROMPTS (per set, default 10) select a slice so
 #            each call stays < 10 minutes; BENCH_DRAFTER (default the committed drafter; e.g. /tmp/kept-drafter, a
