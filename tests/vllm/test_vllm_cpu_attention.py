@@ -144,8 +144,9 @@ def test_cuda_backend_tree_rows_on_their_cache_layout(backend, monkeypatch):
 
     from ubtree_vllm.vllm.attention import flash, tree_rows, triton_attn
 
-    impl_cls = {"FLASH_ATTN": flash.TreeFlashAttentionImpl, "TRITON_ATTN": triton_attn.TreeTritonAttentionImpl}[backend]
-    monkeypatch.setattr(impl_cls.__mro__[1], "forward", lambda self, layer, q, k, v, cache, meta, out, *rest: out)
+    impl_cls, stock = {"FLASH_ATTN": (flash.TreeFlashAttentionImpl, flash.FlashAttentionImpl),
+                       "TRITON_ATTN": (triton_attn.TreeTritonAttentionImpl, triton_attn.TritonAttentionImpl)}[backend]
+    monkeypatch.setattr(stock, "forward", lambda self, layer, q, k, v, cache, meta, out, *rest: out)
     monkeypatch.setattr(tree_rows, "tree_forward_state", lambda: state)  # the test's state, not the process's
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU torch build has no CUDA
     torch.manual_seed(0)

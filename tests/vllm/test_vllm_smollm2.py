@@ -58,6 +58,20 @@ STRUCTURED = {"json": dict(json=JSON_SCHEMA), "regex": dict(regex=r"[0-9]{3}-[a-
               "choice": dict(choice=["yes", "no", "maybe"])}
 
 
+def assert_fits(name: str, text: str) -> None:
+    """``text`` satisfies the STRUCTURED constraint ``name`` (the JSON parses and fits the schema)."""
+    import json
+    import re
+
+    if name == "json":
+        value = json.loads(text)  # raises with the text where it does not parse
+        assert set(value) == {"name", "age"} and isinstance(value["age"], int), text
+    elif name == "regex":
+        assert re.fullmatch(STRUCTURED["regex"]["regex"], text), text
+    else:
+        assert text in STRUCTURED["choice"]["choice"], text
+
+
 def generate_structured(llm: LLM, prompts, **constraint) -> tuple[list[list[int]], list[str]]:
     """Greedy token ids and texts under one structured-output constraint (stops where the grammar ends)."""
     from vllm.sampling_params import StructuredOutputsParams
@@ -142,19 +156,11 @@ def test_smollm2_greedy_batch_is_token_identical(default_target_dir, prompts, vl
         assert generate(ubtree, prompts[-3:], **options) == expected_proc[name], name
         assert expected_proc[name] != expected[-3:], f"{name} did not change the greedy text"
     # structured output: each node's logits masked by the grammar advanced along its own path
-    import json
-    import re
     for name, constraint in STRUCTURED.items():
         tokens, texts = generate_structured(ubtree, prompts, **constraint)
         assert tokens == expected_struct[name][0], name
         for text in texts:
-            if name == "json":
-                value = json.loads(text)  # raises with the text where it does not parse
-                assert set(value) == {"name", "age"} and isinstance(value["age"], int), text
-            elif name == "regex":
-                assert re.fullmatch(STRUCTURED["regex"]["regex"], text), text
-            else:
-                assert text in STRUCTURED["choice"]["choice"], text
+            assert_fits(name, text)
     drafts, accepted = spec_counts(ubtree)
     before = (drafts, accepted)
     generate(ubtree, prompts[-len(COPY_PROMPTS):])

@@ -42,9 +42,8 @@ import torch
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                                    FlashAttentionMetadata)
 
-from ubtree_vllm.vllm.attention.state import RowBuffers, tree_forward_state
-from ubtree_vllm.vllm.attention.tree_rows import (attend_tree_rows, cache_views, refuse_unsupported_features,
-                                                  tree_row_buffers)
+from ubtree_vllm.vllm.attention.state import tree_forward_state
+from ubtree_vllm.vllm.attention.tree_rows import TreeRowsImpl, attend_tree_rows, cache_views, tree_row_buffers
 
 
 class TreeFlashAttentionBackend(FlashAttentionBackend):
@@ -55,23 +54,11 @@ class TreeFlashAttentionBackend(FlashAttentionBackend):
         return TreeFlashAttentionImpl
 
 
-class TreeFlashAttentionImpl(FlashAttentionImpl):
+class TreeFlashAttentionImpl(TreeRowsImpl, FlashAttentionImpl):
     """Stock FlashAttention, then tree rows recomputed by the Triton tree-attention kernel."""
 
-    # Checked by the UBTree runner after model load.
-    ubtree_tree_aware = True
-    # The runner commits accepted paths inside the KV cache (no per-layer stash).
-    ubtree_commit_in_cache = True
-    # The UBTree runner's fixed-size row buffers, bound after model load. Engines without
-    # UBTree in the same process (the backend override is process-wide) leave it None and
-    # run stock FlashAttention, also under CUDA-graph capture.
-    ubtree_row_buffers: RowBuffers | None = None
     # tree_attention "flash_merge": the context part from FlashAttention (module docstring); set by the bind
     ubtree_context_from_flash: bool = False
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        refuse_unsupported_features(self)
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: FlashAttentionMetadata, output: torch.Tensor,

@@ -19,6 +19,22 @@ from ubtree_vllm.triton_ops import tree_attention
 from ubtree_vllm.vllm.attention.state import RowBuffers, tree_forward_state
 
 
+class TreeRowsImpl:
+    """Mixin before a stock CUDA impl (``class X(TreeRowsImpl, FlashAttentionImpl)``): the attributes the UBTree runners
+    read and, at construction, the refusal of features tree rows do not implement."""
+
+    ubtree_tree_aware = True  # checked by the UBTree runners after model load (attention/state.py:bind_tree_layers)
+    ubtree_commit_in_cache = True  # the runners commit accepted paths inside the KV cache (no per-layer stash)
+    # The UBTree runner's fixed-size row buffers, bound after model load. Engines without UBTree in the same
+    # process (the backend override is process-wide) leave it None and run the stock kernel alone, also under
+    # CUDA-graph capture.
+    ubtree_row_buffers: RowBuffers | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        refuse_unsupported_features(self)
+
+
 def refuse_unsupported_features(impl: Any) -> None:
     """NotImplementedError naming the layer features tree rows do not implement (decoder layers only)."""
     unsupported = [name for name, used in (

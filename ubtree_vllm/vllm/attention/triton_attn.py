@@ -8,7 +8,7 @@ overwrites the rows of non-root tree nodes (the same launch, views and in-cache 
 its physical strides). ``tree_attention: "flash_merge"`` needs FlashAttention and is refused for this
 backend when the layers are bound (``attention/state.py:bind_tree_layers``).
 
-Refused at construction, beyond ``tree_rows.refuse_unsupported_features``: quantized KV caches (the
+Refused at construction, beyond ``tree_rows.TreeRowsImpl``'s refusals: quantized KV caches (the
 tree kernel reads the cache in the model dtype); the UBTree engine config refuses fp8 KV caches first.
 """
 from __future__ import annotations
@@ -19,9 +19,7 @@ import torch
 from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 
-from ubtree_vllm.vllm.attention.state import RowBuffers
-from ubtree_vllm.vllm.attention.tree_rows import (attend_tree_rows, cache_views, refuse_unsupported_features,
-                                                  tree_row_buffers)
+from ubtree_vllm.vllm.attention.tree_rows import TreeRowsImpl, attend_tree_rows, cache_views, tree_row_buffers
 
 
 class TreeTritonAttentionBackend(TritonAttentionBackend):
@@ -32,17 +30,11 @@ class TreeTritonAttentionBackend(TritonAttentionBackend):
         return TreeTritonAttentionImpl
 
 
-class TreeTritonAttentionImpl(TritonAttentionImpl):
+class TreeTritonAttentionImpl(TreeRowsImpl, TritonAttentionImpl):
     """Stock Triton attention, then tree rows recomputed by the Triton tree-attention kernel."""
-
-    ubtree_tree_aware = True  # checked by the UBTree runners after model load
-    ubtree_commit_in_cache = True  # the runners commit accepted paths inside the KV cache
-    # The UBTree runner's row buffers, bound after model load; None: a layer of an engine without UBTree
-    ubtree_row_buffers: RowBuffers | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        refuse_unsupported_features(self)
         if is_quantized_kv_cache(self.kv_cache_dtype):
             raise NotImplementedError(f"ubtree tree attention on TRITON_ATTN reads an unquantized KV cache, got "
                                       f"kv_cache_dtype {self.kv_cache_dtype!r}")
