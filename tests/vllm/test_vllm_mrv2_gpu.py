@@ -222,6 +222,53 @@ def test_mrv2_structured_output_greedy_equality_smollm2(mrv2, default_target_dir
             assert_fits(name, out.outputs[0].text)
 
 
+def test_mrv2_sampling_distribution_under_a_grammar(mrv2, tmp_path, monkeypatch):
+    """Structured output at T = 1 on MRV2 (UBTREE_MRV2_STRUCTURED_OUTPUT=1): every node's logits masked by the
+    grammar along its own path (a regex whose allowed tokens depend on the path, test_vllm_sampling.GRAMMAR_REGEX),
+    so UBTree's samples follow the same engine's without speculation under the grammar (two-sample test), and the
+    grammar changes the law (the test can fail)."""
+    import torch
+    from exact_distribution import two_sample_pvalues
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from test_vllm_gpu import ALPHA, HORIZON, NUM_SAMPLES, PROMPT, VOCAB, engine, sample_continuations
+    from test_vllm_sampling import GRAMMAR_REGEX, with_letter_tokenizer
+    from ubtree_vllm.config import SamplingConfig
+    from vllm_engines import spec_counts
+    from vllm_models import save_tiny_llama, save_untrained_drafter
+
+    monkeypatch.setenv("UBTREE_MRV2_STRUCTURED_OUTPUT", "1")
+    target = with_letter_tokenizer(save_tiny_llama(tmp_path / "vocab8", vocab_size=VOCAB, hidden_size=128, num_layers=3,
+                                                   num_heads=2, num_kv_heads=1, init_range=0.15, seed=3),
+                                   tmp_path / "vocab8-letters")
+    drafter = save_untrained_drafter(target, tmp_path / "vocab8-drafter", block_size=3, top_k=6, seed=1)
+    small = dict(max_model_len=64, max_num_seqs=256, skip_tokenizer_init=False)
+    params = SamplingParams(temperature=1.0, max_tokens=HORIZON, detokenize=False,
+                            structured_outputs=StructuredOutputsParams(regex=GRAMMAR_REGEX))
+
+    def draw(llm):
+        outs = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)] * NUM_SAMPLES, params, use_tqdm=False)
+        return torch.tensor([list(o.outputs[0].token_ids) for o in outs])
+
+    plain = engine(target, **small)
+    reference, free = draw(plain), sample_continuations(plain, (SamplingConfig(1.0), {}))
+    del plain
+    gc.collect()
+    ubtree = engine(target, {"method": "ubtree", "model": str(drafter), "num_speculative_tokens": 9, "beam_width": 3,
+                             "top_k": 6}, **small)
+    before = spec_counts(ubtree)
+    samples = draw(ubtree)
+    after = spec_counts(ubtree)
+    del ubtree
+    gc.collect()
+    assert after[1] - before[1] > 0.3 * (after[0] - before[0]), (before, after)  # drafts accepted: trees exercised
+    pvals = two_sample_pvalues(samples, reference, VOCAB)
+    assert min(pvals) > ALPHA / len(pvals), pvals
+    assert min(two_sample_pvalues(samples, free, VOCAB)) < ALPHA  # the grammar changes the law
+
+
 def test_mrv2_sampling_distribution_cuda_graphs(mrv2, tmp_path):
     check_sampling_distribution(tmp_path)
 

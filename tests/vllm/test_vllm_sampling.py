@@ -110,19 +110,25 @@ GRAMMAR_REGEX = "(ab|af|ba|dd|ee)(ab|af|ba|dd|ee)g+"
 PAIR_SECOND = {0: [1, 5], 1: [0], 3: [3], 4: [4]}
 
 
-@pytest.fixture(scope="module")
-def grammar_llm(vocab8, vllm_models_dir):
-    """The vocabulary-8 target with a raw one-character-per-token tokenizer (a grammar needs one)."""
+def with_letter_tokenizer(model_dir, out_dir):
+    """A copy of a vocabulary-8 model folder with a raw one-character-per-token tokenizer (a grammar needs one):
+    tokens 0..6 = "a".."g", 7 = "</s>". Returns ``out_dir``."""
     import shutil
 
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    target = vllm_models_dir / "vocab8-tokenizer"
-    shutil.copytree(vocab8[0], target, dirs_exist_ok=True)
+    shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
     vocab = {c: i for i, c in enumerate("abcdefg")} | {"</s>": 7}
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="g")),
-                            eos_token="</s>").save_pretrained(target)
+                            eos_token="</s>").save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def grammar_llm(vocab8, vllm_models_dir):
+    """The vocabulary-8 target with its letter tokenizer (:func:`with_letter_tokenizer`)."""
+    target = with_letter_tokenizer(vocab8[0], vllm_models_dir / "vocab8-tokenizer")
     kwargs = dict(ENGINE_KWARGS, max_num_seqs=256, max_model_len=64, skip_tokenizer_init=False)
     return LLM(model=str(target), speculative_config={"method": "ubtree", "model": str(vocab8[1]),
                                                       "num_speculative_tokens": 9, "beam_width": 3, "top_k": 6},
