@@ -2,8 +2,10 @@
 
 * :mod:`.state`     -- the step's tree plan published by the runner; K/V stash for the commit.
 * :mod:`.cpu`       -- CPU_ATTN: tree rows on virtual per-node sequences, same C++ kernel.
-* :mod:`.flash`     -- FLASH_ATTN (CUDA): tree rows with one launch of the Triton kernel
-  :func:`ubtree_vllm.triton_ops.tree_attention` per layer.
+* :mod:`.tree_rows` -- what both CUDA backends add after their stock kernel: one launch of the Triton kernel
+  :func:`ubtree_vllm.triton_ops.tree_attention` per layer over the tree rows.
+* :mod:`.flash`     -- FLASH_ATTN (CUDA, bf16/fp16 targets), with the "flash_merge" context mode.
+* :mod:`.triton_attn` -- TRITON_ATTN (CUDA, float32 targets).
 
 The backend modules import vLLM's backend classes; they are imported by vLLM's attention
 registry (see ``ubtree_vllm.patches.worker.patch_attention_backends``), not here.
