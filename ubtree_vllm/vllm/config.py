@@ -100,8 +100,9 @@ def default_budget_schedule(budget: int) -> tuple[tuple[int, int, int], ...]:
     """load_adaptive's schedule for tree budget B: B up to 8 requests in flight, B/2 up to 16, B/4 up to 32, B/8
     beyond (each at least 1). The schedule of the 2026-12-02 H200 MT-Bench concurrency sweeps at B = 64 (the
     report's load-adaptive rows), ahead of vLLM's n-gram at every load measured there, where a fixed B = 64 fell
-    behind no speculation from 32 requests in flight; the 2026-12-03 sweep on three sets fell short at some
-    loads (docs/deploy.md, budget_policy). vLLM carries the last range's budget past 1024; ranges past
+    behind no speculation from 32 requests in flight; on three sets at 1-32 in flight (2026-12-03, after the
+    tree-attention compile fix) it was at or above both no speculation and n-gram in 14 of 15 cells
+    (docs/deploy.md, budget_policy). vLLM carries the last range's budget past 1024; ranges past
     max_num_seqs are never formed; a step whose trees do not fit the scheduler's token budget has its drafts
     truncated by vLLM's scheduler to a prefix, which is the best smaller tree (nodes are numbered by rank,
     tree/search.py)."""
