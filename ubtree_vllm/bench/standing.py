@@ -52,8 +52,8 @@ def standing_rows(records: Sequence[dict[str, Any]], tree_methods: Sequence[str]
     for target, dataset, temperature, concurrency in sorted(cells, key=lambda k: (str(k[0]), str(k[1]), k[2], k[3])):
         cell = cells[(target, dataset, temperature, concurrency)]
         ngram = next(r for r in cell if r["method"] == NGRAM_METHOD)
+        best_other = max(1.0, ngram["speedup_vs_ar"])
         for tree in (r for r in cell if r["method"] in tree_methods):
-            best_other = max(1.0, ngram["speedup_vs_ar"])
             rows.append([target, dataset, temperature, concurrency, tree["method"], budget(tree), tree["tau"],
                          tree["speedup_vs_ar"], ngram["speedup_vs_ar"], tree["speedup_vs_ar"] >= best_other,
                          tree["commit"], tree["date"]])

@@ -36,14 +36,12 @@ Sliding windows, soft caps, ALiBi, sinks and KV-sharing layers are refused at co
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                                    FlashAttentionMetadata)
 
 from ubtree_vllm.vllm.attention.state import tree_forward_state
-from ubtree_vllm.vllm.attention.tree_rows import TreeRowsImpl, attend_tree_rows, cache_views, tree_row_buffers
+from ubtree_vllm.vllm.attention.tree_rows import TreeRowsImpl
 
 
 class TreeFlashAttentionBackend(FlashAttentionBackend):
@@ -60,23 +58,12 @@ class TreeFlashAttentionImpl(TreeRowsImpl, FlashAttentionImpl):
     # tree_attention "flash_merge": the context part from FlashAttention (module docstring); set by the bind
     ubtree_context_from_flash: bool = False
 
-    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: FlashAttentionMetadata, output: torch.Tensor,
-                output_scale: torch.Tensor | None = None,
-                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """query [T, H, D]; key/value [T, H_kv, D]; kv_cache [num_blocks, H_kv, block, 2D] (logical)."""
-        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                 output_scale, output_block_scale)
-        buffers = tree_row_buffers(self, attn_metadata)
-        if buffers is None:
-            return output
-        key_cache, value_cache = cache_views(kv_cache, self.head_size)
-        context_out = context_lse = None
-        if self.ubtree_context_from_flash:  # "flash_merge": the context part by FlashAttention's context-only call
-            context_out, context_lse = self._context_part(query, key_cache, value_cache, attn_metadata)
-        attend_tree_rows(query, key, value, key_cache, value_cache, attn_metadata.block_table, output, buffers,
-                         self.scale, context_out, context_lse)
-        return output
+    def _tree_context(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      attn_metadata: FlashAttentionMetadata) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """"flash_merge": the context part by FlashAttention's context-only call; "triton": none."""
+        if not self.ubtree_context_from_flash:
+            return None, None
+        return self._context_part(query, key_cache, value_cache, attn_metadata)
 
     def _context_part(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       attn_metadata: FlashAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

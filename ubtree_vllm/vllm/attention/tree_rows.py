@@ -21,7 +21,8 @@ from ubtree_vllm.vllm.attention.state import RowBuffers, tree_forward_state
 
 class TreeRowsImpl:
     """Mixin before a stock CUDA impl (``class X(TreeRowsImpl, FlashAttentionImpl)``): the attributes the UBTree runners
-    read and, at construction, the refusal of features tree rows do not implement."""
+    read, the refusal at construction of features tree rows do not implement, and the forward: the stock kernel,
+    then the tree rows recomputed (:meth:`_tree_context` may hand the kernel the context part)."""
 
     ubtree_tree_aware = True  # checked by the UBTree runners after model load (attention/state.py:bind_tree_layers)
     ubtree_commit_in_cache = True  # the runners commit accepted paths inside the KV cache (no per-layer stash)
@@ -31,8 +32,30 @@ class TreeRowsImpl:
     ubtree_row_buffers: RowBuffers | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         refuse_unsupported_features(self)
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """query [T, H, D]; key/value [T, H_kv, D]; kv_cache [num_blocks, H_kv, block, 2D] (logical)."""
+        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,  # type: ignore[misc]
+                                 output_scale, output_block_scale)
+        buffers = tree_row_buffers(self, attn_metadata)
+        if buffers is None:
+            return output
+        key_cache, value_cache = cache_views(kv_cache, self.head_size)  # type: ignore[attr-defined]
+        context_out, context_lse = self._tree_context(query, key_cache, value_cache, attn_metadata)
+        attend_tree_rows(query, key, value, key_cache, value_cache, attn_metadata.block_table, output, buffers,
+                         self.scale, context_out, context_lse)  # type: ignore[attr-defined]
+        return output
+
+    def _tree_context(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      attn_metadata: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(context_out, context_lse) computed elsewhere for ``tree_attention``, or (None, None): the kernel walks
+        each row's committed context itself."""
+        return None, None
 
 
 def refuse_unsupported_features(impl: Any) -> None:

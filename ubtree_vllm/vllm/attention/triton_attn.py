@@ -15,11 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 
-from ubtree_vllm.vllm.attention.tree_rows import TreeRowsImpl, attend_tree_rows, cache_views, tree_row_buffers
+from ubtree_vllm.vllm.attention.tree_rows import TreeRowsImpl
 
 
 class TreeTritonAttentionBackend(TritonAttentionBackend):
@@ -38,16 +37,3 @@ class TreeTritonAttentionImpl(TreeRowsImpl, TritonAttentionImpl):
         if is_quantized_kv_cache(self.kv_cache_dtype):
             raise NotImplementedError(f"ubtree tree attention on TRITON_ATTN reads an unquantized KV cache, got "
                                       f"kv_cache_dtype {self.kv_cache_dtype!r}")
-
-    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor,
-                output_scale: torch.Tensor | None = None,
-                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """query [T, H, D]; key/value [T, H_kv, D]; kv_cache [num_blocks, H_kv, block, 2D] (logical)."""
-        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                 output_scale, output_block_scale)
-        buffers = tree_row_buffers(self, attn_metadata)
-        if buffers is not None:
-            attend_tree_rows(query, key, value, *cache_views(kv_cache, self.head_size), attn_metadata.block_table,
-                             output, buffers, self.scale)
-        return output
