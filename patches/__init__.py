@@ -128,6 +128,19 @@ MANIFEST: tuple[PatchSpec, ...] = (
         removal_condition="vLLM's structured-output manager supports tree drafts (same upstream change).",
     ),
     PatchSpec(
+        name="engine_core_hybrid_budget",
+        vllm_symbol="vllm.v1.engine.core.get_kv_cache_configs",
+        why=("On a hybrid target every request holds 1 + num_speculative_tokens recurrent-state slots per "
+             "linear layer; when they do not fit, vLLM's start-up check suggests a shorter max_model_len and "
+             "knows nothing of the tree budget, the knob that sets that cost."),
+        how=("Wraps the name EngineCore looks up: for 'ubtree' engines with linear layers it logs the "
+             "per-request state cost at the configured budget and, when vLLM's check raises, re-raises naming "
+             "speculative_config.num_speculative_tokens and the largest budget that fits "
+             "(ubtree_vllm.vllm.hybrid_memory); other engines call vLLM's function unchanged."),
+        removal_condition=("vLLM sizes speculative recurrent-state slots itself and reports the largest "
+                           "num_speculative_tokens that fits (no such check in 0.32)."),
+    ),
+    PatchSpec(
         name="cpu_worker_model_runner",
         vllm_symbol="vllm.v1.worker.cpu_worker.CPUModelRunner",
         why=("CPUWorker.init_device constructs the V1 runner through this module-level name "

@@ -26,7 +26,7 @@ cpu_platform_only = pytest.mark.skipif(not on_cpu(), reason="exercises the CPU p
 
 TESTED_PATCHES = {"engine_args_speculative_config", "sampling_params_spec_decode", "scheduler_tree_drafts",
                   "structured_output_tree", "cpu_worker_model_runner", "attention_backends", "cpu_gdn_tree_forward",
-                  "cpu_gdn_native_conv", "cpu_mamba2_tree_decode"}
+                  "cpu_gdn_native_conv", "cpu_mamba2_tree_decode", "engine_core_hybrid_budget"}
 
 
 def test_every_manifest_patch_has_a_module_and_a_test_here():
@@ -542,3 +542,41 @@ def test_runner_choice_for_the_lookup_branch(monkeypatch):
     assert patch._runs_on_mrv2("auto", scheduled) and patch._runs_on_mrv2("mrv2", scheduled)
     assert not patch._runs_on_mrv2("v1", scheduled)
     assert not patch._runs_on_mrv2("auto", plain, tensor_parallel_size=2)
+
+
+# --- engine_core_hybrid_budget ---------------------------------------------------------------
+
+
+@cpu_platform_only
+def test_a_hybrid_budget_that_does_not_fit_names_the_largest_that_does(vllm_models_dir):
+    """A tiny Qwen3-Next (two GDN layers) with 2 MB of KV cache: B = 12 is refused at start naming the largest budget
+    that fits; that budget starts (its cost logged) and one more is refused: the named budget is the largest."""
+    import re
+
+    from vllm import LLM
+
+    from ubtree_vllm.bench.e2e import stop_engine
+    from vllm_engines import ENGINE_KWARGS
+    from vllm_models import save_tiny_qwen3_next, save_untrained_drafter
+
+    target = save_tiny_qwen3_next(vllm_models_dir / "budget-qwen3-next")
+    drafter = save_untrained_drafter(target, vllm_models_dir / "budget-qwen3-next-drafter")
+    kwargs = dict(ENGINE_KWARGS, dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory_bytes=2_000_000)
+
+    def engine(budget):
+        return LLM(model=str(target), speculative_config=ubtree_spec(drafter, num_speculative_tokens=budget),
+                   **kwargs)
+
+    with pytest.raises(ValueError, match=r"speculative_config.num_speculative_tokens = 12 does not fit") as refused:
+        engine(12)
+    message = str(refused.value)
+    assert "1 + B = 13 recurrent-state slots per request in each of 2 linear layers" in message
+    largest = int(re.search(r"largest budget that fits one request of max_model_len 512 is "
+                            r"num_speculative_tokens = (\d+)", message).group(1))
+    assert 1 <= largest < 12
+    llm = engine(largest)
+    stop_engine(llm)
+    del llm
+    with pytest.raises(ValueError, match=rf"num_speculative_tokens = {largest + 1} does not fit.* is "
+                                         rf"num_speculative_tokens = {largest};"):
+        engine(largest + 1)

@@ -28,6 +28,7 @@ import pytest
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
+from ubtree_vllm.bench.e2e import stop_engine
 from vllm_engines import ENGINE_KWARGS, TINY_TREE, ray_env, spec_counts
 
 # bounded: a Ray placement group that cannot be placed waits 30 minutes in vLLM before it fails
@@ -73,13 +74,6 @@ def executor_backend(request, monkeypatch, two_cpu_workers):
         subprocess.run([*ray_cli, "stop", "--force"], capture_output=True, timeout=120)  # no cluster outlives a test
 
 
-def close(llm: LLM) -> None:
-    """Shut the engine down now, its executor's workers (Ray actors and placement group) with it, rather than
-    whenever the LLM object is collected (after the test's Ray session has ended)."""
-    llm.llm_engine.engine_core.shutdown()
-    gc.collect()
-
-
 def generate(llm: LLM, prompts, temperature: float = 0.0) -> list[list[int]]:
     params = SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -112,7 +106,8 @@ def test_tp2_greedy_equals_tp1_without_speculation_and_ranks_agree(executor_back
         generate(llm, prompts, temperature=1.0)  # T > 0: the driver's draws decide on every rank
         sampled_digests = rank_digests(llm)
     finally:
-        close(llm)
+        stop_engine(llm)  # now, with its Ray actors and placement group, not after the Ray session ends
+        gc.collect()
     assert got == expected
     assert drafts > 0 and (pair == "untrained" or accepted / drafts > 2.0), (drafts, accepted)
     for digests in (greedy_digests, sampled_digests):
@@ -156,7 +151,8 @@ def test_a_worker_that_dies_mid_generation_fails_the_requests_instead_of_hanging
                 llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
     finally:
         killer.join()
-        close(llm)
+        stop_engine(llm)  # now, with its Ray actors and placement group, not after the Ray session ends
+        gc.collect()
     assert time.monotonic() - started < 240
     # the in-flight call fails: the driver's collective with the dead rank ("Worker failed ... Connection
     # reset"), or the futures vLLM's executor cancels when its monitor sees the worker die ("cancelled")
