@@ -29,8 +29,8 @@ def apply() -> None:
 
     def get_kv_cache_configs(vllm_config: Any, kv_cache_specs: list[dict[str, Any]],
                              available_memory: list[int]) -> Any:
-        costs = [recurrent_state_cost(spec) for spec in kv_cache_specs]
-        if from_vllm_config(vllm_config) is None or not any(costs):
+        costs = [] if from_vllm_config(vllm_config) is None else [recurrent_state_cost(s) for s in kv_cache_specs]
+        if not any(costs):  # not a ubtree engine, or no linear layers
             return original(vllm_config, kv_cache_specs, available_memory)
         budget = vllm_config.speculative_config.num_speculative_tokens
         cost = next(c for c in costs if c is not None)

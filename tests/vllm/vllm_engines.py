@@ -49,6 +49,20 @@ def ray_env(pythonpath: str | None, own_cluster: bool, workers: int = 2) -> dict
     return env
 
 
+def ray_cli(*args: str) -> list[str]:
+    """The ``ray`` command of this interpreter's environment."""
+    import sys
+
+    return [sys.executable, "-m", "ray.scripts.scripts", *args]
+
+
+def stop_ray() -> None:
+    """Stop every Ray process of this machine: no cluster outlives the test that started it."""
+    import subprocess
+
+    subprocess.run(ray_cli("stop", "--force"), capture_output=True, timeout=120)
+
+
 def spec_counts(llm) -> tuple[float, float]:
     """(drafts, accepted draft tokens) so far, from vLLM's spec-decode metrics of an in-process engine.
 
