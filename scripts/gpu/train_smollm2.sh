@@ -12,7 +12,8 @@
 #            as they land for SLICE_MINUTES (default 7), continuing the committed drafter, then exports it
 #            to checkpoints/ and appends the train record; gen-data is stopped at the end (logs in runs/).
 #            SLICE_INIT=fresh starts a fresh drafter instead of continuing the committed one (at the config's lr;
-#            a continuing slice peaks at SLICE_LR, default 2e-4).
+#            a continuing slice peaks at SLICE_LR, default 2e-4). SLICE_GROW=N grows the committed drafter by N
+#            layers first (training/grow.py: copies of its last layer that start as the identity).
 #            GEN_MINUTES=N instead runs gen-data alone for N minutes of generation (after its engine is up) first
 #            (GEN_WORKERS engines side by side, each its own shards of the folder)
 #            and then the trainer alone. SLICE_DEADLINE_S=S caps the whole phase at S seconds from its start:
@@ -161,6 +162,10 @@ for phase in "$@"; do
       # 2026-12-03 a continuing slice at 6e-4 raised the loss on its fresh samples for its whole first epoch
       # (its metrics.jsonl) and its drafter measured a lower tree tau on all three sets (not shipped)
       init=(--set lr="${SLICE_LR:-0.0002}"); [ "${SLICE_INIT:-}" = fresh ] && init=(--set init_drafter=null)
+      if [ -n "${SLICE_GROW:-}" ]; then
+        layers=$(python3 -c "import json; print(json.load(open('$DRAFTER/config.json'))['num_hidden_layers'] + $SLICE_GROW)")
+        init+=(--set grow_layers="$SLICE_GROW" --set drafter.num_layers="$layers")
+      fi
       # sequential: the shards are all there already, so a missing one is an error, not a wait
       [ -n "${GEN_MINUTES:-}" ] && init+=(--set stream_wait_minutes=0.2)
       train_minutes=${SLICE_MINUTES:-7}

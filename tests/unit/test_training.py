@@ -386,6 +386,33 @@ def test_a_slice_continues_an_exported_drafter_and_adds_to_its_totals(tmp_path, 
     assert rec[1]["label_rows_per_s"] > 0
 
 
+def test_a_grown_drafter_starts_as_the_same_function_and_trains_its_new_layer(tmp_path, workspace):
+    from ubtree_vllm.training.grow import grow_layers
+
+    first = train(train_config(workspace, tmp_path / "a", max_steps=3), log=lambda _: None)
+    small = load_drafter(first.drafter_dir)
+    grown = grow_layers(small, 2)
+    assert grown.cfg.num_layers == 3 and small.cfg.num_layers == 1
+    gen = torch.Generator().manual_seed(0)
+    n, nb, s, length, h = 2, 3, DRAFTER["block_size"] + 1, 10, small.cfg.hidden_size
+    args = (torch.randn(n, nb, s, h, generator=gen), torch.arange(s).expand(n, nb, s) + 12,
+            torch.randn(n, length, small.cfg.num_features, generator=gen), torch.arange(length).expand(n, length),
+            torch.ones(n, length, dtype=torch.bool))
+    with torch.no_grad():
+        torch.testing.assert_close(grown.backbone(*args), small.backbone(*args), rtol=0, atol=0)
+    # Through the trainer: the override names the grown depth; the new layer leaves the identity.
+    second = train(train_config(workspace, tmp_path / "b", max_steps=3, init_drafter=str(first.drafter_dir),
+                                grow_layers=1, drafter={**DRAFTER, "num_layers": 2}), log=lambda _: None)
+    out = load_drafter(second.drafter_dir)
+    assert out.cfg.num_layers == 2
+    assert out.backbone.layers[1].self_attn.o_proj.weight.abs().max() > 0
+    with pytest.raises(ValueError, match="grow_layers 1"):
+        train(train_config(workspace, tmp_path / "c", init_drafter=str(first.drafter_dir), grow_layers=1),
+              log=lambda _: None)
+    with pytest.raises(ValueError, match="grow_layers must be >= 0 and needs init_drafter"):
+        train_config(workspace, tmp_path / "d", grow_layers=1)
+
+
 @pytest.mark.parametrize("setting,value,match", [
     ("drafter", {"num_layers": 3}, "drafter.num_layers"), ("drafter", {"top_k": 4}, "drafter.top_k"),
     ("target_name", "other", "target")])

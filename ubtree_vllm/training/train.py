@@ -48,6 +48,7 @@ from ubtree_vllm.training import checkpoint as ckpt
 from ubtree_vllm.training.data import (ShardStream, TokenDataset, epoch_permutation, manifest_summary, read_manifest,
                                       resolve_target_path)
 from ubtree_vllm.training.export import check_round_trip, export_drafter
+from ubtree_vllm.training.grow import grow_layers
 from ubtree_vllm.training.losses import LossConfig, collate, drafter_loss, make_generator
 from ubtree_vllm.training.target import FrozenTarget
 from ubtree_vllm.training.target_cache import TargetCache, cached_target_outputs
@@ -78,6 +79,9 @@ class TrainConfig:
     export_dir: str | None = None
     # Optional drafter folder to start from (its config wins over `drafter`).
     init_drafter: str | None = None
+    # Layers appended to init_drafter's backbone (grow.py): each a copy of its last layer with the
+    # residual outputs zeroed, so the grown drafter starts as the same function with more capacity.
+    grow_layers: int = 0
     # Overrides of DrafterConfig.for_target (num_layers, block_size, top_k, mask_token_id, ...).
     drafter: dict[str, Any] = field(default_factory=dict)
     # Objective (losses.py). The joint ablation: proposer_kl=0, detach_selector=false.
@@ -149,6 +153,9 @@ class TrainConfig:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1):
             raise ValueError(f"lr must be > 0 and min_lr_ratio in [0, 1], got {self.lr}, {self.min_lr_ratio}")
+        if self.grow_layers < 0 or (self.grow_layers and not self.init_drafter):
+            raise ValueError(f"grow_layers must be >= 0 and needs init_drafter (the drafter it grows), got "
+                             f"{self.grow_layers} with init_drafter {self.init_drafter!r}")
         if not isinstance(self.drafter, dict):
             raise ValueError(f"drafter must be a mapping of DrafterConfig overrides, got {self.drafter!r}")  # noqa: TRY004
         self.loss_config()  # validates selector_loss, beta, loss_decay, blocks_per_seq
@@ -232,14 +239,16 @@ def build_drafter_config(cfg: TrainConfig, hf_config: Any, target_name: str) -> 
     """The drafter config of the run; errors name the `drafter.*` setting at fault."""
     if cfg.init_drafter:
         drafter_cfg = DrafterConfig.load(cfg.init_drafter)
+        drafter_cfg = dataclasses.replace(drafter_cfg, num_layers=drafter_cfg.num_layers + cfg.grow_layers)
         for key, value in cfg.drafter.items():
             if key not in DRAFTER_IDENTITY:
                 continue
             have = getattr(drafter_cfg, key)
             want = tuple(value) if isinstance(have, tuple) else value
             if have != want:
-                raise ValueError(f"train config 'drafter.{key}' is {value!r} but init_drafter {cfg.init_drafter} has "
-                                 f"{key} = {have!r}; drop the override or start a fresh drafter")
+                grown = f" + grow_layers {cfg.grow_layers}" if key == "num_layers" and cfg.grow_layers else ""
+                raise ValueError(f"train config 'drafter.{key}' is {value!r} but init_drafter {cfg.init_drafter}{grown} "
+                                 f"has {key} = {have!r}; drop the override or start a fresh drafter")
         if drafter_cfg.target_name != target_name:
             raise ValueError(f"init_drafter {cfg.init_drafter} was trained for target {drafter_cfg.target_name!r}, "
                              f"the data is for {target_name!r} (target)")
@@ -343,6 +352,9 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
 
     torch.manual_seed(cfg.seed)
     drafter = load_drafter(cfg.init_drafter) if cfg.init_drafter else UBTreeDrafter(drafter_cfg)
+    if cfg.grow_layers:
+        drafter = grow_layers(drafter, cfg.grow_layers)
+        log(f"train: grew {cfg.init_drafter} to {drafter.cfg.num_layers} layers (the new ones start as the identity)")
     drafter = drafter.to(device=device, dtype=torch.float32)
     drafter.bind_hf_target(target.model)
     drafter.train()
@@ -541,6 +553,7 @@ def _finish(cfg: TrainConfig, drafter: UBTreeDrafter, dataset: TokenDataset, his
             "notes": (f"selector_loss={cfg.selector_loss} beta={cfg.beta} loss_decay={cfg.loss_decay} "
                       f"proposer_kl={cfg.proposer_kl} detach_selector={cfg.detach_selector} "
                       f"blocks_per_seq={cfg.blocks_per_seq} init={cfg.init_drafter or 'fresh'} "
+                      f"layers={drafter.cfg.num_layers}{f' (grown by {cfg.grow_layers})' if cfg.grow_layers else ''} "
                       f"stream_data={cfg.stream_data} samples={len(dataset)} "
                       f"T_train={gen['temperature']} greedy_samples={gen.get('greedy_samples', 0)} "
                       f"final top1={final.get('top1', float('nan')):.3f} "
