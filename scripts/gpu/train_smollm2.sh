@@ -22,7 +22,8 @@
 #            20 s before its export, after the engines' staggered starts had eaten the margin). On
 #            2026-12-01 the trainer beside gen-data (the slices' train records) ran at well under half the label
 #            rows/s that scripts/gpu/profile_train_step.py measured for it alone
-#   eval     tau with the lossless reference decoder (single path vs UBTree, T=0 and T=1)
+#   eval     tau with the lossless reference decoder (single path vs UBTree, T=0 and T=1); EVAL_DRAFTER, EVAL_DATASETS,
+#            EVAL_METHODS, EVAL_TEMPS and EVAL_PROMPTS select
 #   pack     copy the drafter (split, files <= 16 MB each), the records, logs and loss curves to $OUT
 #   keep / restore  keep the exported drafter in /tmp across calls of one warm machine / put it back
 #   install  install this checkout (non-editable, like a user) into /tmp/ub-site; every later
@@ -182,8 +183,9 @@ for phase in "$@"; do
         runs/smollm2/slice-data-$seed/manifest.json || true
       [ "$rc" = 0 ] || exit "$rc" ;;
     eval)
-      ubtree eval-tau --drafter "$DRAFTER" --data-dir .gpudata --num-prompts "${EVAL_PROMPTS:-160}" \
-        --batch-size 64 --methods single,ubtree --temperatures 0,1 ;;
+      ubtree eval-tau --drafter "${EVAL_DRAFTER:-$DRAFTER}" --data-dir .gpudata --num-prompts "${EVAL_PROMPTS:-160}" \
+        --batch-size 64 --methods "${EVAL_METHODS:-single,ubtree}" --temperatures "${EVAL_TEMPS:-0,1}" \
+        --datasets "${EVAL_DATASETS:-spec_bench,mt_bench,humaneval}" --records "$RECORDS" ;;
     pack)
       mkdir -p "$OUT"
       [ -f "$DRAFTER/model.safetensors" ] && split -b 15M -d "$DRAFTER/model.safetensors" "$OUT/model.safetensors.part"
