@@ -85,7 +85,8 @@ def curve_section(records: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def plot_training_curve(records: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """One PNG per temperature: tau against cumulative label rows, a line per dataset."""
+    """One PNG per temperature: tau against cumulative label rows, a panel per tree kind; colour = dataset,
+    line style = lineage, marker = prompts per set (one line per combination, a legend per property)."""
     points = curve_points(records)
     if not points:
         return []
@@ -93,28 +94,39 @@ def plot_training_curve(records: Sequence[dict[str, Any]], out_dir: Path) -> lis
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    def style(values, styles):
+        return {v: styles[i % len(styles)] for i, v in enumerate(values)}
 
     paths = []
     for temperature in sorted({p["temperature"] for p in points}):
-        fig, ax = plt.subplots(figsize=(6, 4))
         here = [p for p in points if p["temperature"] == temperature]
-        series = list(dict.fromkeys((p["lineage"], p["tree"], p["prompts"]) for p in here))  # one line style each
-        for dataset in sorted({p["dataset"] for p in here}):
-            for i, (name, tree, n) in enumerate(series):
-                row = [p for p in here
-                       if p["dataset"] == dataset and (p["lineage"], p["tree"], p["prompts"]) == (name, tree, n)]
-                if row:
-                    ax.plot([p["label_rows"] / 1e6 for p in row], [p["tau"] for p in row], marker="o",
-                            linestyle=("-", "--", ":", "-.")[i % 4],
-                            label=f"{dataset} ({name}, {tree}, {n or '?'} prompts)")
-        ax.set_ylim(1.0, 1.1 * max(p["tau"] for p in points if p["temperature"] == temperature))  # tau >= 1
-        ax.set_xlabel("cumulative label rows (millions)")
-        ax.set_ylabel(f"tree tau (B={BUDGET})")
-        ax.set_title(f"Shipped drafter: tau vs training, T={temperature:g}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        trees = list(dict.fromkeys(p["tree"] for p in here))
+        colors = style(sorted({p["dataset"] for p in here}), [f"C{i}" for i in range(10)])
+        dashes = style(list(dict.fromkeys(p["lineage"] for p in here)), ["-", "--", ":", "-."])
+        markers = style(sorted({p["prompts"] for p in here}),
+                        ["o", "s", "^", "v", "D", "P", "X", "*", "h", "p", "<", ">"])
+        fig, axes = plt.subplots(1, len(trees), figsize=(4.5 * len(trees) + 2.5, 4), sharey=True, squeeze=False)
+        for ax, tree in zip(axes[0], trees):
+            lines = dict.fromkeys((p["dataset"], p["lineage"], p["prompts"]) for p in here if p["tree"] == tree)
+            for dataset, name, n in lines:
+                row = [p for p in here if (p["tree"], p["dataset"], p["lineage"], p["prompts"]) == (tree, dataset, name, n)]
+                ax.plot([p["label_rows"] / 1e6 for p in row], [p["tau"] for p in row], color=colors[dataset],
+                        linestyle=dashes[name], marker=markers[n], markersize=5)
+            ax.set_title(tree, fontsize=9)
+            ax.set_xlabel("cumulative label rows (millions)")
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel(f"tree tau (B={BUDGET}, batch 1)")
+        axes[0][0].set_ylim(1.0, 1.1 * max(p["tau"] for p in here))  # tau >= 1
+        handles = ([Line2D([], [], color=c, label=d) for d, c in colors.items()]
+                   + [Line2D([], [], color="k", linestyle=ls, label=f"lineage {name}") for name, ls in dashes.items()]
+                   + [Line2D([], [], color="k", linestyle="", marker=m, label=f"{n or '?'} prompts")
+                      for n, m in markers.items()])
+        fig.legend(handles=handles, loc="center right", fontsize=7)
+        fig.suptitle(f"Shipped drafter: tau vs training, T={temperature:g}")
+        fig.tight_layout(rect=(0, 0, 1 - 2.3 / fig.get_figwidth(), 1))
         path = out_dir / f"tau_vs_training_T{temperature:g}.png"
-        fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
         paths.append(path)
