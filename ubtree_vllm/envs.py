@@ -86,16 +86,6 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
             "VLLM_USE_V2_MODEL_RUNNER=0, then V1; v1 / mrv2 force one (mrv2 refuses B < gamma)."
         ),
     ),
-    "UBTREE_MRV2_STRUCTURED_OUTPUT": EnvVar(
-        default="0",
-        parse=_flag,
-        doc=(
-            "1: serve structured outputs (JSON schema, regex, grammar, choice) on Model Runner V2, the trees' "
-            "parents handed to the scheduler's grammar with the drafts (vllm/mrv2/tree_drafts_handler.py); "
-            "0 (default): such requests get a 400 on MRV2 until that path has passed its H200 greedy test "
-            "(tests/vllm/test_vllm_mrv2_gpu.py). The V1 runner serves them either way."
-        ),
-    ),
     "UBTREE_COMMIT": EnvVar(
         default="",
         parse=str,

