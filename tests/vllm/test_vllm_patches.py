@@ -278,8 +278,10 @@ def test_sampling_params_rejects_options_trees_cannot_serve():
     # per-row options at every node (its depth position), bad words along its path
     SamplingParams(bad_words=["x"], allowed_token_ids=[1, 2], logit_bias={1: 2.0}, min_p=0.1, min_tokens=3
                    )._validate_spec_decode(mrv2)
-    with pytest.raises(VLLMValidationError, match=r"\['structured_outputs'\] are not supported"):
-        SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))._validate_spec_decode(mrv2)
+    # structured output: the grammar along each node's path (the trees' parents reach the scheduler)
+    SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))._validate_spec_decode(mrv2)
+    with pytest.raises(VLLMValidationError, match=r"\['thinking_token_budget'\] are not supported"):
+        SamplingParams(thinking_token_budget=8)._validate_spec_decode(mrv2)
     assert getattr(SamplingParams._validate_spec_decode, MARK) == "sampling_params_spec_decode"
 
 
