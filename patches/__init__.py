@@ -94,14 +94,13 @@ MANIFEST: tuple[PatchSpec, ...] = (
     PatchSpec(
         name="sampling_params_spec_decode",
         vllm_symbol="vllm.sampling_params.SamplingParams._validate_spec_decode",
-        why=("Tree verification cannot reproduce the chain-only options exactly yet (nor structured "
-             "output, penalties, logprobs, bad words, min_tokens, min_p, logit_bias on Model "
-             "Runner V2), while vLLM's own spec-decode check rejects min_p and logit_bias, which the V1 "
-             "tree sampler applies at every node."),
+        why=("Tree verification cannot reproduce the chain-only options exactly yet (thinking_token_budget, "
+             "trace replay), while vLLM's own spec-decode check rejects min_p and logit_bias, which both "
+             "runners' tree samplers apply at every node."),
         how=("Wraps the method: for the 'ubtree' speculative config vLLM's check is replaced by "
              "VLLMValidationError for every option in "
-             "ubtree_vllm.vllm.request_support.unsupported_options (so min_p and logit_bias pass on "
-             "the V1 runner); other methods keep vLLM's check."),
+             "ubtree_vllm.vllm.request_support.unsupported_options (so min_p and logit_bias pass); "
+             "other methods keep vLLM's check."),
         removal_condition=("The tree sampler implements those options on both runners and vLLM lets a "
                            "proposer declare its supported sampling options."),
     ),

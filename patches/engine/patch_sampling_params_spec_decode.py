@@ -24,7 +24,7 @@ def apply() -> None:
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 
-    from ubtree_vllm.vllm.config import MRV2_VLLM_METHOD, is_ubtree_speculative_config
+    from ubtree_vllm.vllm.config import is_ubtree_speculative_config
     from ubtree_vllm.vllm.request_support import unsupported_message, unsupported_options
 
     original = SamplingParams._validate_spec_decode
@@ -32,8 +32,7 @@ def apply() -> None:
     def _validate_spec_decode(self: Any, speculative_config: Any) -> None:
         if not is_ubtree_speculative_config(speculative_config):
             return original(self, speculative_config)
-        runner = "mrv2" if getattr(speculative_config, "method", None) == MRV2_VLLM_METHOD else "v1"
-        names = unsupported_options(self, runner)
+        names = unsupported_options(self)
         if names:
             raise VLLMValidationError(unsupported_message(names), parameter=names[0])
 

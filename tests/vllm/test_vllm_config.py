@@ -197,33 +197,27 @@ def test_from_vllm_config_recognises_only_the_rewritten_form(tiny_drafter):
 
 
 def test_unsupported_request_options():
+    """One list for both runners (the patch test checks the V1 and the MRV2 speculative configs)."""
     from vllm import SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.sampling_params import RepetitionDetectionParams, StructuredOutputsParams
 
     assert unsupported_options(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1, n=2, stop=["x"])) == []
-    grammar = dict(structured_outputs=StructuredOutputsParams(regex="a+"))
-    # both runners follow the grammar along each node's path (MRV2: the trees' parents reach the scheduler)
-    assert unsupported_options(SamplingParams(**grammar)) == []
-    assert unsupported_options(SamplingParams(**grammar), runner="mrv2") == []
-    # logprob_token_ids: both runners score the requested ids on the row of the node that drew each token
-    scored = SamplingParams(logprob_token_ids=[1, 2])
-    assert unsupported_options(scored) == unsupported_options(scored, runner="mrv2") == []
-    # functions of a row's request and position (MRV2: vLLM's per-row sampler), or of its path (bad words): both
+    # the grammar along each node's path (MRV2: the trees' parents reach the scheduler)
+    assert unsupported_options(SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))) == []
+    # logprob_token_ids: the requested ids scored on the row of the node that drew each token
+    assert unsupported_options(SamplingParams(logprob_token_ids=[1, 2])) == []
+    # functions of a row's request and position (MRV2: vLLM's per-row sampler), or of its path (bad words)
     per_row = dict(allowed_token_ids=[1, 2], logit_bias={1: 1.0}, min_p=0.1, min_tokens=3, bad_words=["foo"])
-    assert unsupported_options(SamplingParams(**per_row)) == unsupported_options(SamplingParams(**per_row),
-                                                                                 runner="mrv2") == []
-    # repetition detection: the scheduler's stop check after every accepted token, on both runners
-    from vllm.sampling_params import RepetitionDetectionParams
+    assert unsupported_options(SamplingParams(**per_row)) == []
+    # repetition detection: the scheduler's stop check after every accepted token
     repeated = SamplingParams(repetition_detection=RepetitionDetectionParams(max_pattern_size=4, min_count=3))
-    assert unsupported_options(repeated) == unsupported_options(repeated, runner="mrv2") == []
+    assert unsupported_options(repeated) == []
     assert unsupported_options(SamplingParams(thinking_token_budget=8)) == ["thinking_token_budget"]
-    # logprobs: both runners score each emitted token on the row of the node that drew it
+    # logprobs: each emitted token scored on the row of the node that drew it
     assert unsupported_options(SamplingParams(logprobs=2)) == []
-    assert unsupported_options(SamplingParams(logprobs=2), runner="mrv2") == []
-    # penalties: along each node's path in both runners' tree samplers (MRV2: vllm/mrv2/path_processors.py)
+    # penalties: along each node's path (MRV2: vllm/mrv2/path_processors.py)
     penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
     assert unsupported_options(SamplingParams(**penalties)) == []
-    assert unsupported_options(SamplingParams(**penalties), runner="mrv2") == []
 
 
 def test_tree_attention_mode_reaches_the_workers(tiny_drafter):

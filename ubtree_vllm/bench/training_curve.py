@@ -111,7 +111,8 @@ def plot_training_curve(records: Sequence[dict[str, Any]], out_dir: Path) -> lis
         for ax, tree in zip(axes[0], trees):
             lines = dict.fromkeys((p["dataset"], p["lineage"], p["prompts"]) for p in here if p["tree"] == tree)
             for dataset, name, n in lines:
-                row = [p for p in here if (p["tree"], p["dataset"], p["lineage"], p["prompts"]) == (tree, dataset, name, n)]
+                row = [p for p in here
+                       if (p["tree"], p["dataset"], p["lineage"], p["prompts"]) == (tree, dataset, name, n)]
                 ax.plot([p["label_rows"] / 1e6 for p in row], [p["tau"] for p in row], color=colors[dataset],
                         linestyle=dashes[name], marker=markers[n], markersize=5)
             ax.set_title(tree, fontsize=9)

@@ -247,8 +247,9 @@ def build_drafter_config(cfg: TrainConfig, hf_config: Any, target_name: str) -> 
             want = tuple(value) if isinstance(have, tuple) else value
             if have != want:
                 grown = f" + grow_layers {cfg.grow_layers}" if key == "num_layers" and cfg.grow_layers else ""
-                raise ValueError(f"train config 'drafter.{key}' is {value!r} but init_drafter {cfg.init_drafter}{grown} "
-                                 f"has {key} = {have!r}; drop the override or start a fresh drafter")
+                raise ValueError(f"train config 'drafter.{key}' is {value!r} but init_drafter "
+                                 f"{cfg.init_drafter}{grown} has {key} = {have!r}; drop the override or start "
+                                 "a fresh drafter")
         if drafter_cfg.target_name != target_name:
             raise ValueError(f"init_drafter {cfg.init_drafter} was trained for target {drafter_cfg.target_name!r}, "
                              f"the data is for {target_name!r} (target)")

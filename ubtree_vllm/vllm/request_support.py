@@ -32,14 +32,13 @@ from __future__ import annotations
 
 from typing import Any
 
-
 # vLLM logprobs modes (ModelConfig.logprobs_mode) the tree sampler reports exactly: the model's own
 # logits, before temperature and top-k/top-p, as vLLM's sampler reports them in these modes.
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
 
 
-def unsupported_options(params: Any, runner: str = "v1") -> list[str]:
-    """Names of the options of a vLLM ``SamplingParams`` that method 'ubtree' on ``runner`` cannot serve."""
+def unsupported_options(params: Any) -> list[str]:
+    """Names of the options of a vLLM ``SamplingParams`` that method 'ubtree' cannot serve (on either runner)."""
     checks = (
         ("thinking_token_budget", getattr(params, "thinking_token_budget", None) is not None),
         ("trace_decode_token_ids", bool(getattr(params, "trace_decode_token_ids", None))),
