@@ -25,7 +25,9 @@
 #   eval     tau with the lossless reference decoder (single path vs UBTree, T=0 and T=1); EVAL_DRAFTER, EVAL_DATASETS,
 #            EVAL_METHODS, EVAL_TEMPS and EVAL_PROMPTS select
 #   pack     copy the drafter (split, files <= 16 MB each), the records, logs and loss curves to $OUT
-#   keep / restore  keep the exported drafter in /tmp across calls of one warm machine / put it back
+#   keep / restore  keep the exported drafter in /tmp across calls of one warm machine / put it back;
+#            keep also copies it to $OUT (model.safetensors split <= 15 MB, plus its small files), because a
+#            machine given back between calls takes /tmp with it (reassemble: cat model.safetensors.part* >)
 #   install  install this checkout (non-editable, like a user) into /tmp/ub-site; every later
 #            phase imports the installed package (PYTHONSAFEPATH keeps the source tree off sys.path)
 #   gputest  tests/vllm/test_vllm_gpu.py with the shipped drafter (greedy equality + tok/s record);
@@ -192,7 +194,12 @@ for phase in "$@"; do
       tar -cf "$OUT/small.tar" --exclude=model.safetensors "$DRAFTER" runs/records.jsonl runs/*.log \
         runs/smollm2/*/*.png runs/smollm2/*/metrics.jsonl runs/smollm2/*/manifest.json 2>/dev/null || true ;;
     keep)     # the exported drafter outlives the next call's fresh working tree while the machine is warm
-      rm -rf /tmp/kept-drafter && cp -r "$DRAFTER" /tmp/kept-drafter ;;
+      rm -rf /tmp/kept-drafter && cp -r "$DRAFTER" /tmp/kept-drafter
+      if [ -n "${OUT:-}" ]; then  # and the call's results, should the machine be given back before the next call
+        mkdir -p "$OUT/kept-drafter"
+        split -b 15M -d "$DRAFTER/model.safetensors" "$OUT/kept-drafter/model.safetensors.part"
+        tar -cf "$OUT/kept-drafter/small.tar" --exclude=model.safetensors -C "$DRAFTER" .
+      fi ;;
     restore)  # put the kept drafter back into the working tree (after a call that trained one)
       [ -d /tmp/kept-drafter ] && cp /tmp/kept-drafter/* "$DRAFTER"/ && echo "restored the kept drafter" ;;
     install)

@@ -66,18 +66,25 @@ def bf16_ulp(x: float) -> float:
     return 2.0 ** (math.floor(math.log2(max(abs(x), 2.0 ** -126))) - 7)
 
 
-def assert_greedy_equal_up_to_near_ties(spec: list[list[int]], plain_outputs) -> None:
-    for got, out in zip(spec, plain_outputs):
+def assert_greedy_equal_up_to_near_ties(spec: list[list[int]], plain_outputs, case: str = "") -> None:
+    """``spec[i]`` equals plain decoding's tokens, or first differs where the reference's logprobs (its top-2 and
+    the emitted token, in the engine's logprobs mode) rank UBTree's token within ``NEAR_TIE_ULPS`` bf16 ulps of
+    the reference's. The mode must be the logits greedy decoding compared: raw without logits processors,
+    ``processed_logits`` where a request's options (bias, penalties, masks) move them."""
+    where = f"{case}: " if case else ""
+    for i, (got, out) in enumerate(zip(spec, plain_outputs)):
         expected = list(out.outputs[0].token_ids)
         if got == expected:
             continue
-        pos = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
-        ranked = out.outputs[0].logprobs[pos]  # {token: Logprob} top-2 raw logits of the engine without speculation
-        assert got[pos] in ranked, f"divergence at {pos}: UBTree token {got[pos]} not in the reference top-2"
+        pos = next(j for j, (a, b) in enumerate(zip(got, expected)) if a != b)
+        ranked = out.outputs[0].logprobs[pos]  # {token: Logprob} top-2 logits of the engine without speculation
+        assert got[pos] in ranked, (f"{where}prompt {i} diverges at {pos}: UBTree token {got[pos]} not in the "
+                                    f"reference top-2 {ranked} (tokens so far {expected[:pos]})")
         first, second = ranked[expected[pos]].logprob, ranked[got[pos]].logprob
         ulps = (first - second) / bf16_ulp(max(abs(first), abs(second)))
-        assert ulps <= NEAR_TIE_ULPS, (
-            f"divergence at {pos}: reference logits {first} vs {second} differ by {ulps:g} bf16 ulps (not a near-tie)")
+        assert ulps <= NEAR_TIE_ULPS, (f"{where}prompt {i} diverges at {pos}: reference logits {first} vs {second} "
+                                       f"differ by {ulps:g} bf16 ulps (not a near-tie)")
+        print(f"near-tie: {where}prompt {i} diverges at {pos} ({first} vs {second}, {ulps:g} ulps)")
 
 
 def run_pair(target, drafter, num_prompts=8, inspect_ubtree_engine=None, tree=None, exact=False, **engine_kwargs):
