@@ -197,6 +197,23 @@ def compile_tree_delta_rule(dk: int, dv: int, per_channel: bool, delta: bool, ar
     return _compile("tree_delta_rule", "_tree_delta_rule_kernel", launch_meta(dk, dv, 16, per_channel, delta), kind, arch)
 
 
+def compile_tree_delta_rule_paths(dk: int, dv: int, per_channel: bool, delta: bool, max_depth: int, commit: bool,
+                                  arch: int) -> int:
+    """`_tree_delta_rule_paths_kernel` (the path-recompute form; outputs, or the commit into a float32 state
+    cache) with the launcher's tile sizes (bf16 q/k/v/g/beta); returns the cubin size."""
+    from ubtree_vllm.triton_ops.tree_delta_rule_paths import paths_launch_meta
+
+    def kind(name: str) -> str:
+        if name.endswith("_ptr"):
+            out = "*fp32" if commit else "*bf16"
+            return {"parents_ptr": "*i64", "node_ptr": "*i64", "slot_ptr": "*i64", "h0_ptr": "*fp32",
+                    "out_ptr": out}.get(name, "*bf16")
+        return "fp32" if name == "scale" else "i32"
+
+    return _compile("tree_delta_rule_paths", "_tree_delta_rule_paths_kernel",
+                    paths_launch_meta(dk, dv, 16, per_channel, delta, max_depth, commit), kind, arch)
+
+
 def compile_tree_conv(channels: int, width: int, arch: int) -> int:
     """`_tree_conv_kernel` with the launcher's tile size (bf16 inputs, bias, SiLU); returns the cubin size."""
     from ubtree_vllm.triton_ops.tree_conv import launch_meta
@@ -284,6 +301,11 @@ def main() -> int:
         size = compile_tree_delta_rule(dk, dv, per_channel, delta, args.arch)  # GDN, KDA, Mamba2 heads
         print(f"tree_delta_rule sm_{args.arch} Dk {dk} Dv {dv} {'per-channel' if per_channel else 'per-head'} gate "
               f"{'delta' if delta else 'ssm'}: cubin {size} bytes")
+    for (dk, dv, per_channel, delta), commit in (((128, 128, False, True), False), ((128, 128, False, True), True),
+                                                 ((128, 128, True, True), False), ((128, 64, False, False), False)):
+        size = compile_tree_delta_rule_paths(dk, dv, per_channel, delta, 16, commit, args.arch)
+        print(f"tree_delta_rule_paths sm_{args.arch} Dk {dk} Dv {dv} {'per-channel' if per_channel else 'per-head'} "
+              f"gate {'delta' if delta else 'ssm'} depth 16{' commit' if commit else ''}: cubin {size} bytes")
     size = compile_tree_mla_attention(512, 64, 17, 64, args.arch)  # DeepSeek / Ling-3.0 MLA, 16-deep trees
     print(f"tree_mla_attention sm_{args.arch} latent 512 rope 64 path 17 block 64: cubin {size} bytes")
     size = compile_tree_conv(4096, 4, args.arch)

@@ -21,7 +21,8 @@ returned: after acceptance, the accepted path's deepest node's state is the one 
 
 One program per (request, head, Dv tile); nodes in order (parents first: ``parents[n, t] < t``),
 each node's state tile written to ``node_states`` and re-read by its children. The launcher
-reads no device value. Torch twin: ``reference.tree_gated_delta_rule_reference``.
+reads no device value. Torch twin: ``reference.tree_gated_delta_rule_reference``. The cheaper
+form, which keeps no per-node state: :mod:`ubtree_vllm.triton_ops.tree_delta_rule_paths`.
 """
 from __future__ import annotations
 
@@ -99,17 +100,10 @@ def tree_gated_delta_rule(
         # False: no delta-rule correction (the Mamba2 form, module docstring)
         delta: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (o [N, T, H, Dv] in v's dtype, node_states [N, T, H, Dk, Dv] float32). See the module docstring."""
+    check_tree_delta_shapes(q, k, v, g, beta, parents, initial_state)
     num_reqs, num_nodes, num_heads, dk = q.shape
     dv = v.shape[-1]
     per_channel = g.dim() == 4
-    if k.shape != q.shape or v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
-        raise ValueError(f"shapes disagree: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
-                         f"beta {tuple(beta.shape)}")
-    if g.shape != (q.shape if per_channel else q.shape[:3]):
-        raise ValueError(f"g must be [N, T, H] or [N, T, H, Dk], got {tuple(g.shape)}")
-    if parents.shape != (num_reqs, num_nodes) or initial_state.shape != (num_reqs, num_heads, dk, dv):
-        raise ValueError(f"parents {tuple(parents.shape)} / initial_state {tuple(initial_state.shape)} do not fit "
-                         f"N={num_reqs}, T={num_nodes}, H={num_heads}, Dk={dk}, Dv={dv}")
     o = torch.empty_like(v)
     node_states = torch.zeros((num_reqs, num_nodes, num_heads, dk, dv), dtype=torch.float32, device=q.device)
     if num_reqs * num_nodes == 0:
@@ -121,6 +115,22 @@ def tree_gated_delta_rule(
         parents.to(torch.int64).contiguous(), initial_state.float().contiguous(), o, node_states, float(scale),
         num_nodes, **meta)
     return o, node_states
+
+
+def check_tree_delta_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            parents: torch.Tensor, initial_state: torch.Tensor) -> None:
+    """ValueError naming the arguments whose shapes disagree (both tree delta-rule forms take the same)."""
+    num_reqs, num_nodes, num_heads, dk = q.shape
+    dv = v.shape[-1]
+    per_channel = g.dim() == 4
+    if k.shape != q.shape or v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
+        raise ValueError(f"shapes disagree: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
+                         f"beta {tuple(beta.shape)}")
+    if g.shape != (q.shape if per_channel else q.shape[:3]):
+        raise ValueError(f"g must be [N, T, H] or [N, T, H, Dk], got {tuple(g.shape)}")
+    if parents.shape != (num_reqs, num_nodes) or initial_state.shape != (num_reqs, num_heads, dk, dv):
+        raise ValueError(f"parents {tuple(parents.shape)} / initial_state {tuple(initial_state.shape)} do not fit "
+                         f"N={num_reqs}, T={num_nodes}, H={num_heads}, Dk={dk}, Dv={dv}")
 
 
 def commit_tree_state(node_states: torch.Tensor, accepted_node: torch.Tensor, state_cache: torch.Tensor,

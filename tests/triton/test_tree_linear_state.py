@@ -132,3 +132,72 @@ def test_bad_shapes_name_the_arguments():
     with pytest.raises(ValueError, match="activation"):
         tree_causal_conv1d(torch.zeros(1, 3, 4), torch.zeros(1, 3), torch.zeros(1, 4, 3), torch.zeros(4, 4),
                            activation="gelu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("per_channel,delta", [(False, True), (True, True), (False, False)],
+                         ids=["gdn", "kda", "mamba2"])
+@pytest.mark.parametrize("num_nodes,dk,dv,max_depth", [(7, 16, 16, 6), (65, 32, 24, 16)])
+def test_path_recompute_form_equals_the_node_state_form_and_commits_the_accepted_path(
+        device, per_channel, delta, num_nodes, dk, dv, max_depth):
+    """The cheaper state form (no per-node states): outputs equal the node-state kernel's, its reference's and
+    the chain's on each root path; the commit writes the accepted node's chain state into its slot only."""
+    from ubtree_vllm.triton_ops.tree_delta_rule_paths import commit_tree_state_by_path, tree_gated_delta_rule_paths
+
+    gen = torch.Generator().manual_seed(7 * num_nodes + dk)
+    parents = bounded_depth_parents(2, num_nodes, max_depth, gen).to(device)
+    q, k, v, g, beta, h0 = delta_inputs(2, num_nodes, 2, dk, dv, per_channel, gen, device)
+    o = tree_gated_delta_rule_paths(q, k, v, g, beta, parents, h0, dk ** -0.5, max_depth, delta)
+    o_nodes, _ = tree_gated_delta_rule(q, k, v, g, beta, parents, h0, scale=dk ** -0.5, delta=delta)
+    o_ref, _ = tree_gated_delta_rule_reference(q, k, v, g, beta, parents, h0, dk ** -0.5, delta)
+    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(o, o_nodes, rtol=1e-4, atol=1e-4)
+    deepest = [max(range(num_nodes), key=lambda t: len(path_to(parents[n].tolist(), t))) for n in range(2)]
+    assert max(len(path_to(parents[n].tolist(), deepest[n])) for n in range(2)) == max_depth + 1  # the bound, met
+    cache = torch.zeros(5, 2, dk, dv, device=device)
+    accepted, slots = torch.tensor(deepest, device=device), torch.tensor([3, 1], device=device)
+    commit_tree_state_by_path(q, k, v, g, beta, parents, h0, max_depth, accepted, slots, cache, delta)
+    for n, (node, slot) in enumerate(zip(deepest, slots.tolist())):
+        path = path_to(parents[n].tolist(), node)
+        chain_o, chain = gated_delta_rule_chain_reference(q[n, path], k[n, path], v[n, path], g[n, path],
+                                                          beta[n, path], h0[n], dk ** -0.5, delta)
+        torch.testing.assert_close(cache[slot], chain[-1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(o[n, node], chain_o[-1], rtol=1e-4, atol=1e-4)
+    assert cache[[0, 2, 4]].abs().sum() == 0  # other slots untouched
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_path_recompute_form_poisons_paths_deeper_than_its_bound(device):
+    """A root path longer than max_depth + 1 nodes gives NaN (output and committed state), never a truncated
+    recurrence; nodes within the bound are exact."""
+    from ubtree_vllm.triton_ops.tree_delta_rule_paths import commit_tree_state_by_path, tree_gated_delta_rule_paths
+
+    gen = torch.Generator().manual_seed(11)
+    parents = torch.tensor([[-1, 0, 1, 2, 3, 0]], device=device)  # a chain of 5 nodes and a leaf under the root
+    q, k, v, g, beta, h0 = delta_inputs(1, 6, 2, 8, 8, False, gen, device)
+    o = tree_gated_delta_rule_paths(q, k, v, g, beta, parents, h0, 1.0, max_depth=3)
+    o_ref, _ = tree_gated_delta_rule_reference(q, k, v, g, beta, parents, h0, 1.0)
+    assert torch.isnan(o[0, 4]).all() and not torch.isnan(o[0, [0, 1, 2, 3, 5]]).any()
+    torch.testing.assert_close(o[0, [0, 1, 2, 3, 5]], o_ref[0, [0, 1, 2, 3, 5]], rtol=1e-4, atol=1e-4)
+    cache = torch.zeros(1, 2, 8, 8, device=device)
+    commit_tree_state_by_path(q, k, v, g, beta, parents, h0, 3, torch.tensor([4], device=device),
+                              torch.tensor([0], device=device), cache)
+    assert torch.isnan(cache).all()
+
+
+def bounded_depth_parents(num_reqs: int, num_nodes: int, max_depth: int, gen: torch.Generator) -> torch.Tensor:
+    """[N, T] random parents-first trees whose root paths hold at most max_depth + 1 nodes, one of them exactly."""
+    rows = []
+    for _ in range(num_reqs):
+        parents, depth = [-1], [0]
+        for t in range(1, num_nodes):
+            if t <= max_depth:  # a spine to the bound first
+                parent = t - 1
+            else:
+                parent = int(torch.randint(0, t, (1,), generator=gen))
+                while depth[parent] == max_depth:
+                    parent = int(torch.randint(0, t, (1,), generator=gen))
+            parents.append(parent)
+            depth.append(depth[parent] + 1)
+        rows.append(parents)
+    return torch.tensor(rows)

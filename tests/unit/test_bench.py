@@ -446,3 +446,22 @@ def test_agreement_counts_prompts_whose_greedy_output_differs(drafter_dir):
         settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ar,ubtree", tree_budgets="4", top_k=4,
                                     temperatures="0,1", agreement=True))
     assert settings_from_args(e2e_args(methods="ar,ngram", temperatures="0", agreement=True)).agreement
+
+
+def test_tree_linear_state_forms_compute_the_same_step():
+    """tree-linear-state times two forms of one step: on a small shape (CPU, Triton interpreter) their outputs
+    and their commits of the deepest node agree, and that node is as deep as the tree goes."""
+    from ubtree_vllm.bench.linear_state_bench import LinearStateShape, deepest_nodes, step_functions, tree_inputs
+
+    inputs = tree_inputs(LinearStateShape("tiny", 2, 16, 8), 2, 24, torch.device("cpu"))
+    parents = inputs[5]
+    for row, node in zip(parents.tolist(), deepest_nodes(parents).tolist()):
+        depth = [0] * len(row)
+        for t in range(1, len(row)):
+            depth[t] = depth[row[t]] + 1
+        assert depth[node] == max(depth) > 1
+    caches = {form: torch.zeros_like(inputs[-1]) for form in ("node_states", "paths")}
+    outputs = {form: step_functions(inputs, 16 ** -0.5, cache)[form]() for form, cache in caches.items()}
+    torch.testing.assert_close(outputs["paths"], outputs["node_states"], rtol=1e-4, atol=1e-4)
+    assert caches["node_states"].abs().sum() > 0
+    torch.testing.assert_close(caches["paths"], caches["node_states"], rtol=1e-4, atol=1e-4)

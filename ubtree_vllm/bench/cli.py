@@ -16,7 +16,7 @@ DEFAULT_RECORDS = "docs/benchmarks/records.jsonl"
 # Names of bench/microbench.py:MICROBENCHES (kept here so building the parser imports no torch;
 # tests/unit/test_bench.py checks that both lists agree).
 MICROBENCH_NAMES = ("draft-postprocess", "tree-attention-vs-flash", "verify-forward", "draft-stage", "projection",
-                    "grammar-rows")
+                    "grammar-rows", "tree-linear-state")
 
 
 def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
@@ -96,7 +96,7 @@ def _add_microbench_args(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated context lengths of tree-attention-vs-flash")
     parser.add_argument("--iters", type=int, default=50, help="timed rounds (after --warmup)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed rounds first")
-    parser.add_argument("--tree-budget", type=int, default=64, help="B (draft-postprocess, grammar-rows)")
+    parser.add_argument("--tree-budget", type=int, default=64, help="B (draft-postprocess, grammar-rows, tree-linear-state)")
     parser.add_argument("--beam-width", type=int, default=12, help="W (capped at B; draft-postprocess)")
     parser.add_argument("--top-k", type=int, default=64, help="K (draft-postprocess)")
     parser.add_argument("--num-reqs", type=int, default=1, help="requests drafted per round (draft-postprocess)")

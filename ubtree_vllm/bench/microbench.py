@@ -17,6 +17,9 @@ running any. Entries:
                            requests in flight), for the report's projected speedups at tau = 4, 6, 8
   grammar-rows             (host) bench/grammar_bench.py: the scheduler's structured-output rows of one
                            B-node tree (xgrammar, JSON schema, the default target's tokenizer)
+  tree-linear-state        (GPU only) bench/linear_state_bench.py: a Qwen3-Next GDN layer's tree step and
+                           commit in both state forms (per-node states vs path recompute), time and peak
+                           memory, 1 and 32 requests
   draft-stage              (CPU or GPU, uses --drafter) the whole drafting stage of a round as the
                            vLLM proposer runs it (backbone over DRAFT_STAGE_CONTEXT committed
                            positions, top-K, selector, tree), eager and, on CUDA, replayed from
@@ -302,6 +305,14 @@ def grammar_rows(settings: MicrobenchSettings) -> list[dict[str, Any]]:
     return run(settings)
 
 
+def tree_linear_state(settings: MicrobenchSettings) -> list[dict[str, Any]]:
+    """A hybrid layer's tree step in both state forms: per-node states vs path recompute (GPU only)."""
+    from ubtree_vllm.bench.linear_state_bench import tree_linear_state as run
+
+    _check_counts(settings)
+    return run(settings)
+
+
 @dataclass(frozen=True)
 class Microbench:
     run: Callable[[MicrobenchSettings], Iterable[dict[str, Any]]]
@@ -316,6 +327,7 @@ MICROBENCHES: dict[str, Microbench] = {
     "draft-stage": Microbench(draft_stage, gpu_only=False, uses_drafter=True),
     "projection": Microbench(projection, gpu_only=True, uses_drafter=False),
     "grammar-rows": Microbench(grammar_rows, gpu_only=False, uses_drafter=False),
+    "tree-linear-state": Microbench(tree_linear_state, gpu_only=True, uses_drafter=False),
 }
 
 
