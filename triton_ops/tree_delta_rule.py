@@ -36,6 +36,24 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 if triton is not None:
     @triton.jit
+    def delta_rule_step(state, k_ptr, v_ptr, g_ptr, beta_ptr, tok, ok, ov, mk, mv, DK: tl.constexpr,
+                        DV: tl.constexpr, PER_CHANNEL_GATE: tl.constexpr, DELTA: tl.constexpr):
+        """The state tile [BK, BV] after token row ``tok`` (module docstring's update; float32)."""
+        k = tl.load(k_ptr + tok * DK + ok, mask=mk, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + tok * DV + ov, mask=mv, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + tok).to(tl.float32)
+        if PER_CHANNEL_GATE:
+            g = tl.load(g_ptr + tok * DK + ok, mask=mk, other=0.0).to(tl.float32)
+            state = state * tl.exp(g)[:, None]
+        else:
+            state = state * tl.exp(tl.load(g_ptr + tok).to(tl.float32))
+        if DELTA:
+            u = beta * (v - tl.sum(state * k[:, None], axis=0))  # [BV]
+        else:
+            u = beta * v
+        return state + k[:, None] * u[None, :]
+
+    @triton.jit
     def _tree_delta_rule_kernel(
             q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, parents_ptr, h0_ptr, o_ptr, hs_ptr, scale,
             T, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -56,20 +74,9 @@ if triton is not None:
             prev = tl.load(hs_ptr + ((n * T + tl.maximum(parent, 0)) * H + h) * DK * DV + state_off,
                            mask=mkv, other=0.0)
             state = tl.where(parent >= 0, prev, h0)
+            state = delta_rule_step(state, k_ptr, v_ptr, g_ptr, beta_ptr, tok, ok, ov, mk, mv, DK, DV,
+                                    PER_CHANNEL_GATE, DELTA)
             q = tl.load(q_ptr + tok * DK + ok, mask=mk, other=0.0).to(tl.float32)
-            k = tl.load(k_ptr + tok * DK + ok, mask=mk, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + tok * DV + ov, mask=mv, other=0.0).to(tl.float32)
-            beta = tl.load(beta_ptr + tok).to(tl.float32)
-            if PER_CHANNEL_GATE:
-                g = tl.load(g_ptr + tok * DK + ok, mask=mk, other=0.0).to(tl.float32)
-                state = state * tl.exp(g)[:, None]
-            else:
-                state = state * tl.exp(tl.load(g_ptr + tok).to(tl.float32))
-            if DELTA:
-                u = beta * (v - tl.sum(state * k[:, None], axis=0))  # [BV]
-            else:
-                u = beta * v
-            state = state + k[:, None] * u[None, :]
             o = tl.sum(state * q[:, None], axis=0) * scale
             tl.store(o_ptr + tok * DV + ov, o.to(o_ptr.dtype.element_ty), mask=mv)
             tl.store(hs_ptr + tok * DK * DV + state_off, state, mask=mkv)

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import torch
 
-from ubtree_vllm.triton_ops.tree_delta_rule import check_tree_delta_shapes, launch_meta
-
 try:  # optional at import time, as in tree_attention
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None
+
+from ubtree_vllm.triton_ops.tree_delta_rule import check_tree_delta_shapes, launch_meta
+
+if triton is not None:
+    from ubtree_vllm.triton_ops.tree_delta_rule import delta_rule_step
 
 if triton is not None:
     @triton.jit
@@ -56,21 +59,11 @@ if triton is not None:
             for _ in tl.static_range(MAX_PATH - 1 - i):
                 up = tl.load(parents_ptr + n * T + tl.maximum(node, 0)).to(tl.int64)
                 node = tl.where(node >= 0, up, -1)
-            on_path = node >= 0  # off the path (shallower node): node 0's row is read, its update discarded
+            # off the path (a shallower node): node 0's row is read and its update discarded
             tok = (n * T + tl.maximum(node, 0)) * H + h
-            k = tl.load(k_ptr + tok * DK + ok, mask=mk, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + tok * DV + ov, mask=mv, other=0.0).to(tl.float32)
-            beta = tl.load(beta_ptr + tok).to(tl.float32)
-            if PER_CHANNEL_GATE:
-                g = tl.load(g_ptr + tok * DK + ok, mask=mk, other=0.0).to(tl.float32)
-                decayed = state * tl.exp(g)[:, None]
-            else:
-                decayed = state * tl.exp(tl.load(g_ptr + tok).to(tl.float32))
-            if DELTA:
-                u = beta * (v - tl.sum(decayed * k[:, None], axis=0))  # [BV]
-            else:
-                u = beta * v
-            state = tl.where(on_path, decayed + k[:, None] * u[None, :], state)
+            after = delta_rule_step(state, k_ptr, v_ptr, g_ptr, beta_ptr, tok, ok, ov, mk, mv, DK, DV,
+                                    PER_CHANNEL_GATE, DELTA)
+            state = tl.where(node >= 0, after, state)
         # a path longer than MAX_PATH: the root's parent is not the committed state -> NaN, never truncated
         node = last
         for _ in tl.static_range(MAX_PATH):
