@@ -155,16 +155,17 @@ def test_time_launches_on_cpu_gives_one_sample_per_iteration():
 
 def test_which_all_is_every_entry_and_only_the_drafter_entries_need_the_drafter():
     assert parse_which("all") == tuple(MICROBENCHES) == ("draft-postprocess", "tree-attention-vs-flash",
-                                                         "verify-forward", "draft-stage", "projection", "grammar-rows")
+                                                         "verify-forward", "draft-stage", "projection", "grammar-rows",
+                                                         "tree-linear-state")
     assert parse_which("verify-forward, draft-postprocess") == ("verify-forward", "draft-postprocess")
     assert [n for n, m in MICROBENCHES.items() if m.uses_drafter] == ["draft-postprocess", "draft-stage"]
     assert [n for n, m in MICROBENCHES.items() if m.gpu_only] == ["tree-attention-vs-flash", "verify-forward",
-                                                                  "projection"]
+                                                                  "projection", "tree-linear-state"]
 
 
 @pytest.mark.parametrize("names,pattern", [
     (("verify",), r"--which: unknown microbenchmark 'verify'; allowed: draft-postprocess, tree-attention-vs-flash, "
-                  r"verify-forward, draft-stage, projection, grammar-rows, all"),
+                  r"verify-forward, draft-stage, projection, grammar-rows, tree-linear-state, all"),
     (("draft-postprocess", "draft-postprocess"), r"--which lists a microbenchmark twice"),
     (("draft-postprocess",), r"--drafter is required for --which draft-postprocess"),
 ])
@@ -182,7 +183,7 @@ def test_bad_which_value_is_a_one_line_cli_error(capsys):
                                                "draft-postprocess")
 
 
-@pytest.mark.parametrize("name", ["tree-attention-vs-flash", "verify-forward", "projection"])
+@pytest.mark.parametrize("name", ["tree-attention-vs-flash", "verify-forward", "projection", "tree-linear-state"])
 def test_gpu_only_entries_name_themselves_without_cuda_and_run_nothing(name, monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     path = tmp_path / "records.jsonl"

@@ -108,11 +108,12 @@ def peak_mib(fn: Any, device: torch.device) -> float:
     return (torch.cuda.max_memory_allocated(device) - before) / 2 ** 20
 
 
-def tree_linear_state(settings: Any) -> list[dict[str, Any]]:
+def tree_linear_state(settings: Any, device: torch.device) -> list[dict[str, Any]]:
+    """The records of both forms (module docstring) on the CUDA ``device``."""
     from ubtree_vllm.bench.records import hardware
     from ubtree_vllm.bench.timing import GRAPH_CLOCK, time_launches
 
-    device, shape, budget = torch.device("cuda"), QWEN3_NEXT_GDN, settings.tree_budget
+    shape, budget = QWEN3_NEXT_GDN, settings.tree_budget
     records = []
     for num_reqs in NUM_REQS:
         inputs = tree_inputs(shape, num_reqs, budget, device, settings.seed)

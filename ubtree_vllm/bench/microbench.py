@@ -310,7 +310,7 @@ def tree_linear_state(settings: MicrobenchSettings) -> list[dict[str, Any]]:
     from ubtree_vllm.bench.linear_state_bench import tree_linear_state as run
 
     _check_counts(settings)
-    return run(settings)
+    return run(settings, _cuda_device(settings, "tree-linear-state"))
 
 
 @dataclass(frozen=True)
