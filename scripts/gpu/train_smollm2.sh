@@ -103,6 +103,17 @@ EVAL=(--data-dir .gpudata --num-prompts "${EVAL_PROMPTS:-80}" --batch-size 64 --
 left_s() { echo $(( END_AT - $(date +%s) )); }
 minutes_left() { python3 -c "print(max(0.5, ($END_AT - $(date +%s) - ${1:-45}) / 60))"; }
 
+# Wait until the vLLM engine of process PID, logging to LOG, has started (its "init engine" line or a written
+# shard) or PID is gone (an error is that worker's own log's business), at most MAX_S seconds.
+engine_started() {
+  local pid=$1 log=$2 max_s=$3 waited=0
+  until grep -qE "init engine \(profile|gen-data: wrote" "$log" 2>/dev/null || ! kill -0 "$pid" 2>/dev/null; do
+    [ "$waited" -ge "$max_s" ] && { echo "slice: $log shows no started engine after ${max_s}s; starting the next"; return 0; }
+    sleep 5; waited=$(( waited + 5 ))
+  done
+  echo "slice: $log: engine started or worker ended after ${waited}s"
+}
+
 # One ablation: NAME DATA_DIR [train --set overrides...]. Logs to runs/ablations/NAME.log.
 ablation() {
   local name=$1 data=$2; shift 2
@@ -143,14 +154,18 @@ for phase in "$@"; do
       # same greedy answers twice); the seed shuffles the prompts and seeds the T = 1 draws
       seed=${SLICE_SEED:-$(date +%s)}
       if [ -n "${GEN_MINUTES:-}" ]; then  # sequential: gen-data alone on the GPU first, then the trainer alone
-        # GEN_WORKERS engines side by side (one engine's host work bounds its tokens/s), starts staggered
-        # by GEN_STAGGER_S (vLLM 0.32 asserts when another process frees GPU memory while it profiles)
+        # GEN_WORKERS engines side by side (one engine's host work bounds its tokens/s), each started once the one
+        # before has finished its start-up (engine_started, at most GEN_STAGGER_MAX_S): vLLM 0.32's memory
+        # profiling counts what another process allocates or frees meanwhile (it asserts "Error in memory
+        # profiling" when one frees; with a fixed 30 s stagger a third engine found "No available memory for the
+        # cache blocks" on 2026-12-04)
         workers=${GEN_WORKERS:-1}; share=$(python3 -c "print(round(0.85 / $workers, 3))")
         for w in $(seq 0 $(( workers - 1 ))); do
-          [ "$w" -gt 0 ] && sleep "${GEN_STAGGER_S:-30}"
+          [ "$w" -gt 0 ] && engine_started "$last_gen" runs/gen-data-$(( w - 1 )).log "${GEN_STAGGER_MAX_S:-240}"
           ubtree gen-data --config "$CONFIG" --data-root .gpudata --set seed="$seed" \
             --set gpu_memory_utilization="$share" --set worker="$w" --set num_workers="$workers" \
             --set out_dir=runs/smollm2/slice-data-$seed --max-minutes "$GEN_MINUTES" > runs/gen-data-$w.log 2>&1 &
+          last_gen=$!
         done
         wait
         cat runs/gen-data-*.log > runs/gen-data.log
