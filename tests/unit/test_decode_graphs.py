@@ -6,7 +6,7 @@ from types import SimpleNamespace
 from vllm.config import CompilationConfig
 from vllm.config.compilation import CUDAGraphMode
 
-from ubtree_vllm.vllm.decode_graphs import decode_graph_sizes, request_counts, widen_decode_graph_sizes
+from ubtree_vllm.vllm.decode_graphs import budget_ranges, decode_graph_sizes, request_counts, widen_decode_graph_sizes
 
 VLLM_TOKEN_GRID = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]  # vLLM 0.32's default sizes up to 512
 
@@ -56,6 +56,24 @@ def test_widen_reads_vllms_budget_schedule_and_the_draft_query_length():
     plain = engine_config(VLLM_TOKEN_GRID)
     widen_decode_graph_sizes(plain)
     assert 32 * 17 not in plain.compilation_config.cudagraph_capture_sizes  # pinned B, V1 runner: only 1 + B
+
+
+def test_with_a_schedule_the_full_budget_sizes_are_only_those_it_verifies_at():
+    """The default-like schedule verifies 65 tokens per request only for 1-8 requests: no 16 x 65 graph (MRV2 would
+    capture it once per query length of the schedule); a gap and the tail carry the entry before them, as vLLM's
+    scheduler looks budgets up."""
+    config = engine_config(VLLM_TOKEN_GRID, max_num_seqs=64, schedule=[[1, 8, 64], [9, 16, 32], [17, 32, 16]])
+    assert widen_decode_graph_sizes(config, draft_query_len=17) is True
+    sizes = config.compilation_config.cudagraph_capture_sizes
+    assert {8 * 65, 16 * 33, 32 * 17, 64 * 17} <= set(sizes)  # the tail (33-64 requests) carries 16: 17 tokens
+    assert not {16 * 65, 24 * 65, 32 * 65, 64 * 65, 24 * 33, 64 * 33} & set(sizes)
+    assert config.compilation_config.max_cudagraph_capture_size == 64 * 17 == sizes[-1]
+    gap = engine_config(VLLM_TOKEN_GRID, schedule=[[1, 4, 64], [17, 32, 16]])
+    widen_decode_graph_sizes(gap)
+    assert {8 * 65, 16 * 65, 32 * 17} <= set(gap.compilation_config.cudagraph_capture_sizes)  # 5-16 carry 64
+    assert 24 * 65 not in gap.compilation_config.cudagraph_capture_sizes
+    assert budget_ranges([(1, 4, 64), (17, 32, 16)], 64, 40) == [(1, 16, 64), (17, 40, 16)]
+    assert budget_ranges([(1, 8, 80), (9, 9, 32)], 64, 12) == [(1, 8, 64), (9, 12, 32)]  # capped at the pinned B
 
 
 def test_widen_updates_sizes_and_max_in_place_once():

@@ -11,10 +11,15 @@ vLLM's token grid below 512 (mixed prefill/decode batches) is kept as it is; bat
 between two sizes are padded up to the next one, as vLLM always does.
 
 With a load-adaptive budget (``num_speculative_tokens_per_batch_size``, entries ``(first, last,
-B')``), a step of n requests in an entry's range verifies ``1 + B'`` tokens per request, so each
-entry adds ``n * (1 + B')`` for the grid's request counts inside its range (and its last count):
-without them, MRV2 rounds the ``n * (1 + B)`` sizes up to multiples of ``1 + B'`` and 32
-requests of 17 tokens ran in the graph of 62 requests (1054 tokens, not 544).
+B')``), a step of n requests verifies ``1 + B'(n)`` tokens per request, B'(n) as vLLM's scheduler
+looks it up (``build_dynamic_sd_schedule_lookup``: a gap or the tail past the last entry carries the
+entry before it), so the sizes are ``n * (1 + B'(n))`` for the grid's request counts (and each
+range's last count): without them, MRV2 rounds the ``n * (1 + B)`` sizes up to multiples of
+``1 + B'`` and 32 requests of 17 tokens ran in the graph of 62 requests (1054 tokens, not 544).
+The full-budget sizes ``n * (1 + B)`` are then added only for the request counts whose budget is B:
+MRV2 captures one FULL graph per size and per query length of the schedule, so every size nobody
+verifies at costs as many captures as the schedule has lengths (at B = 64, the default schedule and
+16,384 batched tokens: sizes up to 16,380 tokens for 252 requests of 65, which the schedule never forms).
 
 Model Runner V2's draft (vLLM's DFlash query forward, ``1 + gamma`` tokens per request) takes
 its graphs from the same list, so on MRV2 ``n * (1 + gamma)`` joins too (``draft_query_len``);
@@ -41,20 +46,38 @@ def request_counts(max_reqs: int) -> list[int]:
 
 def decode_graph_sizes(capture_sizes: list[int], query_len: int, max_num_seqs: int,
                        max_num_batched_tokens: int,
-                       schedule: list[tuple[int, int, int]] | None = None) -> list[int]:
+                       schedule: list[tuple[int, int, int]] | None = None, full_budget: bool = True) -> list[int]:
     """``capture_sizes`` plus ``n * query_len`` for the request-count grid, sorted, deduplicated.
 
     The widest added size is the largest uniform decode batch the scheduler can build:
     ``min(max_num_seqs, max_num_batched_tokens // query_len)`` requests. ``schedule``: the
     load-adaptive budget's ``(first, last, entry query length)`` entries; each adds
     ``n * entry_len`` for the grid's counts in ``[first, last]`` and ``last`` itself, within
-    the same two limits."""
+    the same two limits. ``full_budget=False``: no ``n * query_len`` besides the schedule's (its
+    entries then name every request count's query length)."""
     max_reqs = min(max_num_seqs, max_num_batched_tokens // query_len)
-    sizes = set(capture_sizes) | {n * query_len for n in request_counts(max_reqs)}
+    sizes = set(capture_sizes) | ({n * query_len for n in request_counts(max_reqs)} if full_budget else set())
     for first, last, entry_len in schedule or ():
         top = min(last, max_num_seqs, max_num_batched_tokens // entry_len)
         sizes |= {n * entry_len for n in request_counts(top) if n >= first}
     return sorted(sizes)
+
+
+def budget_ranges(schedule: list[tuple[int, int, int]], budget: int, max_num_seqs: int) -> list[tuple[int, int, int]]:
+    """The budget per request count as vLLM's scheduler looks it up, as ``(first, last, B')`` ranges covering
+    ``1..max_num_seqs`` (vLLM's ``build_dynamic_sd_schedule_lookup``: gaps and the tail carry the entry before,
+    each B' capped at the pinned ``budget``)."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    dense = build_dynamic_sd_schedule_lookup([list(e) for e in schedule], vllm_max_batch_size=max_num_seqs,
+                                             vllm_num_speculative_tokens=budget)  # [max_num_seqs + 1], index 0 unused
+    ranges: list[tuple[int, int, int]] = []
+    for n in range(1, max_num_seqs + 1):
+        if ranges and ranges[-1][2] == dense[n]:
+            ranges[-1] = (ranges[-1][0], n, dense[n])
+        else:
+            ranges.append((n, n, dense[n]))
+    return ranges
 
 
 def _tree_steps(vllm_config: Any) -> tuple[int, list[tuple[int, int, int]]]:
@@ -77,11 +100,13 @@ def widen_decode_graph_sizes(vllm_config: Any, draft_query_len: int | None = Non
     scheduler = vllm_config.scheduler_config
     query_len = vllm_config.uniform_decode_query_len  # 1 + B
     sampled, schedule = _tree_steps(vllm_config)
+    if schedule:  # every request count's budget, as the scheduler picks it
+        schedule = budget_ranges(schedule, query_len - sampled, scheduler.max_num_seqs)
     entries = [(first, last, budget + sampled) for first, last, budget in schedule]
     if draft_query_len is not None:
         entries.append((1, scheduler.max_num_seqs, draft_query_len))
     sizes = decode_graph_sizes(compilation.cudagraph_capture_sizes, query_len, scheduler.max_num_seqs,
-                               scheduler.max_num_batched_tokens, entries)
+                               scheduler.max_num_batched_tokens, entries, full_budget=not schedule)
     if sizes == sorted(compilation.cudagraph_capture_sizes):
         return False
     compilation.cudagraph_capture_sizes = sizes
