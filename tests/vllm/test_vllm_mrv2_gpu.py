@@ -331,9 +331,11 @@ def test_default_runner_on_cuda_is_mrv2_and_greedy_exact(monkeypatch, tmp_path):
 def test_default_engine_captures_tree_steps_beyond_vllms_512_token_ceiling(monkeypatch, tmp_path):
     """vllm/decode_graphs.py: with 40 requests of 1 + B = 17 tokens (680 > vLLM's default 512-token
     graph ceiling) the default engine has a FULL graph for the 40-request tree step, and 40 concurrent
-    prompts are greedy-exact."""
+    prompts are greedy-exact. B is pinned (budget_policy fixed): the load-adaptive default verifies 3 tokens
+    per request at 40 requests, and its 680-token graph would be the draft's (1 + gamma = 17 here too)."""
     from vllm.config.compilation import CUDAGraphMode
 
+    from test_vllm_gpu import TREE
     from vllm_oracle import engine_runner
 
     monkeypatch.delenv("UBTREE_VLLM_RUNNER", raising=False)
@@ -345,6 +347,7 @@ def test_default_engine_captures_tree_steps_beyond_vllms_512_token_ceiling(monke
         facts["full"] = sorted(d.num_tokens for d in manager.graphs if d.cg_mode == CUDAGraphMode.FULL)
         facts["query_len"] = llm.llm_engine.vllm_config.uniform_decode_query_len
 
-    run_pair(*save_tiny_qwen3(tmp_path), num_prompts=40, inspect_ubtree_engine=inspect, max_num_seqs=40)
+    run_pair(*save_tiny_qwen3(tmp_path), num_prompts=40, inspect_ubtree_engine=inspect, max_num_seqs=40,
+             tree={**TREE, "budget_policy": "fixed"})
     assert facts["query_len"] == 17
     assert 40 * 17 in facts["full"] and 32 * 17 in facts["full"], facts
