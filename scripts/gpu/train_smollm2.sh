@@ -103,15 +103,18 @@ EVAL=(--data-dir .gpudata --num-prompts "${EVAL_PROMPTS:-80}" --batch-size 64 --
 left_s() { echo $(( END_AT - $(date +%s) )); }
 minutes_left() { python3 -c "print(max(0.5, ($END_AT - $(date +%s) - ${1:-45}) / 60))"; }
 
-# Wait until the vLLM engine of process PID, logging to LOG, has started (its "init engine" line or a written
-# shard) or PID is gone (an error is that worker's own log's business), at most MAX_S seconds.
+# Wait until the vLLM engine of process PID, logging to LOG, has sized its KV cache (vLLM's "GPU KV cache size" line;
+# the cache is allocated right after it, and the CUDA-graph capture that follows takes ~20 s, less than the next
+# engine's compile before it profiles) or PID is gone (an error is that worker's own log's business), at most
+# MAX_S seconds.
 engine_started() {
   local pid=$1 log=$2 max_s=$3 waited=0
-  until grep -qE "init engine \(profile|gen-data: wrote" "$log" 2>/dev/null || ! kill -0 "$pid" 2>/dev/null; do
-    [ "$waited" -ge "$max_s" ] && { echo "slice: $log shows no started engine after ${max_s}s; starting the next"; return 0; }
-    sleep 5; waited=$(( waited + 5 ))
+  until grep -qE "GPU KV cache size|init engine \(profile|gen-data: wrote" "$log" 2>/dev/null \
+      || ! kill -0 "$pid" 2>/dev/null; do
+    [ "$waited" -ge "$max_s" ] && { echo "slice: $log shows no KV cache after ${max_s}s; starting the next"; return 0; }
+    sleep 2; waited=$(( waited + 2 ))
   done
-  echo "slice: $log: engine started or worker ended after ${waited}s"
+  echo "slice: $log: KV cache sized or worker ended after ${waited}s"
 }
 
 # One ablation: NAME DATA_DIR [train --set overrides...]. Logs to runs/ablations/NAME.log.
@@ -155,7 +158,7 @@ for phase in "$@"; do
       seed=${SLICE_SEED:-$(date +%s)}
       if [ -n "${GEN_MINUTES:-}" ]; then  # sequential: gen-data alone on the GPU first, then the trainer alone
         # GEN_WORKERS engines side by side (one engine's host work bounds its tokens/s), each started once the one
-        # before has finished its start-up (engine_started, at most GEN_STAGGER_MAX_S): vLLM 0.32's memory
+        # before has sized and allocated its KV cache (engine_started, at most GEN_STAGGER_MAX_S): vLLM 0.32's memory
         # profiling counts what another process allocates or frees meanwhile (it asserts "Error in memory
         # profiling" when one frees; with a fixed 30 s stagger a third engine found "No available memory for the
         # cache blocks" on 2026-12-04)
