@@ -49,7 +49,8 @@
 #   bench    `ubtree bench e2e` at batch 1 (ar, dflash-chain, ubtree-mrv2 and ubtree (V1) B=16/32/64); METHODS, BUDGETS,
 #            BENCH_DATASETS, BENCH_TEMPS and BENCH_PROMPTS (per set, default 10) select a slice so
 #            each call stays < 10 minutes; BENCH_DRAFTER (default the committed drafter; e.g. /tmp/kept-drafter, a
-#            slice's drafter) which drafter the tree methods use; TREE_ATTENTION=flash_merge (bench, sweep, stages, roundprof) sets
+#            slice's drafter) which drafter the tree methods use; BENCH_COMPARE=DIR[,DIR] runs them again with those
+#            drafters in the same invocation (--compare-drafters: one ar/ngram baseline, one machine); TREE_ATTENTION=flash_merge (bench, sweep, stages, roundprof) sets
 #            --tree-attention
 #   sweep    `ubtree bench e2e` concurrency SWEEP_CONCURRENCY (default 1,4,16,32) on SWEEP_DATASETS (default mt_bench;
 #            SWEEP_PROMPTS per set, default 64) at SWEEP_TEMPS (default 0);
@@ -243,7 +244,7 @@ for phase in "$@"; do
           "$R/tests/triton" "$R/tests/unit/test_draft_graphs.py" "$R/tests/unit/test_mrv2_speculator.py" ) ;;
     bench)
       ubtree bench e2e --target default --drafter "${BENCH_DRAFTER:-$DRAFTER}" --data-dir .gpudata --records "$RECORDS" --no-report \
-        --gpu-memory-utilization 0.25 \
+        --gpu-memory-utilization 0.25 ${BENCH_COMPARE:+--compare-drafters "$BENCH_COMPARE"} \
         --datasets "${BENCH_DATASETS:-spec_bench,mt_bench,humaneval}" --temperatures "${BENCH_TEMPS:-0,1}" \
         --num-prompts "${BENCH_PROMPTS:-10}" \
         --max-new-tokens 256 --methods "${METHODS:-ar,ngram,dflash-chain,ubtree-mrv2,ubtree}" \

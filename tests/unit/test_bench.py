@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -185,6 +186,31 @@ def test_e2e_flags_are_parsed_and_ordered(drafter_dir):
     both = settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree-mrv2,ubtree", tree_budgets="4,8",
                                        top_k=16))
     assert planned_methods(both) == ["ubtree:4", "ubtree:8", "ubtree-mrv2:4", "ubtree-mrv2:8"]
+
+
+def test_compared_drafters_rerun_only_the_engines_that_draft(drafter_dir, tmp_path):
+    import shutil
+
+    from ubtree_vllm.bench.settings import planned_engines
+
+    other = tmp_path / "other"
+    shutil.copytree(drafter_dir, other)
+    settings = settings_from_args(e2e_args(drafter=str(drafter_dir), compare_drafters=str(other), tree_budgets="16",
+                                           methods="ar,ngram,ubtree-mrv2", top_k=16))
+    engines = planned_engines(settings)
+    assert [(label, s.drafter) for label, s in engines] == [
+        ("ar", str(drafter_dir)), ("ngram", str(drafter_dir)), ("ubtree-mrv2:16", str(drafter_dir)),
+        ("ubtree-mrv2:16", str(other))]
+    assert engines[-1][1].block_size == 4 and not engines[-1][1].compare_drafters  # validated on its own
+    assert planned_engines(dataclasses.replace(settings, compare_drafters=())) == [
+        (label, dataclasses.replace(settings, compare_drafters=())) for label in ("ar", "ngram", "ubtree-mrv2:16")]
+    for value, message in (("/no/such", "--compare-drafters: drafter folder not found: /no/such"),
+                           (str(drafter_dir), "--compare-drafters names --drafter or a folder twice"),
+                           (f"{other},{other}", "--compare-drafters names --drafter or a folder twice")):
+        with pytest.raises(BenchArgumentError, match=message):
+            settings_from_args(e2e_args(drafter=str(drafter_dir), compare_drafters=value, tree_budgets="16", top_k=16))
+    with pytest.raises(BenchArgumentError, match="--compare-drafters reruns the methods that draft"):
+        settings_from_args(e2e_args(methods="ar,ngram", compare_drafters=str(other)))
 
 
 def test_mrv2_runs_build_their_engine_under_the_runner_switch(monkeypatch):

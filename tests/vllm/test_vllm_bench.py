@@ -90,6 +90,32 @@ def test_summary_and_report_show_the_speed_rows(bench):
     assert "## Speed (vLLM end-to-end)" in readme and readme.count("| toy |") >= len(rows)
 
 
+def test_compared_drafters_run_against_the_same_ar_in_one_invocation(tiny_target, tiny_drafter, tmp_path):
+    """--compare-drafters: the tree engine runs once per drafter after ar, each record names its drafter, and both
+    pair with the one ar run (speedup and round cost)."""
+    import shutil
+
+    other = tmp_path / "other-drafter"
+    shutil.copytree(tiny_drafter, other)
+    path = tmp_path / "records.jsonl"
+    settings = validate(E2ESettings(target=str(tiny_target), drafter=str(tiny_drafter), compare_drafters=(str(other),),
+                                    datasets=("toy",), temperatures=(0.0,), num_prompts=2, max_new_tokens=8,
+                                    methods=("ar", "ubtree"), tree_budgets=(4,), beam_width=2, top_k=4),
+                        check_datasets=False)
+    lines: list[str] = []
+    rows = run_e2e(settings, [PROMPTS], tiny_target, ENGINE, records_path=path, log=lines.append)
+    assert rec.read_records(path) == rows
+    e2e = [r for r in rows if r["kind"] == "e2e"]
+    assert [(r["method"], r["drafter"]) for r in e2e] == [("ar", None), ("ubtree", str(tiny_drafter)),
+                                                          ("ubtree", str(other))]
+    ar = e2e[0]
+    for tree in e2e[1:]:
+        assert abs(tree["speedup_vs_ar"] - tree["output_tokens_per_s"] / ar["output_tokens_per_s"]) < 1e-3
+    costs = [r for r in rows if r["kind"] == "microbench"]
+    assert [r["drafter"] for r in costs] == [str(tiny_drafter), str(other)]
+    assert any(f"(drafter {other})" in line for line in lines)
+
+
 def test_stage_timing_writes_step_records_that_add_up(tiny_target, tiny_drafter, tmp_path):
     from ubtree_vllm.bench.stage_timing import METRICS, MRV2_ONLY, STAGES, WALL, metric_of
 

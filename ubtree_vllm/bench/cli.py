@@ -24,6 +24,9 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
                         help="target HF folder ('default': the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", default=None,
                         help="UBTree drafter folder (required unless --methods is only ar and ngram)")
+    parser.add_argument("--compare-drafters", default=None, metavar="DIR,...",
+                        help="comma-separated drafter folders: every method that drafts runs again with each, in "
+                             "this invocation (one ar / ngram baseline for all: two drafters compared on one machine)")
     parser.add_argument("--datasets", default="spec_bench,mt_bench,humaneval",
                         help="comma-separated: spec_bench, mt_bench, humaneval")
     parser.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")

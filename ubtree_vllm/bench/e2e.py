@@ -1,6 +1,7 @@
 """`ubtree bench e2e`: vLLM end-to-end speed of ar / ngram / dflash-chain / ubtree in one process.
 
-For each engine of `settings.planned_methods` (ar first; ubtree once per tree budget B):
+For each engine of `settings.planned_engines` (ar first; ubtree once per tree budget B; with
+`--compare-drafters`, every engine that drafts once more per compared drafter, after them):
 build one `vllm.LLM`, send one warm-up request, then for every concurrency c (after a warm-up
 of 2c requests of staggered lengths through the same window, `warm_up_at`, so one-time work at
 a new batch size or in a mixed prefill + decode step -- Triton compiles of a kernel
@@ -46,9 +47,9 @@ from ubtree_vllm.bench.profile import STAGE_TIMING_MODE as PROFILE_MODE
 from ubtree_vllm.bench.profile import profiled, python_profiled, run_name
 from ubtree_vllm.bench.prompts import PromptSet, dataset_prompt_sets
 from ubtree_vllm.bench.round_cost import round_cost_records
-from ubtree_vllm.bench.settings import (TREE_METHODS, BenchArgumentError, E2ESettings, MethodRun, dflash_chain_run,
-                                        environment, ngram_run, parse_label, planned_methods, settings_from_args,
-                                        ubtree_chain_run, ubtree_run)
+from ubtree_vllm.bench.settings import (DRAFTER_FREE_METHODS, TREE_METHODS, BenchArgumentError, E2ESettings,
+                                        MethodRun, dflash_chain_run, environment, ngram_run, parse_label,
+                                        planned_engines, settings_from_args, ubtree_chain_run, ubtree_run)
 from ubtree_vllm.bench.stage_timing import read_stage_times, stage_records, stage_timing_env, uses_runner_clock
 
 WARMUP_TOKENS = 32
@@ -143,7 +144,8 @@ def _start_engine(label: str, settings: E2ESettings, target_path: Path, engine_k
     elif label == "dflash-chain":
         from ubtree_vllm.drafter.io import META_FILE, export_dflash_proposer
 
-        proposer = export_dflash_proposer(settings.drafter, scratch / "dflash-proposer")
+        proposer = export_dflash_proposer(settings.drafter, Path(tempfile.mkdtemp(prefix="dflash-proposer-",
+                                                                                  dir=scratch)))
         num_tokens = json.loads((proposer / META_FILE).read_text())["num_speculative_tokens"]
         run = dflash_chain_run(settings, proposer, num_tokens)
         try:
@@ -201,13 +203,15 @@ def iter_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_pat
     warmup = dataclasses.replace(prompt_sets[0], prompts=prompt_sets[0].prompts[:1])
     rows: list[dict[str, Any]] = []
     greedy_ar: dict[tuple[str, int], list[list[int]]] = {}  # --agreement: ar's outputs per (dataset, concurrency)
-    drafter_training = training_totals(settings.drafter) if settings.drafter else None
     with tempfile.TemporaryDirectory(prefix="ubtree-bench-") as scratch:
-        for label in planned_methods(settings):
-            log(f"bench e2e: starting engine for {label}")
+        for label, engine_settings in planned_engines(settings):
+            drafter = engine_settings.drafter
+            drafter_training = training_totals(drafter) if drafter else None
+            log(f"bench e2e: starting engine for {label}"
+                + (f" (drafter {drafter})" if settings.compare_drafters and label not in DRAFTER_FREE_METHODS else ""))
             profiling = settings.profile_dir is not None
             with stage_timing_env("1" if settings.stage_timing else PROFILE_MODE if profiling else None):
-                run, llm = _start_engine(label, settings, target_path, engine_kwargs, Path(scratch), log)
+                run, llm = _start_engine(label, engine_settings, target_path, engine_kwargs, Path(scratch), log)
             clocked = settings.stage_timing and uses_runner_clock(run)
             traced = False  # --profile: the first run of each engine also writes its Chrome trace
             try:
@@ -238,7 +242,7 @@ def iter_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_pat
                                                           settings.max_new_tokens).engine_steps
                             speedup = speedups.speedup(run.method, prompt_set.dataset, temperature, concurrency,
                                                        result.tokens_per_s)
-                            where = dict(target=target, drafter=settings.drafter, dataset=prompt_set.dataset,
+                            where = dict(target=target, drafter=drafter, dataset=prompt_set.dataset,
                                          temperature=temperature, concurrency=concurrency,
                                          max_new_tokens=settings.max_new_tokens, cuda_graphs=cuda_graphs,
                                          tp=settings.tensor_parallel_size)
@@ -253,7 +257,7 @@ def iter_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_pat
                                 if run.method == "ar":
                                     greedy_ar[cell] = tokens
                                 new = [] if run.method == "ar" else [agreement_record(
-                                    run, greedy_ar[cell], tokens, target=target, drafter=settings.drafter,
+                                    run, greedy_ar[cell], tokens, target=target, drafter=drafter,
                                     dataset=prompt_set.dataset, concurrency=concurrency,
                                     max_new_tokens=settings.max_new_tokens, cuda_graphs=cuda_graphs,
                                     tau=result.tau, tp=settings.tensor_parallel_size)]

@@ -105,6 +105,9 @@ class E2ESettings:
 
     target: str = "default"
     drafter: str | None = None
+    # --compare-drafters: every engine that drafts runs again with each of these, in the same invocation (one ar and
+    # ngram baseline for all), so two drafters' speeds are compared on one machine
+    compare_drafters: tuple[str, ...] = ()
     datasets: tuple[str, ...] = DATASETS
     temperatures: tuple[float, ...] = (0.0, 1.0)
     num_prompts: int = 80
@@ -232,6 +235,19 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
     if settings.budget_schedule is not None and not any(m in TREE_METHODS for m in settings.methods):
         raise BenchArgumentError(f"--budget-schedule applies to the tree methods ({', '.join(TREE_METHODS)}); "
                                  f"--methods has none")
+    if settings.compare_drafters:
+        if all(m in DRAFTER_FREE_METHODS for m in settings.methods):
+            raise BenchArgumentError(f"--compare-drafters reruns the methods that draft; --methods "
+                                     f"{','.join(settings.methods)} has none")
+        folders = [str(Path(d).expanduser().resolve()) for d in (settings.drafter or "", *settings.compare_drafters)]
+        if settings.drafter is not None and len(set(folders)) != len(folders):
+            raise BenchArgumentError("--compare-drafters names --drafter or a folder twice: "
+                                     f"{','.join(settings.compare_drafters)}")
+        for other in settings.compare_drafters:  # each one checked as --drafter is
+            try:
+                validate(dataclasses.replace(settings, drafter=other, compare_drafters=()), check_datasets=False)
+            except BenchArgumentError as exc:
+                raise BenchArgumentError(str(exc).replace("--drafter", "--compare-drafters", 1)) from None
     if all(m in DRAFTER_FREE_METHODS for m in settings.methods):
         return settings
     if settings.drafter is None:
@@ -275,6 +291,8 @@ def settings_from_args(args: argparse.Namespace, check_datasets: bool = True) ->
     return validate(E2ESettings(
         target=args.target,
         drafter=args.drafter,
+        compare_drafters=parse_list("--compare-drafters", args.compare_drafters, str, "drafter folders")
+        if getattr(args, "compare_drafters", None) else (),
         datasets=parse_list("--datasets", args.datasets, str, "dataset names"),
         temperatures=parse_list("--temperatures", args.temperatures, float, "numbers"),
         num_prompts=args.num_prompts,
@@ -372,6 +390,16 @@ def planned_methods(settings: E2ESettings) -> list[str]:
         labels += [f"{method}:{b}" + ("" if mode == "triton" else f"@{mode}")
                    for b in settings.tree_budgets for mode in settings.tree_attention]
     return labels
+
+
+def planned_engines(settings: E2ESettings) -> list[tuple[str, E2ESettings]]:
+    """(label, the settings its engine runs with) in run order: :func:`planned_methods` with ``--drafter``, then the
+    labels that draft again with each of ``--compare-drafters`` (validated, drafter facts filled in)."""
+    engines = [(label, settings) for label in planned_methods(settings)]
+    for other in settings.compare_drafters:
+        alt = validate(dataclasses.replace(settings, drafter=other, compare_drafters=()), check_datasets=False)
+        engines += [(label, alt) for label in planned_methods(alt) if label not in DRAFTER_FREE_METHODS]
+    return engines
 
 
 def parse_label(label: str) -> tuple[str, int | None, str]:
