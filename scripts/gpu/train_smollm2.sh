@@ -47,7 +47,8 @@
 #   tests    the GPU tests of triton_ops (bf16/fp16 kernel vs its PyTorch reference), of the MRV2 draft body and of the
 #            draft-stage CUDA graphs; TESTS_K selects some (pytest -k); all of them took over 150 s with 4 workers (2026-12-03)
 #   bench    `ubtree bench e2e` at batch 1 (ar, dflash-chain, ubtree-mrv2 and ubtree (V1) B=16/32/64); METHODS, BUDGETS,
-#            BENCH_DATASETS, BENCH_TEMPS and BENCH_PROMPTS (per set, default 10) select a slice so
+#            BENCH_DATASETS (also one Spec-Bench task: spec_bench:summarization, spec_bench:rag, ...), BENCH_TEMPS and
+#            BENCH_PROMPTS (per set, default 10) select a slice so
 #            each call stays < 10 minutes; BENCH_DRAFTER (default the committed drafter; e.g. /tmp/kept-drafter, a
 #            slice's drafter) which drafter the tree methods use; BENCH_COMPARE=DIR[,DIR] runs them again with those
 #            drafters in the same invocation (--compare-drafters: one ar/ngram baseline, one machine); TREE_ATTENTION=flash_merge (bench, sweep, stages, roundprof) sets

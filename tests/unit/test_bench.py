@@ -183,6 +183,8 @@ def test_e2e_flags_are_parsed_and_ordered(drafter_dir):
     every = settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree,dflash-chain,ngram,ar",
                                         tree_budgets="16", top_k=16))
     assert planned_methods(every) == ["ar", "ngram", "dflash-chain", "ubtree:16"]
+    tasks = settings_from_args(e2e_args(methods="ar,ngram", datasets="spec_bench:summarization,spec_bench:rag"))
+    assert tasks.datasets == ("spec_bench:summarization", "spec_bench:rag")  # Spec-Bench by task (issue 16)
     both = settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree-mrv2,ubtree", tree_budgets="4,8",
                                        top_k=16))
     assert planned_methods(both) == ["ubtree:4", "ubtree:8", "ubtree-mrv2:4", "ubtree-mrv2:8"]
@@ -320,7 +322,10 @@ def test_tree_attention_modes_run_side_by_side_in_one_invocation(drafter_dir):
     ({"methods": "ubtree-mrv2", "tree_budgets": "3"}, r"--tree-budgets: B=3 is below the drafter's block size 4; "
                                                       r"method ubtree-mrv2 needs B >= gamma"),
     ({"methods": "ar,ar"}, r"--methods lists a method twice"),
-    ({"datasets": "mt_bench,gsm8k"}, r"--datasets: unknown dataset 'gsm8k'; allowed: spec_bench, mt_bench, humaneval"),
+    ({"datasets": "mt_bench,gsm8k"}, r"--datasets: unknown dataset 'gsm8k'; allowed: spec_bench, mt_bench, humaneval, "
+                                     r"spec_bench:translation, spec_bench:summarization, spec_bench:qa, "
+                                     r"spec_bench:math_reasoning, spec_bench:rag"),
+    ({"datasets": "spec_bench:writing"}, r"--datasets: unknown dataset 'spec_bench:writing'"),
     ({"tree_budgets": "16,2000"}, r"--tree-budgets: B=2000 is out of range \[1, 48\] for --beam-width 12, "
                                   r"--top-k 16 and the drafter's block size 4"),
     ({"tree_budgets": "0"}, r"--tree-budgets: B=0 is out of range"),

@@ -588,6 +588,14 @@ def test_eval_prompt_sets(shared_data_dir):
     tasks = [r["category"] if r["category"] in ("translation", "summarization", "qa", "math_reasoning", "rag")
              else "mt_bench" for r in subset]
     assert {tasks.count(t) for t in set(tasks)} == {10} and len(set(tasks)) == 6
+    # one Spec-Bench task: its rows in file order
+    summaries = load_eval_prompts("spec_bench:summarization", shared_data_dir, 5)
+    assert summaries == [r["turns"][0] for r in rows if r["category"] == "summarization"][:5]
+    assert len(load_eval_prompts("spec_bench:rag", shared_data_dir)) == 80
+    for bad in ("spec_bench:writing", "spec_bench:", "gsm8k"):
+        with pytest.raises(ValueError, match=r"dataset must be one of spec_bench, mt_bench, humaneval, "
+                                             r"spec_bench:translation, .*spec_bench:rag, got"):
+            load_eval_prompts(bad, shared_data_dir)
 
 
 def test_eval_tau_writes_one_record_per_setting(tmp_path, workspace):

@@ -28,7 +28,8 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated drafter folders: every method that drafts runs again with each, in "
                              "this invocation (one ar / ngram baseline for all: two drafters compared on one machine)")
     parser.add_argument("--datasets", default="spec_bench,mt_bench,humaneval",
-                        help="comma-separated: spec_bench, mt_bench, humaneval")
+                        help="comma-separated: spec_bench, mt_bench, humaneval, or one Spec-Bench task as "
+                             "spec_bench:TASK (translation, summarization, qa, math_reasoning, rag)")
     parser.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
     parser.add_argument("--num-prompts", type=int, default=80, help="prompts per dataset")
     parser.add_argument("--max-new-tokens", type=int, default=256)

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ubtree_vllm.config import MAX_LOOKUP_N, MAX_TREE_BUDGET, max_tree_nodes
+from ubtree_vllm.eval_datasets import EVAL_DATASETS, allowed_datasets
 from ubtree_vllm.vllm.config import TREE_ATTENTION_MODES
 
 METHODS = ("ar", "ngram", "dflash-chain", "ubtree", "ubtree-mrv2", "ubtree-lookup", "ubtree-mrv2-lookup")
@@ -48,8 +49,7 @@ TREE_METHODS = {"ubtree": {"UBTREE_VLLM_RUNNER": "v1"}, "ubtree-mrv2": {"UBTREE_
                 "ubtree-lookup": {"UBTREE_VLLM_RUNNER": "v1"}, "ubtree-mrv2-lookup": {"UBTREE_VLLM_RUNNER": "mrv2"}}
 # Tree methods with the prompt-lookup branch on (ubtree_vllm/tree/lookup.py).
 LOOKUP_METHODS = ("ubtree-lookup", "ubtree-mrv2-lookup")
-# Dataset names of training/evaluate.py:EVAL_DATASETS (that module imports torch).
-DATASETS = ("spec_bench", "mt_bench", "humaneval")
+DATASETS = EVAL_DATASETS
 
 
 class BenchArgumentError(ValueError):
@@ -192,7 +192,7 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
     if len(set(settings.methods)) != len(settings.methods):
         raise BenchArgumentError(f"--methods lists a method twice: {','.join(settings.methods)}")
     if check_datasets:
-        _check_members("--datasets", settings.datasets, DATASETS, "dataset")
+        _check_members("--datasets", settings.datasets, allowed_datasets(), "dataset")
     bad = [t for t in settings.temperatures if not 0.0 <= t < float("inf")]
     if bad:
         raise BenchArgumentError(f"--temperatures: each value must be a finite number >= 0, got {bad[0]}")

@@ -47,7 +47,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
 def add_eval_tau_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", required=True, help="exported drafter folder")
     parser.add_argument("--target", default="default")
-    parser.add_argument("--datasets", default="spec_bench,mt_bench,humaneval", help="comma-separated")
+    parser.add_argument("--datasets", default="spec_bench,mt_bench,humaneval",
+                        help="comma-separated: spec_bench, mt_bench, humaneval, spec_bench:TASK (one Spec-Bench task)")
     parser.add_argument("--methods", default="single,ubtree", help="comma-separated: single, ubtree")
     parser.add_argument("--temperatures", default="0,1", help="comma-separated")
     parser.add_argument("--num-prompts", type=int, default=None, help="per dataset (default: all)")

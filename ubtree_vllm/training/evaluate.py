@@ -17,6 +17,8 @@ max_new_tokens):
   spec_bench  spec_bench_question.jsonl, first turns. `num_prompts` < 480 takes a fixed
               balanced subset: round-robin over the six Spec-Bench tasks (the 80 MT-Bench
               rows count as one task), file order within a task.
+  spec_bench:<task>  the rows of one Spec-Bench task (translation, summarization, qa,
+              math_reasoning, rag), first turns, file order (ubtree_vllm/eval_datasets.py).
   mt_bench    mt_bench_question.jsonl, first turns, file order.
   humaneval   HumanEval.jsonl.gz, the `prompt` field verbatim, file order.
 """
@@ -35,12 +37,11 @@ import torch
 from ubtree_vllm.config import SamplingConfig, UBTreeConfig
 from ubtree_vllm.decoding.reference import ReferenceDecoder
 from ubtree_vllm.drafter.io import load_drafter
+from ubtree_vllm.eval_datasets import EVAL_DATASETS, SPEC_BENCH_TASKS, spec_bench_task
 from ubtree_vllm.training.data import chat_prompt_ids, load_tokenizer_and_eos, resolve_target_path
 
-EVAL_DATASETS = ("spec_bench", "mt_bench", "humaneval")
 # CLI method name -> record method name
 METHODS = {"single": "ubtree-single", "ubtree": "ubtree"}
-SPEC_BENCH_TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag")
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -67,6 +68,10 @@ def spec_bench_subset(rows: Sequence[dict[str, Any]], num_prompts: int) -> list[
 def load_eval_prompts(dataset: str, data_dir: str | Path, num_prompts: int | None = None) -> list[str]:
     """Prompt texts of a benchmark (module docstring); `num_prompts` None means all."""
     root = Path(data_dir)
+    task = spec_bench_task(dataset)  # ValueError naming the allowed names
+    if task is not None:
+        texts = [r["turns"][0] for r in _jsonl(root / "spec_bench_question.jsonl") if r["category"] == task]
+        return texts if num_prompts is None else texts[:num_prompts]
     if dataset == "spec_bench":
         rows = _jsonl(root / "spec_bench_question.jsonl")
         if num_prompts is not None and num_prompts < len(rows):
@@ -74,10 +79,8 @@ def load_eval_prompts(dataset: str, data_dir: str | Path, num_prompts: int | Non
         return [r["turns"][0] for r in rows]
     if dataset == "mt_bench":
         texts = [r["turns"][0] for r in _jsonl(root / "mt_bench_question.jsonl")]
-    elif dataset == "humaneval":
+    else:  # humaneval
         texts = [r["prompt"] for r in _jsonl(root / "HumanEval.jsonl.gz")]
-    else:
-        raise ValueError(f"dataset must be one of {EVAL_DATASETS}, got {dataset!r}")
     return texts if num_prompts is None else texts[:num_prompts]
 
 
@@ -154,6 +157,8 @@ def evaluate(drafter_dir: str | Path, target: str = "default", datasets: Sequenc
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"method must be one of {sorted(METHODS)}, got {m!r}")
+    for dataset in datasets:  # before any model is loaded
+        spec_bench_task(dataset)
     drafter_dir = Path(drafter_dir)
     model, drafter, tokenizer, eos = load_target_and_drafter(drafter_dir, target, device)
     gamma = drafter.cfg.block_size
