@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 EVAL_DATASETS = ("spec_bench", "mt_bench", "humaneval")
 # Spec-Bench's own tasks (its other 80 rows are MT-Bench's questions, ten per MT-Bench category)
 SPEC_BENCH_TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag")
@@ -26,3 +28,9 @@ def spec_bench_task(dataset: str) -> str | None:
     if base == "spec_bench" and sep and task in SPEC_BENCH_TASKS:
         return task
     raise ValueError(f"dataset must be one of {', '.join(allowed_datasets())}, got {dataset!r}")
+
+
+def check_eval_datasets(datasets: Sequence[str]) -> None:
+    """:func:`spec_bench_task` on every name (its ValueError), before any model or file is loaded."""
+    for dataset in datasets:
+        spec_bench_task(dataset)

@@ -49,7 +49,6 @@ TREE_METHODS = {"ubtree": {"UBTREE_VLLM_RUNNER": "v1"}, "ubtree-mrv2": {"UBTREE_
                 "ubtree-lookup": {"UBTREE_VLLM_RUNNER": "v1"}, "ubtree-mrv2-lookup": {"UBTREE_VLLM_RUNNER": "mrv2"}}
 # Tree methods with the prompt-lookup branch on (ubtree_vllm/tree/lookup.py).
 LOOKUP_METHODS = ("ubtree-lookup", "ubtree-mrv2-lookup")
-DATASETS = EVAL_DATASETS
 
 
 class BenchArgumentError(ValueError):
@@ -108,7 +107,7 @@ class E2ESettings:
     # --compare-drafters: every engine that drafts runs again with each of these, in the same invocation (one ar and
     # ngram baseline for all), so two drafters' speeds are compared on one machine
     compare_drafters: tuple[str, ...] = ()
-    datasets: tuple[str, ...] = DATASETS
+    datasets: tuple[str, ...] = EVAL_DATASETS
     temperatures: tuple[float, ...] = (0.0, 1.0)
     num_prompts: int = 80
     max_new_tokens: int = 256
@@ -239,8 +238,8 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
         if all(m in DRAFTER_FREE_METHODS for m in settings.methods):
             raise BenchArgumentError(f"--compare-drafters reruns the methods that draft; --methods "
                                      f"{','.join(settings.methods)} has none")
-        folders = [str(Path(d).expanduser().resolve()) for d in (settings.drafter or "", *settings.compare_drafters)]
-        if settings.drafter is not None and len(set(folders)) != len(folders):
+        folders = [Path(d).expanduser().resolve() for d in (settings.drafter, *settings.compare_drafters) if d]
+        if len(set(folders)) != len(folders):
             raise BenchArgumentError("--compare-drafters names --drafter or a folder twice: "
                                      f"{','.join(settings.compare_drafters)}")
         for other in settings.compare_drafters:  # each one checked as --drafter is

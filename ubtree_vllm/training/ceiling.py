@@ -146,12 +146,11 @@ def evaluate_ceiling(drafter_dir: str, target: str, datasets: Sequence[str], tem
     from ubtree_vllm.training.data import chat_prompt_ids
     from ubtree_vllm.training.evaluate import load_eval_prompts, load_target_and_drafter
 
-    from ubtree_vllm.eval_datasets import spec_bench_task
+    from ubtree_vllm.eval_datasets import check_eval_datasets
 
     if every < 1:
         raise ValueError(f"--every must be >= 1, got {every}")
-    for dataset in datasets:  # before any model is loaded
-        spec_bench_task(dataset)
+    check_eval_datasets(datasets)  # before any model is loaded
     model, drafter, tokenizer, eos = load_target_and_drafter(drafter_dir, target, device)
     dev = next(model.parameters()).device
     if tree.block_size != drafter.cfg.block_size:

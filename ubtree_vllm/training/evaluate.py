@@ -37,7 +37,7 @@ import torch
 from ubtree_vllm.config import SamplingConfig, UBTreeConfig
 from ubtree_vllm.decoding.reference import ReferenceDecoder
 from ubtree_vllm.drafter.io import load_drafter
-from ubtree_vllm.eval_datasets import EVAL_DATASETS, SPEC_BENCH_TASKS, spec_bench_task
+from ubtree_vllm.eval_datasets import EVAL_DATASETS, SPEC_BENCH_TASKS, check_eval_datasets, spec_bench_task
 from ubtree_vllm.training.data import chat_prompt_ids, load_tokenizer_and_eos, resolve_target_path
 
 # CLI method name -> record method name
@@ -157,8 +157,7 @@ def evaluate(drafter_dir: str | Path, target: str = "default", datasets: Sequenc
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"method must be one of {sorted(METHODS)}, got {m!r}")
-    for dataset in datasets:  # before any model is loaded
-        spec_bench_task(dataset)
+    check_eval_datasets(datasets)  # before any model is loaded
     drafter_dir = Path(drafter_dir)
     model, drafter, tokenizer, eos = load_target_and_drafter(drafter_dir, target, device)
     gamma = drafter.cfg.block_size
