@@ -208,3 +208,38 @@ def test_agreement_mode_compares_greedy_outputs_with_ar(tiny_target, tiny_drafte
         assert r["kind"] == "microbench" and r["metric"] == METRIC and r["unit"] == "fraction"
         assert r["value"] == 0.0 and r["num_prompts"] == 2 and "0 of 2 greedy outputs differ" in r["notes"]
         assert list(r) == list(rec.FIELDS)
+
+
+def test_sampling_options_mode_records_each_options_cost_per_round(tiny_target, tiny_drafter, tmp_path):
+    """--sampling-options (issue 18's cost per option): each engine runs the cell without an option, then with each;
+    the records are the options' round times (speedup over ar with the same option) and what each added over the same
+    engine without it; no e2e records; the report tabulates them."""
+    from ubtree_vllm.bench.sampling_options import ADDED_METRIC, ROUND_METRIC
+
+    path = tmp_path / "records.jsonl"
+    options = ("penalties", "logit_bias", "logprobs", "min_p", "min_tokens")
+    settings = validate(E2ESettings(target=str(tiny_target), drafter=str(tiny_drafter), datasets=("toy",),
+                                    temperatures=(0.0,), num_prompts=2, max_new_tokens=8, methods=("ar", "ubtree"),
+                                    tree_budgets=(4,), beam_width=2, top_k=4, sampling_options=options),
+                        check_datasets=False)
+    lines: list[str] = []
+    rows = run_e2e(settings, [PROMPTS], tiny_target, ENGINE, records_path=path, log=lines.append)
+    assert rec.read_records(path) == rows and all(r["kind"] == "microbench" for r in rows)
+    rounds = {(r["method"], r["sampling_options"]): r for r in rows if r["metric"] == ROUND_METRIC}
+    added = {(r["method"], r["sampling_options"]): r for r in rows if r["metric"] == ADDED_METRIC}
+    assert list(rounds) == [(m, o) for m in ("ar", "ubtree") for o in ("none", *options)]
+    assert list(added) == [(m, o) for m in ("ar", "ubtree") for o in options]
+    for (method, option), r in added.items():
+        assert r["value"] == pytest.approx(rounds[(method, option)]["value"] - rounds[(method, "none")]["value"],
+                                           abs=2e-4)
+    for (method, option), r in rounds.items():
+        assert r["unit"] == "ms" and r["value"] > 0 and list(r) == list(rec.FIELDS)
+        ar = rounds[("ar", option)]
+        assert r["speedup_vs_ar"] == pytest.approx(r["output_tokens_per_s"] / ar["output_tokens_per_s"], abs=1e-3)
+        if method == "ubtree":
+            assert r["tau"] >= 1.0 and r["tree_budget"] == 4 and r["drafter"] == str(tiny_drafter)
+            assert r["value"] == pytest.approx(r["tpot_ms"] * r["tau"], rel=1e-3)
+    assert any("option=penalties" in line for line in lines)
+    regenerate(path)
+    readme = (path.parent / "README.md").read_text()
+    assert "## Sampling options: cost per round" in readme and readme.count("| penalties |") == 2

@@ -84,6 +84,12 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
                         help="greedy outputs of every method compared with ar's on the same prompts (needs ar and "
                              "--temperatures 0): appends greedy_divergence_rate microbench records instead of e2e "
                              "records (bench/agreement.py)")
+    parser.add_argument("--sampling-options", default=None, metavar="NAME,...",
+                        help="comma-separated sampling options (bench/sampling_options.py: logprobs, penalties, "
+                             "bad_words, min_tokens, min_p, logit_bias, json_object, json_schema): every cell runs "
+                             "without an option and once with each, on every request, and appends what each costs "
+                             "per round (sampling_option_round_ms / sampling_option_added_ms microbench records) "
+                             "instead of e2e records")
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="run every measurement under torch.profiler and write per-step host/device tables "
                              "(and each engine's first Chrome trace) to DIR instead of records (bench/profile.py; "

@@ -25,7 +25,8 @@ computed: bench/measurement.py. Each speculative run also appends its round cost
 decode steps against the ar run of the same cell (bench/round_cost.py). With `--stage-timing`
 the runs append stage-time records instead of e2e records (bench/stage_timing.py); with
 `--agreement`, greedy-divergence records against ar (bench/agreement.py); with `--profile DIR`,
-torch.profiler tables per run and no records (bench/profile.py).
+torch.profiler tables per run and no records (bench/profile.py); with `--sampling-options`, each cell once
+without an option and once per option, and the options' cost records (bench/sampling_options.py).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ import json
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,8 @@ from ubtree_vllm.bench.measurement import RunResult, SpeedupTable, e2e_record, s
 from ubtree_vllm.bench.profile import STAGE_TIMING_MODE as PROFILE_MODE
 from ubtree_vllm.bench.profile import profiled, python_profiled, run_name
 from ubtree_vllm.bench.prompts import PromptSet, dataset_prompt_sets
-from ubtree_vllm.bench.round_cost import round_cost_records
+from ubtree_vllm.bench.round_cost import CARRIED, round_cost_records
+from ubtree_vllm.bench.sampling_options import NEEDS_TOKENIZER, NONE, option_records, sampling_kwargs
 from ubtree_vllm.bench.settings import (DRAFTER_FREE_METHODS, TREE_METHODS, BenchArgumentError, E2ESettings,
                                         MethodRun, dflash_chain_run, environment, ngram_run, parse_label,
                                         planned_engines, settings_from_args, ubtree_chain_run, ubtree_run)
@@ -119,13 +121,14 @@ def run_requests(llm: Any, prompts: Sequence[Sequence[int]], params: Any,
 
 
 def measure(llm: Any, prompt_set: PromptSet, temperature: float, concurrency: int, max_new_tokens: int,
-            outputs_to: list[Any] | None = None) -> RunResult:
+            outputs_to: list[Any] | None = None, options: Mapping[str, Any] | None = None) -> RunResult:
     """One measured run of a prompt set (counters read around it, see bench/measurement.py); the finished
-    RequestOutputs are appended to `outputs_to` when given."""
+    RequestOutputs are appended to `outputs_to` when given; `options`: more SamplingParams keywords, on every
+    request (bench/sampling_options.py)."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, ignore_eos=False, detokenize=False,
-                            stop_token_ids=list(prompt_set.stop_token_ids) or None)
+                            stop_token_ids=list(prompt_set.stop_token_ids) or None, **(options or {}))
     before = spec_counters(llm.get_metrics())
     outputs, wall_s, steps = run_requests(llm, prompt_set.prompts, params, concurrency)
     if outputs_to is not None:
@@ -175,6 +178,36 @@ def warm_up_at(llm: Any, prompt_set: PromptSet, concurrency: int) -> None:
     run_requests(llm, prompts, params, concurrency)
 
 
+def cells(prompt_sets: Sequence[PromptSet], settings: E2ESettings) -> Iterator[tuple[PromptSet, float, str | None]]:
+    """(prompt set, temperature, sampling option or None) of one engine and concurrency, in run order: with
+    --sampling-options each option of a cell right after "none", its baseline."""
+    for prompt_set in prompt_sets:
+        for temperature in settings.temperatures:
+            for option in settings.sampling_options or (None,):
+                yield prompt_set, temperature, option
+
+
+class OptionLedger:
+    """What the --sampling-options records of a run compare with: ar's tok/s with the same option in the same cell
+    (ar runs first), and the round time of the same engine without an option ("none" runs first in a cell)."""
+
+    def __init__(self) -> None:
+        self._ar_tokens_per_s: dict[tuple, float] = {}
+        self._no_option_round_ms: dict[tuple, float] = {}
+
+    def records(self, label: str, drafter: str | None, record: Mapping[str, Any], option: str) -> list[dict[str, Any]]:
+        """The cost records of one run (its e2e ``record``, measured with ``option``) of engine ``label``."""
+        cell = (record["dataset"], record["temperature"], record["concurrency"])
+        if record["method"] == "ar":
+            self._ar_tokens_per_s[(*cell, option)] = record["output_tokens_per_s"]
+        engine = (label, drafter, *cell)
+        new = option_records(record, option, self._ar_tokens_per_s.get((*cell, option)),
+                             self._no_option_round_ms.get(engine), {k: record.get(k) for k in CARRIED})
+        if option == NONE and new:
+            self._no_option_round_ms[engine] = new[0]["value"]
+        return new
+
+
 def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path: str | Path,
             engine_kwargs: dict[str, Any], records_path: str | Path | None = None,
             log: Log = print) -> list[dict[str, Any]]:
@@ -203,6 +236,7 @@ def iter_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_pat
     warmup = dataclasses.replace(prompt_sets[0], prompts=prompt_sets[0].prompts[:1])
     rows: list[dict[str, Any]] = []
     greedy_ar: dict[tuple[str, int], list[list[int]]] = {}  # --agreement: ar's outputs per (dataset, concurrency)
+    options_ledger = OptionLedger()  # --sampling-options: the baselines each option's records compare with
     with tempfile.TemporaryDirectory(prefix="ubtree-bench-") as scratch:
         for label, engine_settings in planned_engines(settings):
             drafter = engine_settings.drafter
@@ -219,57 +253,58 @@ def iter_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_pat
                 for concurrency in settings.concurrency:
                     if concurrency > 1:  # the batch sizes and mixed steps this concurrency runs, unmeasured
                         warm_up_at(llm, prompt_sets[0], concurrency)
-                    for prompt_set in prompt_sets:
-                        for temperature in settings.temperatures:
-                            if clocked:
-                                read_stage_times(llm, reset=True)
-                            outputs: list[Any] = []
-                            steps = [0]
-                            profile = profiled(Path(settings.profile_dir),
-                                               run_name(label, prompt_set.dataset, temperature, concurrency),
-                                               steps, trace=not traced) if profiling else contextlib.nullcontext()
-                            with profile:
-                                result = measure(llm, prompt_set, temperature, concurrency,
-                                                 settings.max_new_tokens, outputs)
-                                steps[0] = result.engine_steps
-                            traced = True
-                            if profiling:  # the same cell again under cProfile alone: the host code's shares
-                                py_steps = [0]
-                                with python_profiled(Path(settings.profile_dir),
-                                                     run_name(label, prompt_set.dataset, temperature, concurrency),
-                                                     py_steps):
-                                    py_steps[0] = measure(llm, prompt_set, temperature, concurrency,
-                                                          settings.max_new_tokens).engine_steps
-                            speedup = speedups.speedup(run.method, prompt_set.dataset, temperature, concurrency,
-                                                       result.tokens_per_s)
-                            where = dict(target=target, drafter=drafter, dataset=prompt_set.dataset,
-                                         temperature=temperature, concurrency=concurrency,
-                                         max_new_tokens=settings.max_new_tokens, cuda_graphs=cuda_graphs,
-                                         tp=settings.tensor_parallel_size)
-                            record = e2e_record(run, result, speedup=speedup, drafter_training=drafter_training,
-                                                **where)
-                            log(f"bench e2e: {summary_line(record)}")
-                            if profiling:  # the profiler slows the steps: tables only, no records
-                                new = []
-                            elif settings.agreement:  # greedy outputs against ar's: agreement records only
-                                tokens = tokens_in_prompt_order(outputs, prompt_set.prompts)
-                                cell = (prompt_set.dataset, concurrency)
-                                if run.method == "ar":
-                                    greedy_ar[cell] = tokens
-                                new = [] if run.method == "ar" else [agreement_record(
-                                    run, greedy_ar[cell], tokens, target=target, drafter=drafter,
-                                    dataset=prompt_set.dataset, concurrency=concurrency,
-                                    max_new_tokens=settings.max_new_tokens, cuda_graphs=cuda_graphs,
-                                    tau=result.tau, tp=settings.tensor_parallel_size)]
-                            elif settings.stage_timing:  # timed steps are slower: stage records only
-                                times = read_stage_times(llm, reset=True) if clocked else None
-                                new = stage_records(run, result, times, **where)
-                            else:  # + its round cost in plain steps against this invocation's ar cell
-                                new = [record, *round_cost_records([*(r for r in rows if r["method"] == "ar"), record])]
-                            if records_path is not None:
-                                new = [append_record(r, records_path) for r in new]
-                            rows.extend(new)
-                            yield from new
+                    for prompt_set, temperature, option in cells(prompt_sets, settings):
+                        if clocked:
+                            read_stage_times(llm, reset=True)
+                        outputs: list[Any] = []
+                        steps = [0]
+                        name = run_name(label, prompt_set.dataset, temperature, concurrency)
+                        profile = (profiled(Path(settings.profile_dir), name, steps, trace=not traced) if profiling
+                                   else contextlib.nullcontext())
+                        with profile:
+                            result = measure(llm, prompt_set, temperature, concurrency, settings.max_new_tokens,
+                                             outputs,
+                                             sampling_kwargs(option, settings.max_new_tokens) if option else None)
+                            steps[0] = result.engine_steps
+                        traced = True
+                        if profiling:  # the same cell again under cProfile alone: the host code's shares
+                            py_steps = [0]
+                            with python_profiled(Path(settings.profile_dir), name, py_steps):
+                                py_steps[0] = measure(llm, prompt_set, temperature, concurrency,
+                                                      settings.max_new_tokens).engine_steps
+                        speedup = (None if option else
+                                   speedups.speedup(run.method, prompt_set.dataset, temperature, concurrency,
+                                                    result.tokens_per_s))
+                        where = dict(target=target, drafter=drafter, dataset=prompt_set.dataset,
+                                     temperature=temperature, concurrency=concurrency,
+                                     max_new_tokens=settings.max_new_tokens, cuda_graphs=cuda_graphs,
+                                     tp=settings.tensor_parallel_size)
+                        record = e2e_record(run, result, speedup=speedup, drafter_training=drafter_training,
+                                            **where)
+                        log(f"bench e2e: {summary_line(record)}" + (f" option={option}" if option else ""))
+                        if profiling:  # the profiler slows the steps: tables only, no records
+                            new = []
+                        elif settings.agreement:  # greedy outputs against ar's: agreement records only
+                            tokens = tokens_in_prompt_order(outputs, prompt_set.prompts)
+                            cell = (prompt_set.dataset, concurrency)
+                            if run.method == "ar":
+                                greedy_ar[cell] = tokens
+                            new = [] if run.method == "ar" else [agreement_record(
+                                run, greedy_ar[cell], tokens, target=target, drafter=drafter,
+                                dataset=prompt_set.dataset, concurrency=concurrency,
+                                max_new_tokens=settings.max_new_tokens, cuda_graphs=cuda_graphs,
+                                tau=result.tau, tp=settings.tensor_parallel_size)]
+                        elif settings.stage_timing:  # timed steps are slower: stage records only
+                            times = read_stage_times(llm, reset=True) if clocked else None
+                            new = stage_records(run, result, times, **where)
+                        elif option:  # --sampling-options: the option's cost records only
+                            new = options_ledger.records(label, drafter, record, option)
+                        else:  # + its round cost in plain steps against this invocation's ar cell
+                            new = [record, *round_cost_records([*(r for r in rows if r["method"] == "ar"), record])]
+                        if records_path is not None:
+                            new = [append_record(r, records_path) for r in new]
+                        rows.extend(new)
+                        yield from new
             finally:
                 stop_engine(llm)
                 del llm
@@ -305,6 +340,10 @@ def run_cli(args: argparse.Namespace) -> int:
         target_path = resolve_target_path(args.target)
     except FileNotFoundError as exc:
         raise BenchArgumentError(f"--target: {exc}") from None
+    needing = [name for name in settings.sampling_options if name in NEEDS_TOKENIZER]
+    if needing and not has_tokenizer(target_path):
+        raise BenchArgumentError(f"--sampling-options {','.join(needing)} need the target's tokenizer; {target_path} "
+                                 f"has none of {', '.join(TOKENIZER_FILES)}")
     try:
         prompt_sets = dataset_prompt_sets(target_path, settings.datasets, args.data_dir, settings.num_prompts)
     except FileNotFoundError as exc:
@@ -325,6 +364,10 @@ def run_cli(args: argparse.Namespace) -> int:
         for r in rows:
             print(f"{r['method']:<12} B={r['tree_budget']} {r['dataset']} c={r['concurrency']} "
                   f"{r['metric']} {r['value']:.3f} ({r['notes'].split(': ', 1)[1]})")
+    elif settings.sampling_options:
+        for r in rows:
+            print(f"{r['method']:<12} B={r['tree_budget']} {r['dataset']} T={r['temperature']} c={r['concurrency']} "
+                  f"{r['sampling_options']:<12} {r['metric']:<26} {r['value']:9.3f} ms")
     elif settings.stage_timing:
         for r in rows:
             print(f"{r['method']:<12} B={r['tree_budget']} {r['dataset']} T={r['temperature']} "

@@ -36,6 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from ubtree_vllm.bench.records import DEFAULT_PATH, read_records
+from ubtree_vllm.bench.sampling_options import ADDED_METRIC as OPTION_ADDED_METRIC
+from ubtree_vllm.bench.sampling_options import METRICS as OPTION_METRICS
+from ubtree_vllm.bench.sampling_options import ROUND_METRIC as OPTION_ROUND_METRIC
 from ubtree_vllm.bench.settings import TREE_METHODS
 from ubtree_vllm.bench.standing import HEADER as STANDING_HEADER
 from ubtree_vllm.bench.standing import INTRO as STANDING_INTRO
@@ -54,7 +57,7 @@ METHOD_ORDER = ("ar", NGRAM_METHOD, "dflash-chain", "ubtree-chain", "ubtree-sing
 # cumulative_label_rows: a train record's, or a bench record's drafter training (two trainings of one folder differ)
 _IDENTITY = ("kind", "method", "target", "drafter", "dataset", "temperature", "tree_budget", "beam_width", "top_k",
              "block_size", "batch_size", "concurrency", "tp", "cuda_graphs", "num_prompts", "max_new_tokens",
-             "hardware", "metric", "cumulative_label_rows", "budget_schedule", "tree_attention")
+             "hardware", "metric", "cumulative_label_rows", "budget_schedule", "tree_attention", "sampling_options")
 
 
 def budget_label(r: dict[str, Any]) -> Any:
@@ -204,6 +207,34 @@ def _step_section(micro: Sequence[dict[str, Any]]) -> list[str]:
     return lines + _table(header, rows) + [f"Hardware: {', '.join(hardware)}; commits: {', '.join(commits)}.", ""]
 
 
+def _options_section(micro: Sequence[dict[str, Any]]) -> list[str]:
+    """`ubtree bench e2e --sampling-options`: per run, its round time with each option and what the option added."""
+    rows = [r for r in micro if r["metric"] in OPTION_METRICS]
+    if not rows:
+        return []
+    runs: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        key = (str(r["hardware"]), str(r["target"]), str(r["dataset"]), r["temperature"] or 0.0, r["concurrency"] or 0,
+               METHOD_ORDER.index(r["method"]) if r["method"] in METHOD_ORDER else 99, r["method"],
+               r["tree_budget"] or 0, str(r["drafter"]), str(r["commit"]), str(r["date"]), str(r["sampling_options"]))
+        runs.setdefault(key, {"first": r})[r["metric"]] = r
+    lines = ["## Sampling options: cost per round", "",
+             ("Records of `ubtree bench e2e --sampling-options`: every request of a run carries the option "
+              "(`ubtree_vllm/bench/sampling_options.py` says what each sends). Round ms = TPOT x tau (a plain step "
+              "for ar); added ms = round ms with the option - without it, same engine and cell; speedup over ar "
+              "with the same option, same invocation."), ""]
+    table = []
+    for key in sorted(runs):
+        first, by_metric = runs[key]["first"], runs[key]
+        own = by_metric.get(OPTION_ROUND_METRIC, {})
+        table.append([first["method"], budget_label(first), first["dataset"], _fmt(first["temperature"], 1),
+                      first["concurrency"], first["sampling_options"], own.get("tau"), own.get("value"),
+                      by_metric.get(OPTION_ADDED_METRIC, {}).get("value"), own.get("speedup_vs_ar"),
+                      first["hardware"], first["commit"], first["date"]])
+    return lines + _table(["method", "B", "dataset", "T", "conc", "option", "tau", "round ms", "added ms",
+                           "speedup vs AR (same option)", "hardware", "commit", "date"], table)
+
+
 GOAL_TREE_OVER_SINGLE = 1.3  # UBTree speedup / single-path speedup, T = 0, same run
 GOAL_POSTPROCESS_MS = 1.0  # draft post-processing per round at gamma 16, K 64, W 12, B 64
 GOAL_VERIFY_RATIO = 1.15  # 64-node tree verification / 16-token chain, Qwen3-8B-shaped target
@@ -336,7 +367,9 @@ def render(records: Sequence[dict[str, Any]], plots: Sequence[str] = (), source:
         lines += _ablation_section([r for r in records if r["kind"] == "e2e"])
         lines += _speed_section(e2e)
     lines += _step_section([r for r in shown if r["kind"] == "microbench"])
-    micro = [r for r in shown if r["kind"] == "microbench" and not str(r["metric"]).startswith(STEP_PREFIX)]
+    lines += _options_section([r for r in shown if r["kind"] == "microbench"])
+    micro = [r for r in shown if r["kind"] == "microbench" and not str(r["metric"]).startswith(STEP_PREFIX)
+             and r["metric"] not in OPTION_METRICS]
     if micro:
         lines += ["## Microbenchmarks", ""]
         micro.sort(key=lambda r: (str(r["hardware"]), str(r["drafter"]), r["tree_budget"] or 0, r["beam_width"] or 0,

@@ -13,9 +13,10 @@ from typing import Any
 
 METRIC = "round_over_plain_step"
 _CELL = ("dataset", "temperature", "concurrency")
-_CARRIED = ("method", "target", "drafter", "dataset", "num_prompts", "max_new_tokens", "temperature", "batch_size",
-            "concurrency", "tp", "cuda_graphs", "tree_budget", "beam_width", "top_k", "block_size",
-            "budget_schedule", "tree_attention", "cumulative_label_rows", "cumulative_distinct_tokens")  # the drafter's training, where it has one
+# The e2e record fields a derived microbench record copies (what ran, on which drafter and its training).
+CARRIED = ("method", "target", "drafter", "dataset", "num_prompts", "max_new_tokens", "temperature", "batch_size",
+           "concurrency", "tp", "cuda_graphs", "tree_budget", "beam_width", "top_k", "block_size",
+           "budget_schedule", "tree_attention", "cumulative_label_rows", "cumulative_distinct_tokens")
 
 
 def round_cost_records(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -29,7 +30,7 @@ def round_cost_records(records: Sequence[Mapping[str, Any]]) -> list[dict[str, A
         if ar is None:
             continue
         value = r["tpot_ms"] * r["tau"] / ar["tpot_ms"]
-        out.append({**{k: r.get(k) for k in _CARRIED}, "kind": "microbench", "metric": METRIC,
+        out.append({**{k: r.get(k) for k in CARRIED}, "kind": "microbench", "metric": METRIC,
                     "value": round(value, 4), "unit": "plain steps", "tau": r["tau"],
                     "notes": (f"round time = TPOT {r['tpot_ms']:.4g} ms x tau {r['tau']:.4g}; plain step = ar TPOT "
                               f"{ar['tpot_ms']:.4g} ms, same invocation")})

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ubtree_vllm.config import MAX_LOOKUP_N, MAX_TREE_BUDGET, max_tree_nodes
+from ubtree_vllm.bench.sampling_options import check_sampling_options
 from ubtree_vllm.eval_datasets import EVAL_DATASETS, allowed_datasets
 from ubtree_vllm.vllm.config import TREE_ATTENTION_MODES
 
@@ -132,6 +133,9 @@ class E2ESettings:
     fixed_budget: bool = False
     # --tree-attention: speculative_config.tree_attention modes; every tree method runs once per mode and budget
     tree_attention: tuple[str, ...] = ("triton",)
+    # --sampling-options: every cell runs once per option ("none" first) and appends the options' cost records
+    # instead of e2e records (bench/sampling_options.py); () -- the mode is off
+    sampling_options: tuple[str, ...] = ()
     # Drafter facts read from its config.json (None without a drafter).
     block_size: int | None = field(default=None, compare=False)
     vocab_size: int | None = field(default=None, compare=False)
@@ -224,10 +228,17 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
         if settings.temperatures != (0.0,):
             raise BenchArgumentError(f"--agreement compares greedy outputs: --temperatures must be 0, got "
                                      f"{','.join(str(t) for t in settings.temperatures)}")
-        if settings.stage_timing:
-            raise BenchArgumentError("--agreement and --stage-timing are separate modes; pass one")
-    if settings.profile_dir is not None and (settings.agreement or settings.stage_timing):
-        raise BenchArgumentError("--profile, --stage-timing and --agreement are separate modes; pass one")
+    modes = [flag for flag, on in (("--profile", settings.profile_dir is not None), ("--agreement", settings.agreement),
+                                   ("--stage-timing", settings.stage_timing),
+                                   ("--sampling-options", bool(settings.sampling_options))) if on]
+    if len(modes) > 1:
+        raise BenchArgumentError(f"{' and '.join(modes)} are separate modes; pass one")
+    if settings.sampling_options:
+        try:
+            settings = dataclasses.replace(settings, sampling_options=check_sampling_options(
+                "--sampling-options", settings.sampling_options))
+        except ValueError as exc:
+            raise BenchArgumentError(str(exc)) from None
 
     if settings.fixed_budget and settings.budget_schedule is not None:
         raise BenchArgumentError("--fixed-budget pins B at every step and --budget-schedule varies it; pass one")
@@ -312,6 +323,8 @@ def settings_from_args(args: argparse.Namespace, check_datasets: bool = True) ->
         budget_schedule=parse_budget_schedule(getattr(args, "budget_schedule", None)),
         fixed_budget=getattr(args, "fixed_budget", False),
         tree_attention=parse_list("--tree-attention", getattr(args, "tree_attention", "triton"), str, "modes"),
+        sampling_options=parse_list("--sampling-options", args.sampling_options, str, "option names")
+        if getattr(args, "sampling_options", None) else (),
     ), check_datasets=check_datasets)
 
 
