@@ -66,7 +66,7 @@
 #            PROFILE_PROMPTS (default 2) MT-Bench prompts at STAGE_CONCURRENCY (default 1), T=0; into
 #            $OUT/roundprof-tables.tar, each engine's first Chrome trace in $OUT/roundprof-traces.tar.partNN
 #   options  `ubtree bench e2e --sampling-options`: what each sampling option (OPTIONS, default all of
-#            bench/sampling_options.py) adds per round, ar and ubtree-mrv2-lookup B=64 (METHODS, BUDGETS) on
+#            bench/sampling_options.py) adds per round, ar, ngram and ubtree-mrv2-lookup B=64 (METHODS, BUDGETS) on
 #            OPTION_PROMPTS (default 20) MT-Bench prompts (BENCH_DATASETS) at T=0 (BENCH_TEMPS), batch 1 (issue 18)
 #   agreement  `ubtree bench e2e --agreement`: greedy divergence from ar of ngram, dflash-chain and ubtree-mrv2
 #            (B=64) on AGREE_PROMPTS (default 48) prompts per set x 256 tokens, bf16 (issue 19's rate)
@@ -285,7 +285,7 @@ for phase in "$@"; do
         --gpu-memory-utilization 0.25 \
         --sampling-options "${OPTIONS:-logprobs,penalties,bad_words,min_tokens,min_p,logit_bias,json_object,json_schema}" \
         --datasets "${BENCH_DATASETS:-mt_bench}" --temperatures "${BENCH_TEMPS:-0}" --num-prompts "${OPTION_PROMPTS:-20}" \
-        --max-new-tokens 256 --methods "${METHODS:-ar,ubtree-mrv2-lookup}" --tree-budgets "${BUDGETS:-64}" \
+        --max-new-tokens 256 --methods "${METHODS:-ar,ngram,ubtree-mrv2-lookup}" --tree-budgets "${BUDGETS:-64}" \
         --beam-width 12 --top-k 64 --concurrency 1 ;;
     agreement)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
