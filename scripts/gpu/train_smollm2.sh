@@ -53,6 +53,9 @@
 #            slice's drafter) which drafter the tree methods use; BENCH_COMPARE=DIR[,DIR] runs them again with those
 #            drafters in the same invocation (--compare-drafters: one ar/ngram baseline, one machine); TREE_ATTENTION=flash_merge (bench, sweep, stages, roundprof) sets
 #            --tree-attention
+#            INTERLEAVE=K (bench, sweep, options) starts every engine at once and runs each cell's prompts in K
+#            chunks, the engines in turn (bench/interleave.py: machine drift falls on every method alike); their
+#            memory shares add up, so set GPU_MEM (default 0.25 per engine) to about 0.85 / engines
 #   sweep    `ubtree bench e2e` concurrency SWEEP_CONCURRENCY (default 1,4,16,32) on SWEEP_DATASETS (default mt_bench;
 #            SWEEP_PROMPTS per set, default 64) at SWEEP_TEMPS (default 0);
 #            SWEEP_METHODS (default ar,ngram,ubtree-mrv2) and SWEEP_BUDGETS (default 64) select the runs;
@@ -248,7 +251,7 @@ for phase in "$@"; do
           "$R/tests/triton" "$R/tests/unit/test_draft_graphs.py" "$R/tests/unit/test_mrv2_speculator.py" ) ;;
     bench)
       ubtree bench e2e --target default --drafter "${BENCH_DRAFTER:-$DRAFTER}" --data-dir .gpudata --records "$RECORDS" --no-report \
-        --gpu-memory-utilization 0.25 ${BENCH_COMPARE:+--compare-drafters "$BENCH_COMPARE"} \
+        --gpu-memory-utilization "${GPU_MEM:-0.25}" ${INTERLEAVE:+--interleave "$INTERLEAVE"} ${BENCH_COMPARE:+--compare-drafters "$BENCH_COMPARE"} \
         --datasets "${BENCH_DATASETS:-spec_bench,mt_bench,humaneval}" --temperatures "${BENCH_TEMPS:-0,1}" \
         --num-prompts "${BENCH_PROMPTS:-10}" \
         --max-new-tokens 256 --methods "${METHODS:-ar,ngram,dflash-chain,ubtree-mrv2,ubtree}" \
@@ -256,7 +259,7 @@ for phase in "$@"; do
         --beam-width 12 --top-k 64 --concurrency 1 ;;
     sweep)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
-        --gpu-memory-utilization 0.25 \
+        --gpu-memory-utilization "${GPU_MEM:-0.25}" ${INTERLEAVE:+--interleave "$INTERLEAVE"} \
         --datasets "${SWEEP_DATASETS:-mt_bench}" --temperatures "${SWEEP_TEMPS:-0}" --num-prompts "${SWEEP_PROMPTS:-64}" \
         --max-new-tokens 256 --methods "${SWEEP_METHODS:-ar,ngram,ubtree-mrv2}" \
         --tree-budgets "${SWEEP_BUDGETS:-64}" --beam-width 12 --top-k 64 --concurrency "${SWEEP_CONCURRENCY:-1,4,16,32}" \
@@ -282,7 +285,7 @@ for phase in "$@"; do
       tar -cf - -C runs/roundprof $(cd runs/roundprof && ls *.trace.json.gz) | split -b 15M -d - "$OUT/roundprof-traces.tar.part" ;;
     options)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
-        --gpu-memory-utilization 0.25 \
+        --gpu-memory-utilization "${GPU_MEM:-0.25}" ${INTERLEAVE:+--interleave "$INTERLEAVE"} \
         --sampling-options "${OPTIONS:-logprobs,penalties,bad_words,min_tokens,min_p,logit_bias,json_object,json_schema}" \
         --datasets "${BENCH_DATASETS:-mt_bench}" --temperatures "${BENCH_TEMPS:-0}" --num-prompts "${OPTION_PROMPTS:-20}" \
         --max-new-tokens 256 --methods "${METHODS:-ar,ngram,ubtree-mrv2-lookup}" --tree-budgets "${BUDGETS:-64}" \

@@ -496,3 +496,23 @@ def test_tree_linear_state_forms_compute_the_same_step():
     torch.testing.assert_close(outputs["paths"], outputs["node_states"], rtol=1e-4, atol=1e-4)
     assert caches["node_states"].abs().sum() > 0
     torch.testing.assert_close(caches["paths"], caches["node_states"], rtol=1e-4, atol=1e-4)
+
+
+# ---- --interleave ------------------------------------------------------------------------
+
+def test_interleave_cuts_prompts_into_chunks_and_rotates_the_engines():
+    from ubtree_vllm.bench.interleave import chunk_bounds, turn_order
+
+    assert chunk_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert chunk_bounds(2, 5) == [(0, 1), (1, 2)]  # never an empty chunk
+    assert chunk_bounds(7, 1) == [(0, 7)]
+    assert [turn_order(3, k) for k in range(4)] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+
+
+def test_interleave_flag_is_checked():
+    assert settings_from_args(e2e_args(methods="ar,ngram", interleave=4)).interleave == 4
+    assert settings_from_args(e2e_args(methods="ar")).interleave == 1
+    with pytest.raises(BenchArgumentError, match="--interleave must be >= 1"):
+        settings_from_args(e2e_args(methods="ar", interleave=0))
+    with pytest.raises(BenchArgumentError, match="--profile and --stage-timing time one engine at a time"):
+        settings_from_args(e2e_args(methods="ar", interleave=2, stage_timing=True))

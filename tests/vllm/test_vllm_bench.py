@@ -243,3 +243,35 @@ def test_sampling_options_mode_records_each_options_cost_per_round(tiny_target, 
     regenerate(path)
     readme = (path.parent / "README.md").read_text()
     assert "## Sampling options: cost per round" in readme and readme.count("| penalties |") == 2
+
+
+def test_interleaved_engines_take_turns_and_pair_with_ar(tiny_target, tiny_drafter, tmp_path):
+    """--interleave 2: both engines up at once, each cell's two prompts run chunk by chunk in turn; the records are
+    those of the sequential plan (ar first, speedup and round cost against it), their notes say how they ran, and
+    fp32 greedy outputs still equal ar's (agreement mode, interleaved too)."""
+    from ubtree_vllm.bench.agreement import METRIC
+
+    path = tmp_path / "records.jsonl"
+    settings = validate(E2ESettings(target=str(tiny_target), drafter=str(tiny_drafter), datasets=("toy",),
+                                    temperatures=(0.0, 1.0), num_prompts=2, max_new_tokens=8, methods=("ar", "ubtree"),
+                                    tree_budgets=(4,), beam_width=2, top_k=4, concurrency=(1, 2), interleave=2),
+                        check_datasets=False)
+    lines: list[str] = []
+    rows = run_e2e(settings, [PROMPTS], tiny_target, ENGINE, records_path=path, log=lines.append)
+    assert rec.read_records(path) == rows
+    e2e = [r for r in rows if r["kind"] == "e2e"]
+    assert [(r["method"], r["concurrency"], r["temperature"]) for r in e2e] == [
+        (m, c, t) for c in (1, 2) for t in (0.0, 1.0) for m in ("ar", "ubtree")]  # cell by cell, ar first
+    for ar, tree in zip(e2e[::2], e2e[1::2]):
+        assert ar["speedup_vs_ar"] == 1.0 and ar["num_prompts"] == tree["num_prompts"] == 2
+        assert abs(tree["speedup_vs_ar"] - tree["output_tokens_per_s"] / ar["output_tokens_per_s"]) < 1e-3
+        assert "interleaved: 2 chunks of the prompts, the 2 engines in turn" in tree["notes"]
+        assert 1.0 <= tree["tau"] <= 5.0
+    assert [r["metric"] for r in rows if r["kind"] == "microbench"] == ["round_over_plain_step"] * 4
+    assert sum("starting engine" in line for line in lines) == 2
+    agreement = run_e2e(validate(E2ESettings(target=str(tiny_target), drafter=str(tiny_drafter), datasets=("toy",),
+                                             temperatures=(0.0,), num_prompts=2, max_new_tokens=12,
+                                             methods=("ar", "ubtree"), tree_budgets=(4,), beam_width=2, top_k=4,
+                                             agreement=True, interleave=2), check_datasets=False),
+                        [PROMPTS], tiny_target, ENGINE, log=lambda line: None)
+    assert [(r["metric"], r["value"]) for r in agreement] == [(METRIC, 0.0)]

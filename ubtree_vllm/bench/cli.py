@@ -84,6 +84,10 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
                         help="greedy outputs of every method compared with ar's on the same prompts (needs ar and "
                              "--temperatures 0): appends greedy_divergence_rate microbench records instead of e2e "
                              "records (bench/agreement.py)")
+    parser.add_argument("--interleave", type=int, default=1, metavar="K",
+                        help="start every engine at once and measure each cell's prompts in K chunks that the "
+                             "engines run in turn, so a drift of the machine's speed falls on every method alike "
+                             "(bench/interleave.py; the engines' memory shares add up); 1: one engine after the other")
     parser.add_argument("--sampling-options", default=None, metavar="NAME,...",
                         help="comma-separated sampling options (bench/sampling_options.py: logprobs, penalties, "
                              "bad_words, min_tokens, min_p, logit_bias, json_object, json_schema): every cell runs "

@@ -120,15 +120,21 @@ def run_requests(llm: Any, prompts: Sequence[Sequence[int]], params: Any,
     return outputs, time.perf_counter() - started, steps
 
 
+def sampling_params(prompt_set: PromptSet, temperature: float, max_new_tokens: int,
+                    options: Mapping[str, Any] | None = None) -> Any:
+    """The SamplingParams of every measured request (module docstring), plus ``options``."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=temperature, max_tokens=max_new_tokens, ignore_eos=False, detokenize=False,
+                          stop_token_ids=list(prompt_set.stop_token_ids) or None, **(options or {}))
+
+
 def measure(llm: Any, prompt_set: PromptSet, temperature: float, concurrency: int, max_new_tokens: int,
             outputs_to: list[Any] | None = None, options: Mapping[str, Any] | None = None) -> RunResult:
     """One measured run of a prompt set (counters read around it, see bench/measurement.py); the finished
     RequestOutputs are appended to `outputs_to` when given; `options`: more SamplingParams keywords, on every
     request (bench/sampling_options.py)."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, ignore_eos=False, detokenize=False,
-                            stop_token_ids=list(prompt_set.stop_token_ids) or None, **(options or {}))
+    params = sampling_params(prompt_set, temperature, max_new_tokens, options)
     before = spec_counters(llm.get_metrics())
     outputs, wall_s, steps = run_requests(llm, prompt_set.prompts, params, concurrency)
     if outputs_to is not None:
@@ -215,15 +221,94 @@ def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path
     return list(iter_e2e(settings, prompt_sets, target_path, engine_kwargs, records_path, log))
 
 
+@dataclasses.dataclass
+class Engine:
+    """One started engine of the plan: its label, run, vLLM engine and drafter (with its training totals)."""
+
+    label: str
+    run: MethodRun
+    llm: Any
+    drafter: str | None
+    drafter_training: Mapping[str, int] | None
+
+
+class Recorder:
+    """Turns each measured run into the records of the invocation's mode (e2e + round cost, --agreement,
+    --stage-timing, --sampling-options), pairs them with ar's, appends them when a path is given."""
+
+    def __init__(self, settings: E2ESettings, target: str, cuda_graphs: bool, records_path: str | Path | None,
+                 log: Log) -> None:
+        self.settings, self.target, self.cuda_graphs, self.records_path, self.log = (
+            settings, target, cuda_graphs, records_path, log)
+        self.speedups = SpeedupTable()
+        self.rows: list[dict[str, Any]] = []
+        self.greedy_ar: dict[tuple[str, int], list[list[int]]] = {}  # --agreement: ar's outputs per (dataset, conc)
+        self.options = OptionLedger()  # --sampling-options: the baselines each option's records compare with
+
+    def take(self, engine: Engine, prompt_set: PromptSet, temperature: float, concurrency: int, option: str | None,
+             result: RunResult, outputs: list[Any], stage_times: Any = None,
+             records: bool = True) -> list[dict[str, Any]]:
+        """The records of one measured run (appended if a path); ``records=False`` (--profile): log it only."""
+        from ubtree_vllm.bench.records import append_record
+
+        settings, run, drafter = self.settings, engine.run, engine.drafter
+        speedup = (None if option else
+                   self.speedups.speedup(run.method, prompt_set.dataset, temperature, concurrency, result.tokens_per_s))
+        where = dict(target=self.target, drafter=drafter, dataset=prompt_set.dataset, temperature=temperature,
+                     concurrency=concurrency, max_new_tokens=settings.max_new_tokens, cuda_graphs=self.cuda_graphs,
+                     tp=settings.tensor_parallel_size)
+        record = e2e_record(run, result, speedup=speedup, drafter_training=engine.drafter_training, **where)
+        self.log(f"bench e2e: {summary_line(record)}" + (f" option={option}" if option else ""))
+        if not records:  # the profiler slows the steps: tables only, no records
+            new = []
+        elif settings.agreement:  # greedy outputs against ar's: agreement records only
+            tokens = tokens_in_prompt_order(outputs, prompt_set.prompts)
+            cell = (prompt_set.dataset, concurrency)
+            if run.method == "ar":
+                self.greedy_ar[cell] = tokens
+            new = [] if run.method == "ar" else [agreement_record(
+                run, self.greedy_ar[cell], tokens, target=self.target, drafter=drafter, dataset=prompt_set.dataset,
+                concurrency=concurrency, max_new_tokens=settings.max_new_tokens, cuda_graphs=self.cuda_graphs,
+                tau=result.tau, tp=settings.tensor_parallel_size)]
+        elif settings.stage_timing:  # timed steps are slower: stage records only
+            new = stage_records(run, result, stage_times, **where)
+        elif option:  # --sampling-options: the option's cost records only
+            new = self.options.records(engine.label, drafter, record, option)
+        else:  # + its round cost in plain steps against this invocation's ar cell
+            new = [record, *round_cost_records([*(r for r in self.rows if r["method"] == "ar"), record])]
+        if self.records_path is not None:
+            new = [append_record(r, self.records_path) for r in new]
+        self.rows.extend(new)
+        return new
+
+
+def start_engine(label: str, engine_settings: E2ESettings, settings: E2ESettings, target_path: Path,
+                 engine_kwargs: dict[str, Any], scratch: Path, log: Log) -> Engine:
+    """Build the engine of a planned label (under the stage-timing / profiling environment of the mode)."""
+    from ubtree_vllm.drafter.io import training_totals
+
+    drafter = engine_settings.drafter
+    log(f"bench e2e: starting engine for {label}"
+        + (f" (drafter {drafter})" if settings.compare_drafters and label not in DRAFTER_FREE_METHODS else ""))
+    profiling = settings.profile_dir is not None
+    with stage_timing_env("1" if settings.stage_timing else PROFILE_MODE if profiling else None):
+        run, llm = _start_engine(label, engine_settings, target_path, engine_kwargs, scratch, log)
+    return Engine(label, run, llm, drafter, training_totals(drafter) if drafter else None)
+
+
+def close_engine(engine: Engine) -> None:
+    stop_engine(engine.llm)
+    engine.llm = None
+    release_memory()
+
+
 def iter_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path: str | Path,
              engine_kwargs: dict[str, Any], records_path: str | Path | None = None,
              log: Log = print) -> Iterator[dict[str, Any]]:
     """:func:`run_e2e`, yielding each cell's records as soon as they are measured (and appended, if a path), so a
-    caller cut off by a time limit keeps the cells already done."""
+    caller cut off by a time limit keeps the cells already done. With ``settings.interleave`` > 1 every engine is up
+    at once and the engines take turns over chunks of each cell's prompts (bench/interleave.py)."""
     import torch
-
-    from ubtree_vllm.bench.records import append_record
-    from ubtree_vllm.drafter.io import training_totals
 
     if not prompt_sets or any(not ps.prompts for ps in prompt_sets):
         raise BenchArgumentError("every dataset needs at least one prompt")
@@ -231,84 +316,59 @@ def iter_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_pat
     engine_kwargs = {"seed": settings.seed, "max_num_seqs": max(settings.concurrency),
                      "tensor_parallel_size": settings.tensor_parallel_size, **engine_kwargs}
     cuda_graphs = not engine_kwargs.get("enforce_eager", False) and torch.cuda.is_available()
-    target = settings.target_name or target_path.name
-    speedups = SpeedupTable()
-    warmup = dataclasses.replace(prompt_sets[0], prompts=prompt_sets[0].prompts[:1])
-    rows: list[dict[str, Any]] = []
-    greedy_ar: dict[tuple[str, int], list[list[int]]] = {}  # --agreement: ar's outputs per (dataset, concurrency)
-    options_ledger = OptionLedger()  # --sampling-options: the baselines each option's records compare with
+    recorder = Recorder(settings, settings.target_name or target_path.name, cuda_graphs, records_path, log)
     with tempfile.TemporaryDirectory(prefix="ubtree-bench-") as scratch:
+        if settings.interleave > 1:
+            from ubtree_vllm.bench.interleave import iter_interleaved
+
+            yield from iter_interleaved(settings, prompt_sets, target_path, engine_kwargs, Path(scratch), recorder, log)
+            return
         for label, engine_settings in planned_engines(settings):
-            drafter = engine_settings.drafter
-            drafter_training = training_totals(drafter) if drafter else None
-            log(f"bench e2e: starting engine for {label}"
-                + (f" (drafter {drafter})" if settings.compare_drafters and label not in DRAFTER_FREE_METHODS else ""))
-            profiling = settings.profile_dir is not None
-            with stage_timing_env("1" if settings.stage_timing else PROFILE_MODE if profiling else None):
-                run, llm = _start_engine(label, engine_settings, target_path, engine_kwargs, Path(scratch), log)
-            clocked = settings.stage_timing and uses_runner_clock(run)
-            traced = False  # --profile: the first run of each engine also writes its Chrome trace
+            engine = start_engine(label, engine_settings, settings, target_path, engine_kwargs, Path(scratch), log)
             try:
-                measure(llm, warmup, 0.0, 1, min(WARMUP_TOKENS, settings.max_new_tokens))
-                for concurrency in settings.concurrency:
-                    if concurrency > 1:  # the batch sizes and mixed steps this concurrency runs, unmeasured
-                        warm_up_at(llm, prompt_sets[0], concurrency)
-                    for prompt_set, temperature, option in cells(prompt_sets, settings):
-                        if clocked:
-                            read_stage_times(llm, reset=True)
-                        outputs: list[Any] = []
-                        steps = [0]
-                        name = run_name(label, prompt_set.dataset, temperature, concurrency)
-                        profile = (profiled(Path(settings.profile_dir), name, steps, trace=not traced) if profiling
-                                   else contextlib.nullcontext())
-                        with profile:
-                            result = measure(llm, prompt_set, temperature, concurrency, settings.max_new_tokens,
-                                             outputs,
-                                             sampling_kwargs(option, settings.max_new_tokens) if option else None)
-                            steps[0] = result.engine_steps
-                        traced = True
-                        if profiling:  # the same cell again under cProfile alone: the host code's shares
-                            py_steps = [0]
-                            with python_profiled(Path(settings.profile_dir), name, py_steps):
-                                py_steps[0] = measure(llm, prompt_set, temperature, concurrency,
-                                                      settings.max_new_tokens).engine_steps
-                        speedup = (None if option else
-                                   speedups.speedup(run.method, prompt_set.dataset, temperature, concurrency,
-                                                    result.tokens_per_s))
-                        where = dict(target=target, drafter=drafter, dataset=prompt_set.dataset,
-                                     temperature=temperature, concurrency=concurrency,
-                                     max_new_tokens=settings.max_new_tokens, cuda_graphs=cuda_graphs,
-                                     tp=settings.tensor_parallel_size)
-                        record = e2e_record(run, result, speedup=speedup, drafter_training=drafter_training,
-                                            **where)
-                        log(f"bench e2e: {summary_line(record)}" + (f" option={option}" if option else ""))
-                        if profiling:  # the profiler slows the steps: tables only, no records
-                            new = []
-                        elif settings.agreement:  # greedy outputs against ar's: agreement records only
-                            tokens = tokens_in_prompt_order(outputs, prompt_set.prompts)
-                            cell = (prompt_set.dataset, concurrency)
-                            if run.method == "ar":
-                                greedy_ar[cell] = tokens
-                            new = [] if run.method == "ar" else [agreement_record(
-                                run, greedy_ar[cell], tokens, target=target, drafter=drafter,
-                                dataset=prompt_set.dataset, concurrency=concurrency,
-                                max_new_tokens=settings.max_new_tokens, cuda_graphs=cuda_graphs,
-                                tau=result.tau, tp=settings.tensor_parallel_size)]
-                        elif settings.stage_timing:  # timed steps are slower: stage records only
-                            times = read_stage_times(llm, reset=True) if clocked else None
-                            new = stage_records(run, result, times, **where)
-                        elif option:  # --sampling-options: the option's cost records only
-                            new = options_ledger.records(label, drafter, record, option)
-                        else:  # + its round cost in plain steps against this invocation's ar cell
-                            new = [record, *round_cost_records([*(r for r in rows if r["method"] == "ar"), record])]
-                        if records_path is not None:
-                            new = [append_record(r, records_path) for r in new]
-                        rows.extend(new)
-                        yield from new
+                yield from _measure_engine(engine, settings, prompt_sets, recorder)
             finally:
-                stop_engine(llm)
-                del llm
-                release_memory()
+                close_engine(engine)
+
+
+def _measure_engine(engine: Engine, settings: E2ESettings, prompt_sets: Sequence[PromptSet],
+                    recorder: Recorder) -> Iterator[dict[str, Any]]:
+    """Every concurrency x cell of one engine, one after the other (the sequential plan)."""
+    llm, label = engine.llm, engine.label
+    profiling = settings.profile_dir is not None
+    clocked = settings.stage_timing and uses_runner_clock(engine.run)
+    traced = False  # --profile: the first run of each engine also writes its Chrome trace
+    warm_up(llm, prompt_sets, settings)
+    for concurrency in settings.concurrency:
+        if concurrency > 1:  # the batch sizes and mixed steps this concurrency runs, unmeasured
+            warm_up_at(llm, prompt_sets[0], concurrency)
+        for prompt_set, temperature, option in cells(prompt_sets, settings):
+            if clocked:
+                read_stage_times(llm, reset=True)
+            outputs: list[Any] = []
+            steps = [0]
+            name = run_name(label, prompt_set.dataset, temperature, concurrency)
+            profile = (profiled(Path(settings.profile_dir), name, steps, trace=not traced) if profiling
+                       else contextlib.nullcontext())
+            with profile:
+                result = measure(llm, prompt_set, temperature, concurrency, settings.max_new_tokens, outputs,
+                                 sampling_kwargs(option, settings.max_new_tokens) if option else None)
+                steps[0] = result.engine_steps
+            traced = True
+            if profiling:  # the same cell again under cProfile alone: the host code's shares
+                py_steps = [0]
+                with python_profiled(Path(settings.profile_dir), name, py_steps):
+                    py_steps[0] = measure(llm, prompt_set, temperature, concurrency,
+                                          settings.max_new_tokens).engine_steps
+            times = read_stage_times(llm, reset=True) if clocked else None
+            yield from recorder.take(engine, prompt_set, temperature, concurrency, option, result, outputs, times,
+                                     records=not profiling)
+
+
+def warm_up(llm: Any, prompt_sets: Sequence[PromptSet], settings: E2ESettings) -> None:
+    """One unmeasured request (the first prompt, WARMUP_TOKENS at most) right after the engine starts."""
+    warmup = dataclasses.replace(prompt_sets[0], prompts=prompt_sets[0].prompts[:1])
+    measure(llm, warmup, 0.0, 1, min(WARMUP_TOKENS, settings.max_new_tokens))
 
 
 SUMMARY_COLUMNS = (("method", "method", 12), ("B", "tree_budget", 4), ("dataset", "dataset", 10),

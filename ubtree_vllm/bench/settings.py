@@ -136,6 +136,9 @@ class E2ESettings:
     # --sampling-options: every cell runs once per option ("none" first) and appends the options' cost records
     # instead of e2e records (bench/sampling_options.py); () -- the mode is off
     sampling_options: tuple[str, ...] = ()
+    # --interleave K: every engine up at once, each cell's prompts in K chunks the engines run in turn
+    # (bench/interleave.py); 1 -- one engine after the other
+    interleave: int = 1
     # Drafter facts read from its config.json (None without a drafter).
     block_size: int | None = field(default=None, compare=False)
     vocab_size: int | None = field(default=None, compare=False)
@@ -233,6 +236,11 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
                                    ("--sampling-options", bool(settings.sampling_options))) if on]
     if len(modes) > 1:
         raise BenchArgumentError(f"{' and '.join(modes)} are separate modes; pass one")
+    if settings.interleave < 1:
+        raise BenchArgumentError(f"--interleave must be >= 1 (1: one engine after the other), got {settings.interleave}")
+    if settings.interleave > 1 and (settings.profile_dir is not None or settings.stage_timing):
+        raise BenchArgumentError("--interleave runs every engine at once; --profile and --stage-timing time one "
+                                 "engine at a time: pass --interleave 1 with them")
     if settings.sampling_options:
         try:
             settings = dataclasses.replace(settings, sampling_options=check_sampling_options(
@@ -323,6 +331,7 @@ def settings_from_args(args: argparse.Namespace, check_datasets: bool = True) ->
         budget_schedule=parse_budget_schedule(getattr(args, "budget_schedule", None)),
         fixed_budget=getattr(args, "fixed_budget", False),
         tree_attention=parse_list("--tree-attention", getattr(args, "tree_attention", "triton"), str, "modes"),
+        interleave=getattr(args, "interleave", 1),
         sampling_options=parse_list("--sampling-options", args.sampling_options, str, "option names")
         if getattr(args, "sampling_options", None) else (),
     ), check_datasets=check_datasets)

@@ -1,0 +1,82 @@
+"""`ubtree bench e2e --interleave K`: every engine up at once, taking turns over chunks of each cell's prompts.
+
+The sequential plan measures one engine after the other, minutes apart, so a drift of the machine's speed
+between them lands in the speedups (in the H200 sampling-option records of 2026-12-04, ar's step time moved
+from run to run by far more than any option cost). Here all planned engines are started first (their memory shares add up: pass
+--gpu-memory-utilization / engines), then each cell's prompts are cut into K chunks of consecutive prompts
+and, chunk by chunk, every engine runs the chunk, the order rotating by one engine per chunk; an engine's
+run of the cell is the sum of its chunks (tokens, wall time, engine steps; its spec-decode counters read
+before its first chunk and after its last). Drift then falls on every method alike. A chunk's sliding window
+drains at its end, so with more than one request in flight use chunks of several times the concurrency.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from ubtree_vllm.bench.e2e import (Engine, Log, Recorder, cells, close_engine, run_requests, sampling_params,
+                                   start_engine, warm_up, warm_up_at)
+from ubtree_vllm.bench.measurement import spec_counters, summarize_run
+from ubtree_vllm.bench.prompts import PromptSet
+from ubtree_vllm.bench.sampling_options import sampling_kwargs
+from ubtree_vllm.bench.settings import E2ESettings, planned_engines
+
+
+def chunk_bounds(num_prompts: int, chunks: int) -> list[tuple[int, int]]:
+    """[start, end) of ``min(chunks, num_prompts)`` runs of consecutive prompts, sizes differing by at most one."""
+    chunks = max(1, min(chunks, num_prompts))
+    edges = [num_prompts * i // chunks for i in range(chunks + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def turn_order(num_engines: int, chunk: int) -> list[int]:
+    """The engines' order for chunk ``chunk``: the plan's order rotated by one per chunk."""
+    shift = chunk % num_engines
+    return [*range(shift, num_engines), *range(shift)]
+
+
+def iter_interleaved(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path: Path,
+                     engine_kwargs: dict[str, Any], scratch: Path, recorder: Recorder,
+                     log: Log) -> Iterator[dict[str, Any]]:
+    """Every cell measured on all engines in turns (module docstring); records in the plan's engine order per cell,
+    so ar's come first and every other run pairs with the ar run of the same chunks."""
+    engines: list[Engine] = []
+    try:
+        for label, engine_settings in planned_engines(settings):
+            engines.append(start_engine(label, engine_settings, settings, target_path, engine_kwargs, scratch, log))
+            warm_up(engines[-1].llm, prompt_sets, settings)
+        for concurrency in settings.concurrency:
+            if concurrency > 1:  # the batch sizes and mixed steps this concurrency runs, unmeasured
+                for engine in engines:
+                    warm_up_at(engine.llm, prompt_sets[0], concurrency)
+            for prompt_set, temperature, option in cells(prompt_sets, settings):
+                params = sampling_params(prompt_set, temperature, settings.max_new_tokens,
+                                         sampling_kwargs(option, settings.max_new_tokens) if option else None)
+                outputs: list[list[Any]] = [[] for _ in engines]
+                wall = [0.0] * len(engines)
+                steps = [0] * len(engines)
+                before = [spec_counters(e.llm.get_metrics()) for e in engines]
+                bounds = chunk_bounds(len(prompt_set.prompts), settings.interleave)
+                for index, (start, end) in enumerate(bounds):
+                    for i in turn_order(len(engines), index):
+                        done, seconds, count = run_requests(engines[i].llm, prompt_set.prompts[start:end], params,
+                                                            concurrency)
+                        outputs[i] += done
+                        wall[i] += seconds
+                        steps[i] += count
+                for i, engine in enumerate(engines):
+                    result = summarize_run(outputs[i], wall[i], before[i], spec_counters(engine.llm.get_metrics()),
+                                           steps[i])
+                    run = engine.run
+                    note = f"interleaved: {len(bounds)} chunks of the prompts, the {len(engines)} engines in turn"
+                    engine.run = dataclasses.replace(run, note=f"{run.note}; {note}" if run.note else note)
+                    try:
+                        yield from recorder.take(engine, prompt_set, temperature, concurrency, option, result,
+                                                 outputs[i])
+                    finally:
+                        engine.run = run
+    finally:
+        for engine in engines:
+            close_engine(engine)
