@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from bench_args import e2e_args
 import torch
 from transformers import LlamaConfig
 
@@ -158,13 +159,6 @@ def test_fallback_chain_run_is_a_single_path_through_the_plugin():
 
 # ---- flag validation ---------------------------------------------------------------------
 
-def e2e_args(**overrides) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    bench_cli._add_e2e_args(parser)
-    args = parser.parse_args([])
-    for key, value in overrides.items():
-        setattr(args, key, value)
-    return args
 
 
 def test_e2e_flags_are_parsed_and_ordered(drafter_dir):

@@ -2,11 +2,9 @@
 cost records and the report section, without an engine (tests/vllm/test_vllm_bench.py runs one)."""
 from __future__ import annotations
 
-import argparse
-
 import pytest
+from bench_args import e2e_args
 
-from ubtree_vllm.bench import cli as bench_cli
 from ubtree_vllm.bench import records as rec
 from ubtree_vllm.bench.e2e import OptionLedger, cells
 from ubtree_vllm.bench.prompts import PromptSet
@@ -14,15 +12,6 @@ from ubtree_vllm.bench.report import render
 from ubtree_vllm.bench.sampling_options import (ADDED_METRIC, NEEDS_TOKENIZER, ROUND_METRIC, SAMPLING_OPTIONS,
                                                 check_sampling_options, describe, option_records)
 from ubtree_vllm.bench.settings import BenchArgumentError, E2ESettings, settings_from_args
-
-
-def e2e_args(**overrides) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    bench_cli._add_e2e_args(parser)
-    args = parser.parse_args([])
-    for key, value in overrides.items():
-        setattr(args, key, value)
-    return args
 
 
 def test_options_are_checked_and_run_after_none():
