@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ubtree_vllm.config import MAX_LOOKUP_N, MAX_TREE_BUDGET, max_tree_nodes
 from ubtree_vllm.bench.sampling_options import check_sampling_options
+from ubtree_vllm.config import MAX_LOOKUP_N, MAX_TREE_BUDGET, max_tree_nodes
 from ubtree_vllm.eval_datasets import EVAL_DATASETS, allowed_datasets
 from ubtree_vllm.vllm.config import TREE_ATTENTION_MODES
 
