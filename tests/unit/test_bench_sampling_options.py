@@ -49,7 +49,8 @@ def test_structured_options_become_vllms_params():
     for name in SAMPLING_OPTIONS:  # each is a valid SamplingParams
         SamplingParams(temperature=0.0, max_tokens=8, **sampling_kwargs(name, 8))
     params = SamplingParams(**sampling_kwargs("json_schema", 8))
-    assert sampling_kwargs("min_tokens", 8)["min_tokens"] == 8 and sampling_kwargs("min_tokens", 256)["min_tokens"] == 64
+    assert sampling_kwargs("min_tokens", 8)["min_tokens"] == 8
+    assert sampling_kwargs("min_tokens", 256)["min_tokens"] == 64
     assert params.structured_outputs.json["required"] == ["answer", "confidence"]
     assert SamplingParams(**sampling_kwargs("json_object", 8)).structured_outputs.json_object is True
 
@@ -64,7 +65,8 @@ def test_a_cell_runs_none_then_each_option():
 
 
 def _run(method: str, tokens_per_s: float, tpot: float, tau: float | None) -> dict:
-    return {"method": method, "dataset": "toy", "temperature": 0.0, "concurrency": 1, "output_tokens_per_s": tokens_per_s,
+    return {"method": method, "dataset": "toy", "temperature": 0.0, "concurrency": 1,
+            "output_tokens_per_s": tokens_per_s,
             "tpot_ms": tpot, "tau": tau, "target": "t", "drafter": None if method == "ar" else "d", "tree_budget": None}
 
 

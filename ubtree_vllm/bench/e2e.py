@@ -246,12 +246,15 @@ class Recorder:
         self.options = OptionLedger()  # --sampling-options: the baselines each option's records compare with
 
     def take(self, engine: Engine, prompt_set: PromptSet, temperature: float, concurrency: int, option: str | None,
-             result: RunResult, outputs: list[Any], stage_times: Any = None,
-             records: bool = True) -> list[dict[str, Any]]:
-        """The records of one measured run (appended if a path); ``records=False`` (--profile): log it only."""
+             result: RunResult, outputs: list[Any], stage_times: Any = None, records: bool = True,
+             note: str = "") -> list[dict[str, Any]]:
+        """The records of one measured run (appended if a path); ``records=False`` (--profile): log it only;
+        ``note``: how the run was measured, added to the run's own note in the records."""
         from ubtree_vllm.bench.records import append_record
 
         settings, run, drafter = self.settings, engine.run, engine.drafter
+        if note:
+            run = dataclasses.replace(run, note=f"{run.note}; {note}" if run.note else note)
         speedup = (None if option else
                    self.speedups.speedup(run.method, prompt_set.dataset, temperature, concurrency, result.tokens_per_s))
         where = dict(target=self.target, drafter=drafter, dataset=prompt_set.dataset, temperature=temperature,

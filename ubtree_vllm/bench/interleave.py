@@ -2,16 +2,15 @@
 
 The sequential plan measures one engine after the other, minutes apart, so a drift of the machine's speed
 between them lands in the speedups (in the H200 sampling-option records of 2026-12-04, ar's step time moved
-from run to run by far more than any option cost). Here all planned engines are started first (their memory shares add up: pass
---gpu-memory-utilization / engines), then each cell's prompts are cut into K chunks of consecutive prompts
-and, chunk by chunk, every engine runs the chunk, the order rotating by one engine per chunk; an engine's
-run of the cell is the sum of its chunks (tokens, wall time, engine steps; its spec-decode counters read
+from run to run by far more than any option cost). Here all planned engines are started first (their memory
+shares add up: pass --gpu-memory-utilization / engines), then each cell's prompts are cut into K chunks of
+consecutive prompts and, chunk by chunk, every engine runs the chunk, the order rotating by one engine per
+chunk; an engine's run of the cell is the sum of its chunks (tokens, wall time, engine steps; its spec-decode counters read
 before its first chunk and after its last). Drift then falls on every method alike. A chunk's sliding window
 drains at its end, so with more than one request in flight use chunks of several times the concurrency.
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -69,14 +68,9 @@ def iter_interleaved(settings: E2ESettings, prompt_sets: Sequence[PromptSet], ta
                 for i, engine in enumerate(engines):
                     result = summarize_run(outputs[i], wall[i], before[i], spec_counters(engine.llm.get_metrics()),
                                            steps[i])
-                    run = engine.run
-                    note = f"interleaved: {len(bounds)} chunks of the prompts, the {len(engines)} engines in turn"
-                    engine.run = dataclasses.replace(run, note=f"{run.note}; {note}" if run.note else note)
-                    try:
-                        yield from recorder.take(engine, prompt_set, temperature, concurrency, option, result,
-                                                 outputs[i])
-                    finally:
-                        engine.run = run
+                    yield from recorder.take(engine, prompt_set, temperature, concurrency, option, result, outputs[i],
+                                             note=f"interleaved: {len(bounds)} chunks of the prompts, the "
+                                                  f"{len(engines)} engines in turn")
     finally:
         for engine in engines:
             close_engine(engine)

@@ -237,7 +237,8 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
     if len(modes) > 1:
         raise BenchArgumentError(f"{' and '.join(modes)} are separate modes; pass one")
     if settings.interleave < 1:
-        raise BenchArgumentError(f"--interleave must be >= 1 (1: one engine after the other), got {settings.interleave}")
+        raise BenchArgumentError(f"--interleave must be >= 1 (1: one engine after the other), "
+                                 f"got {settings.interleave}")
     if settings.interleave > 1 and (settings.profile_dir is not None or settings.stage_timing):
         raise BenchArgumentError("--interleave runs every engine at once; --profile and --stage-timing time one "
                                  "engine at a time: pass --interleave 1 with them")
