@@ -104,7 +104,7 @@ if triton is not None:
             qk_scale, num_entries, path_len,
             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, HEAD_SIZE: tl.constexpr,
             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-            NUM_SPLITS: tl.constexpr, CONTEXT_GIVEN: tl.constexpr):
+            NUM_SPLITS: tl.constexpr, CONTEXT_GIVEN: tl.constexpr, PATH_PAD: tl.constexpr):
         # One tile = ROWS consecutive entries x the GROUP query heads of one kv head, flattened
         # into BLOCK_M = ROWS * GROUP_PAD query vectors m = (entry e(m), head g(m)).
         tile = tl.program_id(0)
@@ -170,12 +170,14 @@ if triton is not None:
             # the rows of its own path: dense tiles instead of one dependent gather per path entry.
             # Only in the last split.
             if split == NUM_SPLITS - 1:
-                lo = tl.min(tl.where(sel, tl.load(row_path_ptr + entry * stride_path_row, mask=sel, other=0)
-                                     .to(tl.int64), no_req), axis=0)
-                hi = tl.full([], -1, tl.int64)
-                for j in range(0, path_len):
-                    hi = tl.maximum(hi, tl.max(tl.load(row_path_ptr + entry * stride_path_row + j, mask=sel,
-                                                       other=-1).to(tl.int64), axis=0))
+                # the vectors' paths, loaded once ([BLOCK_M, PATH_PAD] int32 rows, -1 padded): the masks below
+                # take their columns from registers, with no dependent load per path entry and row tile
+                offs_p = tl.arange(0, PATH_PAD)
+                path = tl.load(row_path_ptr + entry[:, None] * stride_path_row + offs_p[None, :],
+                               mask=sel[:, None] & (offs_p[None, :] < path_len), other=-1).to(tl.int32)
+                lo = tl.min(tl.where(sel, tl.max(tl.where(offs_p[None, :] == 0, path, -1), axis=1),
+                                     2147483647), axis=0).to(tl.int64)
+                hi = tl.max(tl.max(path, axis=1), axis=0).to(tl.int64)
                 for row_start in range(lo, hi + 1, BLOCK_N):
                     rows = row_start + offs_n  # [BLOCK_N]
                     in_tile = rows <= hi
@@ -183,11 +185,11 @@ if triton is not None:
                                 mask=in_tile[:, None], other=0.0)  # [BLOCK_N, D]
                     v = tl.load(value_ptr + (rows * stride_v_t + kv_head * stride_v_h)[:, None] + offs_d[None, :],
                                 mask=in_tile[:, None], other=0.0)
+                    rows32 = rows.to(tl.int32)
                     on_path = tl.zeros([ROWS * GROUP_PAD, BLOCK_N], dtype=tl.int32)
                     for j in range(0, path_len):
-                        path_row = tl.load(row_path_ptr + entry * stride_path_row + j, mask=sel,
-                                           other=-1).to(tl.int64)
-                        on_path = on_path | (path_row[:, None] == rows[None, :]).to(tl.int32)  # -1 matches no row
+                        path_row = tl.max(tl.where(offs_p[None, :] == j, path, -1), axis=1)  # [BLOCK_M] column j
+                        on_path = on_path | (path_row[:, None] == rows32[None, :]).to(tl.int32)  # -1 matches no row
                     m_i, l_i, acc = _online_softmax_tile(q, k, v, on_path != 0, m_i, l_i, acc, qk_scale,
                                                          DOT_PRECISION)
             mine = (sel & (g < GROUP))[:, None]
@@ -244,15 +246,16 @@ _INTERPRETER_SMS = 4  # the SM count the split rule assumes under the Triton int
 
 
 def launch_meta(group: int, head_size: int, block_size: int, dtype: torch.dtype,
-                num_splits: int = 1, context_given: bool = False) -> dict[str, object]:
-    """The kernel's compile-time parameters for a GQA group size, head size, KV block size, dtype, split count
-    and whether the context part comes from elsewhere (``context_out`` / ``context_lse``)."""
+                num_splits: int = 1, context_given: bool = False, path_width: int = 17) -> dict[str, object]:
+    """The kernel's compile-time parameters for a GQA group size, head size, KV block size, dtype, split count,
+    whether the context part comes from elsewhere (``context_out`` / ``context_lse``) and the row paths' width
+    (``row_path.shape[1]``: 17 for gamma = 16)."""
     group_pad = 1 << (group - 1).bit_length()
     block_m = 64 if head_size <= 128 else 32  # query vectors per program
     return {"GROUP": group, "GROUP_PAD": group_pad, "ROWS": max(1, block_m // group_pad), "HEAD_SIZE": head_size,
             "BLOCK_SIZE": block_size, "BLOCK_N": 64 if head_size <= 128 else 32,
             "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32", "NUM_SPLITS": num_splits,
-            "CONTEXT_GIVEN": context_given}
+            "CONTEXT_GIVEN": context_given, "PATH_PAD": max(2, 1 << (path_width - 1).bit_length())}
 
 
 # The split counts the automatic rule picks: powers of two, so an engine compiles at most these few variants of
@@ -375,7 +378,7 @@ def tree_attention(
                            "TRITON_INTERPRET=1 before triton is first imported")
 
     meta = launch_meta(num_heads // num_kv_heads, head_size, key_cache.shape[1], query.dtype,
-                       context_given=context_given)
+                       context_given=context_given, path_width=row_path.shape[1])
     tiles = triton.cdiv(num_rows, meta["ROWS"])
     if num_splits is None:
         sms = _INTERPRETER_SMS if query.device.type == "cpu" else _sm_count(query.device)
