@@ -287,12 +287,23 @@ class Recorder:
 
 def start_engine(label: str, engine_settings: E2ESettings, settings: E2ESettings, target_path: Path,
                  engine_kwargs: dict[str, Any], scratch: Path, log: Log) -> Engine:
+    """Log the start, then :func:`open_engine`."""
+    log_engine_start(label, engine_settings, settings, log)
+    return open_engine(label, engine_settings, settings, target_path, engine_kwargs, scratch, log)
+
+
+def log_engine_start(label: str, engine_settings: E2ESettings, settings: E2ESettings, log: Log) -> None:
+    log(f"bench e2e: starting engine for {label}" + (f" (drafter {engine_settings.drafter})"
+                                                     if settings.compare_drafters and label not in DRAFTER_FREE_METHODS
+                                                     else ""))
+
+
+def open_engine(label: str, engine_settings: E2ESettings, settings: E2ESettings, target_path: Path,
+                engine_kwargs: dict[str, Any], scratch: Path, log: Log) -> Engine:
     """Build the engine of a planned label (under the stage-timing / profiling environment of the mode)."""
     from ubtree_vllm.drafter.io import training_totals
 
     drafter = engine_settings.drafter
-    log(f"bench e2e: starting engine for {label}"
-        + (f" (drafter {drafter})" if settings.compare_drafters and label not in DRAFTER_FREE_METHODS else ""))
     profiling = settings.profile_dir is not None
     with stage_timing_env("1" if settings.stage_timing else PROFILE_MODE if profiling else None):
         run, llm = _start_engine(label, engine_settings, target_path, engine_kwargs, scratch, log)

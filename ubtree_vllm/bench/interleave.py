@@ -1,5 +1,8 @@
 """`ubtree bench e2e --interleave K`: every engine up at once, taking turns over chunks of each cell's prompts.
 
+Each engine runs in a process of its own (bench/engine_process.py: in-process engines side by side broke CUDA-graph
+replay on the H200).
+
 The sequential plan measures one engine after the other, minutes apart, so a drift of the machine's speed
 between them lands in the speedups (in the H200 sampling-option records of 2026-12-04, ar's step time moved
 from run to run by far more than any option cost). Here all planned engines are started first (their memory
@@ -15,9 +18,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ubtree_vllm.bench.e2e import (Engine, Log, Recorder, cells, close_engine, run_requests, sampling_params,
-                                   start_engine, warm_up, warm_up_at)
-from ubtree_vllm.bench.measurement import spec_counters, summarize_run
+from ubtree_vllm.bench.e2e import Log, Recorder, cells, log_engine_start, sampling_params
+from ubtree_vllm.bench.engine_process import EngineProcess
+from ubtree_vllm.bench.measurement import summarize_run
 from ubtree_vllm.bench.prompts import PromptSet
 from ubtree_vllm.bench.sampling_options import sampling_kwargs
 from ubtree_vllm.bench.settings import E2ESettings, planned_engines
@@ -41,36 +44,36 @@ def iter_interleaved(settings: E2ESettings, prompt_sets: Sequence[PromptSet], ta
                      log: Log) -> Iterator[dict[str, Any]]:
     """Every cell measured on all engines in turns (module docstring); records in the plan's engine order per cell,
     so ar's come first and every other run pairs with the ar run of the same chunks."""
-    engines: list[Engine] = []
+    engines: list[EngineProcess] = []
     try:
         for label, engine_settings in planned_engines(settings):
-            engines.append(start_engine(label, engine_settings, settings, target_path, engine_kwargs, scratch, log))
-            warm_up(engines[-1].llm, prompt_sets, settings)
+            log_engine_start(label, engine_settings, settings, log)
+            engines.append(EngineProcess(label, engine_settings, settings, target_path, engine_kwargs, scratch))
+            engines[-1].call("warm_up", prompt_sets)
         for concurrency in settings.concurrency:
             if concurrency > 1:  # the batch sizes and mixed steps this concurrency runs, unmeasured
                 for engine in engines:
-                    warm_up_at(engine.llm, prompt_sets[0], concurrency)
+                    engine.call("warm_up_at", prompt_sets[0], concurrency)
             for prompt_set, temperature, option in cells(prompt_sets, settings):
                 params = sampling_params(prompt_set, temperature, settings.max_new_tokens,
                                          sampling_kwargs(option, settings.max_new_tokens) if option else None)
                 outputs: list[list[Any]] = [[] for _ in engines]
                 wall = [0.0] * len(engines)
                 steps = [0] * len(engines)
-                before = [spec_counters(e.llm.get_metrics()) for e in engines]
+                before = [engine.call("counters") for engine in engines]
                 bounds = chunk_bounds(len(prompt_set.prompts), settings.interleave)
                 for index, (start, end) in enumerate(bounds):
                     for i in turn_order(len(engines), index):
-                        done, seconds, count = run_requests(engines[i].llm, prompt_set.prompts[start:end], params,
-                                                            concurrency)
+                        done, seconds, count = engines[i].call("run", prompt_set.prompts[start:end], params,
+                                                               concurrency)
                         outputs[i] += done
                         wall[i] += seconds
                         steps[i] += count
                 for i, engine in enumerate(engines):
-                    result = summarize_run(outputs[i], wall[i], before[i], spec_counters(engine.llm.get_metrics()),
-                                           steps[i])
-                    yield from recorder.take(engine, prompt_set, temperature, concurrency, option, result, outputs[i],
-                                             note=f"interleaved: {len(bounds)} chunks of the prompts, the "
-                                                  f"{len(engines)} engines in turn")
+                    result = summarize_run(outputs[i], wall[i], before[i], engine.call("counters"), steps[i])
+                    yield from recorder.take(engine.engine, prompt_set, temperature, concurrency, option, result,
+                                             outputs[i], note=f"interleaved: {len(bounds)} chunks of the prompts, "
+                                                              f"the {len(engines)} engines in turn")
     finally:
         for engine in engines:
-            close_engine(engine)
+            engine.close()
