@@ -495,12 +495,15 @@ def test_tree_linear_state_forms_compute_the_same_step():
 # ---- --interleave ------------------------------------------------------------------------
 
 def test_interleave_cuts_prompts_into_chunks_and_rotates_the_engines():
-    from ubtree_vllm.bench.interleave import chunk_bounds, turn_order
+    from ubtree_vllm.bench.interleave import chunk_bounds, chunk_count, turn_order
 
     assert chunk_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
     assert chunk_bounds(2, 5) == [(0, 1), (1, 2)]  # never an empty chunk
     assert chunk_bounds(7, 1) == [(0, 7)]
     assert [turn_order(3, k) for k in range(4)] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    assert chunk_count(48, 4, 1) == 4 and chunk_count(48, 4, 4) == 4  # chunks of 12 >= 2 x 4
+    assert chunk_count(48, 4, 16) == 1 and chunk_count(48, 4, 64) == 1  # one chunk: engines alternate by cell
+    assert chunk_count(80, 4, 16) == 2
 
 
 def test_interleave_flag_is_checked():

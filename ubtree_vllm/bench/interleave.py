@@ -10,7 +10,8 @@ shares add up: pass --gpu-memory-utilization / engines), then each cell's prompt
 consecutive prompts and, chunk by chunk, every engine runs the chunk, the order rotating by one engine per
 chunk; an engine's run of the cell is the sum of its chunks (tokens, wall time, engine steps; its spec-decode counters read
 before its first chunk and after its last). Drift then falls on every method alike. A chunk's sliding window
-drains at its end, so with more than one request in flight use chunks of several times the concurrency.
+drains at its end, so with more than one request in flight a cell gets fewer chunks where K would make them
+shorter than twice the concurrency (:func:`chunk_count`; the records' notes give the count).
 """
 from __future__ import annotations
 
@@ -31,6 +32,15 @@ def chunk_bounds(num_prompts: int, chunks: int) -> list[tuple[int, int]]:
     chunks = max(1, min(chunks, num_prompts))
     edges = [num_prompts * i // chunks for i in range(chunks + 1)]
     return list(zip(edges[:-1], edges[1:]))
+
+
+def chunk_count(num_prompts: int, interleave: int, concurrency: int) -> int:
+    """Chunks of one cell: ``interleave``, fewer where a chunk would hold fewer than 2 x ``concurrency`` prompts (a
+    chunk's window drains at its end, so shorter chunks would mostly run below the concurrency asked for); at
+    least one, which still alternates the engines cell by cell."""
+    if concurrency <= 1:
+        return interleave
+    return max(1, min(interleave, num_prompts // (2 * concurrency)))
 
 
 def turn_order(num_engines: int, chunk: int) -> list[int]:
@@ -61,7 +71,8 @@ def iter_interleaved(settings: E2ESettings, prompt_sets: Sequence[PromptSet], ta
                 wall = [0.0] * len(engines)
                 steps = [0] * len(engines)
                 before = [engine.call("counters") for engine in engines]
-                bounds = chunk_bounds(len(prompt_set.prompts), settings.interleave)
+                bounds = chunk_bounds(len(prompt_set.prompts),
+                                      chunk_count(len(prompt_set.prompts), settings.interleave, concurrency))
                 for index, (start, end) in enumerate(bounds):
                     for i in turn_order(len(engines), index):
                         done, seconds, count = engines[i].call("run", prompt_set.prompts[start:end], params,
