@@ -7,7 +7,10 @@ launch per layer over the runner's fixed-size :class:`~ubtree_vllm.vllm.attentio
 among this forward's fresh K/V). When the buffers hold an entry for every row of the forward (Model
 Runner V2 in a step whose rows are all roots and drafts: every uniform decode step, so every FULL
 graph of tree steps; :func:`rows_covered`), the stock kernel is skipped: at batch 1 on SmolLM2 it
-was a sixth of a round's device time (H200 profile, 2026-12-04), spent on rows the launch overwrites. Both backends keep K and V in one cache of logical shape
+was among the largest items of a round's device time (H200 profile, 2026-12-04), spent on rows the launch
+overwrites.
+
+Both backends keep K and V in one cache of logical shape
 ``[num_blocks, H_kv, block_size, 2 * head_size]``, so the same views, launch and in-cache KV commit
 serve both. Captured in FULL CUDA graphs like the stock kernel (no host read of a device value).
 """
