@@ -95,7 +95,10 @@ def serve_engine(conn: Any, label: str, engine_settings: E2ESettings, settings: 
         "counters": lambda: spec_counters(engine.llm.get_metrics()),
     }
     while True:
-        name, args = conn.recv()
+        try:
+            name, args = conn.recv()
+        except (EOFError, OSError):  # the parent is gone: end, and the engine's memory with the process
+            return
         if name == "close":
             close_engine(engine)
             conn.send(("ok", None))
