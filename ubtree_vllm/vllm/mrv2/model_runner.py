@@ -55,11 +55,15 @@ def rows_all_logits(input_batch: Any) -> bool:
 
     RuntimeError for a uniform decode step with other rows: MRV2 may replay it in a FULL graph captured without the
     stock kernel, which would leave those rows unwritten."""
+    from vllm.v1.worker.utils import get_uniform_decode_token_count
+
     covered = int(input_batch.cu_num_logits_np[-1]) == input_batch.num_tokens
     scheduled = input_batch.num_scheduled_tokens
-    uniform_decode = (input_batch.decode_graph_eligible and len(scheduled) > 0
-                      and int(scheduled.max()) > 1 and bool((scheduled == scheduled[0]).all()))
-    if uniform_decode and not covered:
+    # the dispatcher's own rule for a batch it may replay in a uniform decode (FULL) graph
+    uniform_len = get_uniform_decode_token_count(len(scheduled), input_batch.num_tokens,
+                                                 int(scheduled.max()) if len(scheduled) else 0,
+                                                 input_batch.decode_graph_eligible)
+    if uniform_len is not None and uniform_len > 1 and not covered:
         raise RuntimeError(f"ubtree: a uniform decode step of {input_batch.num_tokens} tokens has "
                            f"{int(input_batch.cu_num_logits_np[-1])} logits rows; its FULL graph skips the stock "
                            "attention kernel and needs a tree-attention entry for every row")
