@@ -44,13 +44,12 @@ def batches():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("cover_rows", [False, True])
-def test_tree_layout_matches_torch(device, cover_rows):
+def test_tree_layout_matches_torch(device):
     num_tree_rows = 0
     for k, batch in enumerate(batches()):
         for m_cap in (batch.num_tokens, batch.padded_tokens + 70):
-            want_bufs, want_pos = run_layout_with(lay_out_tree_rows, batch, m_cap, cover_rows=cover_rows)
-            got_bufs, got_pos = run_layout_with(tree_layout, batch, m_cap, device, cover_rows=cover_rows)
+            want_bufs, want_pos = run_layout_with(lay_out_tree_rows, batch, m_cap)
+            got_bufs, got_pos = run_layout_with(tree_layout, batch, m_cap, device)
             assert got_pos.tolist() == want_pos.tolist(), k
             for name, want in want_bufs.items():
                 assert got_bufs[name].tolist() == want.tolist(), (k, name)

@@ -26,7 +26,7 @@ def ancestors(parents: list[int], node: int) -> list[int] | None:
     return path[::-1]
 
 
-def reference_layout(batch: Batch, m_cap: int, cover_rows: bool = False) -> dict[str, list]:
+def reference_layout(batch: Batch, m_cap: int) -> dict[str, list]:
     """Loop twin of lay_out_tree_rows: entries by logits row, and the positions after it."""
     width = batch.max_depth + 1
     out = {"row_index": [-1] * m_cap, "row_req": [None] * m_cap, "row_context_len": [None] * m_cap,
@@ -34,15 +34,10 @@ def reference_layout(batch: Batch, m_cap: int, cover_rows: bool = False) -> dict
            "positions": batch.tensors()["positions"].tolist()}
     logits_row = 0
     for b, r in enumerate(batch.reqs):
-        for j in range(0 if cover_rows else 1, r.num_logits):
-            path = ancestors(batch.parents[r.slot], j) if j else None
+        for j in range(1, r.num_logits):
+            path = ancestors(batch.parents[r.slot], j)
             m = logits_row + j
             if path is None or len(path) > width:
-                if cover_rows:  # the root: [root]; any other non-tree node: [root, self]
-                    out["row_index"][m] = r.root_row + j
-                    out["row_req"][m] = b
-                    out["row_context_len"][m] = r.root_pos
-                    out["row_path"][m] = [r.root_row] + ([r.root_row + j] if j else []) + [-1] * (width - 1 - bool(j))
                 continue
             out["row_index"][m] = r.root_row + j
             out["row_req"][m] = b
@@ -53,18 +48,17 @@ def reference_layout(batch: Batch, m_cap: int, cover_rows: bool = False) -> dict
     return out
 
 
-def run_layout(batch: Batch, m_cap: int, cover_rows: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    return run_layout_with(lay_out_tree_rows, batch, m_cap, cover_rows=cover_rows)
+def run_layout(batch: Batch, m_cap: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    return run_layout_with(lay_out_tree_rows, batch, m_cap)
 
 
-@pytest.mark.parametrize("cover_rows", [False, True])
-def test_layout_matches_loop_reference(cover_rows):
+def test_layout_matches_loop_reference():
     num_tree_rows = num_cut = 0
     for seed in SEEDS:
         batch = random_batch(seed)
         m_cap = batch.num_tokens + 4
-        bufs, positions = run_layout(batch, m_cap, cover_rows)
-        want = reference_layout(batch, m_cap, cover_rows)
+        bufs, positions = run_layout(batch, m_cap)
+        want = reference_layout(batch, m_cap)
         assert bufs["row_index"].tolist() == want["row_index"], seed
         assert positions.tolist() == want["positions"], seed
         assert bufs["row_path"].tolist() == want["row_path"], seed
@@ -72,11 +66,8 @@ def test_layout_matches_loop_reference(cover_rows):
         for name in ("row_req", "row_context_len"):
             assert [bufs[name][m].item() for m in tree] == [want[name][m] for m in tree], (seed, name)
         num_tree_rows += len(tree)
-        num_cut += sum(r.num_logits - (0 if cover_rows else 1) for r in batch.reqs) - len(tree)
-    if cover_rows:  # every logits row has an entry
-        assert num_tree_rows > 100 and num_cut == 0
-    else:  # trees were laid out, and padding was left out
-        assert num_tree_rows > 100 and num_cut > 5
+        num_cut += sum(r.num_logits - 1 for r in batch.reqs) - len(tree)
+    assert num_tree_rows > 100 and num_cut > 5  # trees were laid out, and padding was left out
 
 
 def test_layout_small_example():
@@ -96,16 +87,6 @@ def test_layout_small_example():
     assert bufs["row_path"][tree].tolist() == [[3, 4, -1, -1], [3, 5, -1, -1], [3, 4, 6, -1],
                                                [7, 8, -1, -1], [7, 8, 9, -1], [7, 8, 9, 10]]
     assert (bufs["row_path"][[0, 1, 5, 9, 10]] == -1).all()
-    # cover_rows: every logits row has an entry; the prefill's last row and the roots attend to their context and
-    # themselves, the node past max_depth to its context, its root and itself; positions as before
-    bufs, covered_positions = run_layout(batch, 11, cover_rows=True)
-    assert covered_positions.tolist() == positions.tolist()
-    assert bufs["row_index"].tolist() == [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, -1]
-    assert bufs["row_req"][:10].tolist() == [0, 1, 1, 1, 1, 2, 2, 2, 2, 2]
-    assert bufs["row_context_len"][:10].tolist() == [2, 10, 10, 10, 10, 20, 20, 20, 20, 20]
-    assert bufs["row_path"].tolist() == [[2, -1, -1, -1], [3, -1, -1, -1], [3, 4, -1, -1], [3, 5, -1, -1],
-                                         [3, 4, 6, -1], [7, -1, -1, -1], [7, 8, -1, -1], [7, 8, 9, -1],
-                                         [7, 8, 9, 10], [7, 11, -1, -1], [-1, -1, -1, -1]]
 
 
 def test_layout_matches_build_plan():

@@ -1,7 +1,6 @@
 """FLASH_ATTN with tree rows (CUDA): stock FlashAttention, then one Triton launch for tree rows.
 
-FlashAttention computes every row causally (skipped when the row buffers cover every row of the
-forward, ``tree_rows.rows_covered``); the rows of non-root tree nodes are then
+FlashAttention computes every row causally; the rows of non-root tree nodes are then
 overwritten by :func:`ubtree_vllm.triton_ops.tree_attention`, one launch per layer
 (:mod:`ubtree_vllm.vllm.attention.tree_rows`, shared with TRITON_ATTN). Each
 tree row attends to its request's committed context, read from FlashAttention's per-token

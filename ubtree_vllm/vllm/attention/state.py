@@ -61,13 +61,6 @@ class RowBuffers:
     row_path: torch.Tensor
     # entries 0 .. filled - 1 hold the last step's rows (reset to -1 by the next fill)
     filled: int = 0
-    # The step's entries cover every row of the forward (each row is a logits row: Model Runner V2's
-    # ``cover_rows`` layout), so the attention impls skip the stock kernel (attention/tree_rows.py). Set per step.
-    covers_forward: bool = False
-    # Every FULL CUDA graph captured against these buffers replays steps whose entries cover every row (Model
-    # Runner V2: FULL graphs are uniform decode steps unless the mixed mode is FULL), so captures skip the stock
-    # kernel too. Set once by the runner.
-    full_graphs_covered: bool = False
 
     @classmethod
     def empty(cls, max_tokens: int, path_width: int, device: torch.device) -> "RowBuffers":

@@ -1,16 +1,10 @@
-"""What every CUDA tree-aware backend does around its stock kernel: compute the tree rows.
+"""What every CUDA tree-aware backend does after its stock kernel: recompute the tree rows.
 
 The stock impl (FLASH_ATTN, TRITON_ATTN) computes every row causally; :func:`attend_tree_rows` then
 overwrites the rows of non-root tree nodes with :func:`ubtree_vllm.triton_ops.tree_attention`, one
 launch per layer over the runner's fixed-size :class:`~ubtree_vllm.vllm.attention.state.RowBuffers`
 (each row attends to its request's committed context in the paged cache plus its ancestors-or-self
-among this forward's fresh K/V). When the buffers hold an entry for every row of the forward (Model
-Runner V2 in a step whose rows are all roots and drafts: every uniform decode step, so every FULL
-graph of tree steps; :func:`rows_covered`), the stock kernel is skipped: at batch 1 on SmolLM2 it
-was among the largest items of a round's device time (H200 profile, 2026-12-04), spent on rows the launch
-overwrites.
-
-Both backends keep K and V in one cache of logical shape
+among this forward's fresh K/V). Both backends keep K and V in one cache of logical shape
 ``[num_blocks, H_kv, block_size, 2 * head_size]``, so the same views, launch and in-cache KV commit
 serve both. Captured in FULL CUDA graphs like the stock kernel (no host read of a device value).
 """
@@ -46,10 +40,9 @@ class TreeRowsImpl:
                 output_scale: torch.Tensor | None = None,
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
         """query [T, H, D]; key/value [T, H_kv, D]; kv_cache [num_blocks, H_kv, block, 2D] (logical)."""
+        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,  # type: ignore[misc]
+                                 output_scale, output_block_scale)
         buffers = tree_row_buffers(self, attn_metadata)
-        if buffers is None or not rows_covered(buffers, attn_metadata):
-            output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,  # type: ignore[misc]
-                                     output_scale, output_block_scale)
         if buffers is None:
             return output
         key_cache, value_cache = cache_views(kv_cache, self.head_size)  # type: ignore[attr-defined]
@@ -86,15 +79,6 @@ def tree_row_buffers(impl: Any, attn_metadata: Any) -> RowBuffers | None:
     if not (tree_forward_state().has_tree_rows or torch.cuda.is_current_stream_capturing()):
         return None
     return buffers
-
-
-def rows_covered(buffers: RowBuffers, attn_metadata: Any) -> bool:
-    """The tree launch computes every row of this forward, so the stock kernel is skipped: a step the runner laid out
-    with every row (``RowBuffers.covers_forward``), or the capture of a FULL graph of tree steps (one whose rows are
-    all drafts and roots: ``full_graphs_covered`` and more than one query row per request)."""
-    if torch.cuda.is_current_stream_capturing():
-        return buffers.full_graphs_covered and attn_metadata.max_query_len > 1
-    return buffers.covers_forward
 
 
 def cache_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,9 +15,7 @@ through a method MRV2 already calls:
 3. ``prepare_attn``: after vLLM computed the slot mappings from linear positions (so node j's
    K/V goes to the slot of row root + j), the tree layout rewrites the positions to
    root + depth and fills the row buffers; the tree-aware FLASH_ATTN impl
-   (``ubtree_vllm/vllm/attention/flash.py``) then recomputes the tree rows' attention. In a step
-   whose rows are all roots and drafts (:func:`rows_all_logits`: every uniform decode step) the
-   buffers cover every row and the impl skips FlashAttention's own call.
+   (``ubtree_vllm/vllm/attention/flash.py``) then recomputes the tree rows' attention.
 4. ``postprocess_sampled``: after vLLM's bookkeeping, one launch commits the accepted paths
    (``triton_ops/accepted_rows.py:commit_accepted_paths``): the accepted nodes' K/V move to the
    slots of their depths in every target layer, the logits rows' linear positions are restored,
@@ -47,27 +45,6 @@ from ubtree_vllm.vllm.mrv2.speculator import UBTreeSpeculator
 from ubtree_vllm.vllm.mrv2.tree_drafts_handler import TreeDraftTokensHandler
 from ubtree_vllm.vllm.mrv2.tree_layout import lay_out_tree_rows
 from ubtree_vllm.vllm.stage_clock import StageClock
-
-
-def rows_all_logits(input_batch: Any) -> bool:
-    """Every token row of the step is a logits row (roots and drafts only: every uniform decode step), so the tree
-    layout can cover the whole forward and the stock attention kernel is skipped (host-known sizes, no sync).
-
-    RuntimeError for a uniform decode step with other rows: MRV2 may replay it in a FULL graph captured without the
-    stock kernel, which would leave those rows unwritten."""
-    from vllm.v1.worker.utils import get_uniform_decode_token_count
-
-    covered = int(input_batch.cu_num_logits_np[-1]) == input_batch.num_tokens
-    scheduled = input_batch.num_scheduled_tokens
-    # the dispatcher's own rule for a batch it may replay in a uniform decode (FULL) graph
-    uniform_len = get_uniform_decode_token_count(len(scheduled), input_batch.num_tokens,
-                                                 int(scheduled.max()) if len(scheduled) else 0,
-                                                 input_batch.decode_graph_eligible)
-    if uniform_len is not None and uniform_len > 1 and not covered:
-        raise RuntimeError(f"ubtree: a uniform decode step of {input_batch.num_tokens} tokens has "
-                           f"{int(input_batch.cu_num_logits_np[-1])} logits rows; its FULL graph skips the stock "
-                           "attention kernel and needs a tree-attention entry for every row")
-    return covered
 
 
 class UBTreeModelRunnerV2(GPUModelRunner):
@@ -136,12 +113,6 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         if elsewhere:
             raise RuntimeError(f"ubtree on MRV2 commits KV inside a FLASH_ATTN or TRITON_ATTN cache; the target's "
                                f"layers use {elsewhere}")
-        # FULL graphs replay uniform decode steps only, all of whose rows the layout covers, unless the mixed mode
-        # is FULL too (then a FULL graph may replay a prefill, whose rows the stock kernel must compute)
-        from vllm.config import CUDAGraphMode
-
-        self._row_buffers.full_graphs_covered = (
-            self.compilation_config.cudagraph_mode.mixed_mode() != CUDAGraphMode.FULL)
         names = {m.layer_name for m in self._target_layers}
         groups = [gid for gid, g in enumerate(self.kv_cache_config.kv_cache_groups) if names & set(g.layer_names)]
         if len(groups) != 1:
@@ -157,16 +128,13 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         block_tables, slot_mappings = super().prepare_attn(input_batch)  # linear slots: node j at root + j
         buffers = self._row_buffers
         if input_batch.num_draft_tokens > 0:
-            buffers.covers_forward = rows_all_logits(input_batch)
             lay_out_tree_rows(input_batch.positions, input_batch.logits_indices, input_batch.cu_num_logits,
                               input_batch.expanded_idx_mapping, input_batch.expanded_local_pos,
                               self.speculator.topology.parents, self.speculator.topology.depth, self.gamma,
-                              buffers.row_index, buffers.row_req, buffers.row_context_len, buffers.row_path,
-                              cover_rows=buffers.covers_forward)
+                              buffers.row_index, buffers.row_req, buffers.row_context_len, buffers.row_path)
             tree_forward_state().begin_device_rows()
             self._step = (input_batch, slot_mappings)
         else:  # prefill / no drafts: stock attention
-            buffers.covers_forward = False
             buffers.row_index.fill_(-1)
             tree_forward_state().end_forward()
             self._step = None
@@ -174,7 +142,6 @@ class UBTreeModelRunnerV2(GPUModelRunner):
 
     def prepare_dummy_attn(self, input_batch: Any, valid_state_slots: bool = False) -> Any:
         self._row_buffers.row_index.fill_(-1)  # capture / profile runs: every entry skipped
-        self._row_buffers.covers_forward = False
         tree_forward_state().end_forward()
         return super().prepare_dummy_attn(input_batch, valid_state_slots)
 
