@@ -121,8 +121,8 @@ def random_acceptance(batch: Batch, rng: random.Random, whole_tree: bool,
     return accepted_path, torch.tensor([len(p) - 1 for p in paths])
 
 
-def run_layout_with(layout: Callable[..., None], batch: Batch, m_cap: int,
-                    device: str = "cpu") -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def run_layout_with(layout: Callable[..., None], batch: Batch, m_cap: int, device: str = "cpu",
+                    cover_rows: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """``layout`` (``lay_out_tree_rows``' signature) over the batch on ``device``, into garbage-filled row
     buffers of ``m_cap`` entries; returns (buffers, positions after), on the CPU."""
     t = {name: v.to(device) for name, v in batch.tensors().items()}
@@ -132,5 +132,5 @@ def run_layout_with(layout: Callable[..., None], batch: Batch, m_cap: int,
                                 ("row_path", (m_cap, batch.max_depth + 1)))}
     layout(t["positions"], t["logits_indices"], t["cu_num_logits"], t["expanded_idx_mapping"], t["expanded_local_pos"],
            t["tree_parents"], t["tree_depth"], batch.max_depth,
-           bufs["row_index"], bufs["row_req"], bufs["row_context_len"], bufs["row_path"])
+           bufs["row_index"], bufs["row_req"], bufs["row_context_len"], bufs["row_path"], cover_rows=cover_rows)
     return {name: v.cpu() for name, v in bufs.items()}, t["positions"].cpu()

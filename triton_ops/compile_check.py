@@ -157,7 +157,7 @@ _TREE_LAYOUT_POINTERS = {"positions_ptr": "*i64", "logits_indices_ptr": "*i32", 
                          "state_ptr": "*i32", "local_pos_ptr": "*i32", "parents_ptr": "*i32", "depth_ptr": "*i32"}
 
 
-def compile_tree_layout(max_depth: int, arch: int) -> int:
+def compile_tree_layout(max_depth: int, arch: int, cover_rows: bool = False) -> int:
     """`_tree_layout_kernel` as its launcher compiles it (int64 row buffers); returns the cubin size."""
     from ubtree_vllm.triton_ops.tree_layout import launch_meta
 
@@ -165,7 +165,7 @@ def compile_tree_layout(max_depth: int, arch: int) -> int:
         return _TREE_LAYOUT_POINTERS.get(name, "*i64") if name.endswith("_ptr") else \
             "i64" if name.startswith("stride") else "i32"
 
-    return _compile("tree_layout", "_tree_layout_kernel", launch_meta(max_depth), kind, arch)
+    return _compile("tree_layout", "_tree_layout_kernel", launch_meta(max_depth, cover_rows), kind, arch)
 
 
 def compile_commit_accepted(max_depth: int, dtype: torch.dtype, heads: int, elems: int, write_pos: bool,
@@ -288,9 +288,9 @@ def main() -> int:
     for max_depth, num_nodes in ((16, 65), (8, 17)):
         size = compile_tree_accept_rows(max_depth, num_nodes, args.arch)
         print(f"tree_accept_rows sm_{args.arch} depth {max_depth} nodes {num_nodes}: cubin {size} bytes")
-    for max_depth in (16, 4):
-        size = compile_tree_layout(max_depth, args.arch)
-        print(f"tree_layout sm_{args.arch} depth {max_depth}: cubin {size} bytes")
+    for max_depth, cover_rows in ((16, False), (16, True), (4, False)):
+        size = compile_tree_layout(max_depth, args.arch, cover_rows)
+        print(f"tree_layout sm_{args.arch} depth {max_depth}{' cover_rows' if cover_rows else ''}: cubin {size} bytes")
     for max_depth, (dtype, heads, elems), write_pos in ((16, KV_PATH_COMMIT_CONFIGS[0], True),
                                                          (5, KV_PATH_COMMIT_CONFIGS[1], False),
                                                          (16, KV_PATH_COMMIT_CONFIGS[2], True)):

@@ -15,6 +15,11 @@ and ``positions[row] = positions[root] + depth``. Every other entry m < M_cap ge
 -1, row_path -1, row_req 0, row_context_len 0; other positions are untouched. Roots are never
 written, so reading the roots' positions races with nothing.
 
+``cover_rows`` (``tree_attention: "triton_stock_roots"`` in a uniform decode step: FlashAttention then
+computes only the roots and the tree kernel every other row, ``vllm/attention/tree_rows.py``): every
+non-root logits row m < L gets an entry; a node that is not a tree row (padding, never accepted) gets
+``[root, self]``, a finite output nothing reads. Roots never get an entry.
+
 One program per ``BLOCK`` entries; each lane walks its node's parent pointers for max_depth
 steps (a static loop) and finds its batch index by binary search over ``cu_num_logits``. The
 launcher reads no device value. Test oracle: ``lay_out_tree_rows`` (torch, itself checked
@@ -42,7 +47,8 @@ if triton is not None:
             parents_ptr, depth_ptr, stride_parents, stride_depth,
             row_index_ptr, row_req_ptr, row_context_len_ptr, row_path_ptr, stride_path,
             num_logits, num_reqs, num_entries,
-            MAX_DEPTH: tl.constexpr, PATH_PAD: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr):
+            MAX_DEPTH: tl.constexpr, PATH_PAD: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr,
+            COVER_ROWS: tl.constexpr):
         m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] entries
         entry = m < num_entries
         valid = m < num_logits
@@ -76,18 +82,25 @@ if triton is not None:
             lo = tl.where(right, mid + 1, lo)
             hi = tl.where(active & (~right), mid, hi)
         tl.store(positions_ptr + row, root_pos + depth, mask=is_tree)
-        tl.store(row_index_ptr + m, tl.where(is_tree, row, -1), mask=entry)
-        tl.store(row_req_ptr + m, tl.where(is_tree, lo.to(tl.int64), 0), mask=entry)
-        tl.store(row_context_len_ptr + m, tl.where(is_tree, root_pos, 0), mask=entry)
+        if COVER_ROWS:
+            covered = valid & (node >= 1)  # every draft row; the ones that are not tree rows attend to [root, self]
+        else:
+            covered = is_tree
+        tl.store(row_index_ptr + m, tl.where(covered, row, -1), mask=entry)
+        tl.store(row_req_ptr + m, tl.where(covered, lo.to(tl.int64), 0), mask=entry)
+        tl.store(row_context_len_ptr + m, tl.where(covered, root_pos, 0), mask=entry)
         path_rows = tl.where(is_tree[:, None] & (path >= 0), root_row[:, None] + path, -1)
+        if COVER_ROWS:
+            other = tl.where(cols[None, :] == 0, root_row[:, None], tl.where(cols[None, :] == 1, row[:, None], -1))
+            path_rows = tl.where((covered & ~is_tree)[:, None], other, path_rows)
         path_mask = entry[:, None] & (cols[None, :] <= MAX_DEPTH)
         tl.store(row_path_ptr + m.to(tl.int64)[:, None] * stride_path + cols[None, :], path_rows, mask=path_mask)
 
 
-def launch_meta(max_depth: int) -> dict[str, int]:
-    """Compile-time parameters for trees of depth <= ``max_depth``."""
+def launch_meta(max_depth: int, cover_rows: bool = False) -> dict[str, int]:
+    """Compile-time parameters for trees of depth <= ``max_depth``, with or without ``cover_rows``."""
     return {"MAX_DEPTH": max_depth, "PATH_PAD": triton.next_power_of_2(max_depth + 1), "SEARCH_STEPS": SEARCH_STEPS,
-            "BLOCK": BLOCK}
+            "BLOCK": BLOCK, "COVER_ROWS": cover_rows}
 
 
 def tree_layout(
@@ -103,7 +116,9 @@ def tree_layout(
         # [M_cap] int64 (M_cap >= L), mutated
         out_row_index: torch.Tensor, out_row_req: torch.Tensor, out_row_context_len: torch.Tensor,
         # [M_cap, max_depth + 1] int64, mutated
-        out_row_path: torch.Tensor) -> None:
+        out_row_path: torch.Tensor,
+        # an entry for every logits row, not only tree rows (module docstring)
+        cover_rows: bool = False) -> None:
     """Tree positions and the row buffers of one step (see the module docstring); no host sync."""
     if triton is None:
         raise RuntimeError("tree_layout needs triton (pip install triton); use vllm.mrv2.tree_layout")
@@ -139,4 +154,4 @@ def tree_layout(
         positions, logits_indices, cu_num_logits, expanded_idx_mapping, expanded_local_pos,
         tree_parents, tree_depth, tree_parents.stride(0), tree_depth.stride(0),
         out_row_index, out_row_req, out_row_context_len, out_row_path, out_row_path.stride(0),
-        num_logits, num_reqs, num_entries, **launch_meta(max_depth))
+        num_logits, num_reqs, num_entries, **launch_meta(max_depth, cover_rows))

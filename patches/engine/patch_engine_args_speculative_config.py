@@ -103,6 +103,10 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
         raise ValueError(f"speculative_config.tree_attention {spec.tree_attention!r} runs on CUDA only (FlashAttention "
                          f"attends the context); on {current_platform.device_name!r} use 'triton' (the default)")
     mrv2 = current_platform.is_cuda() and _runs_on_mrv2(envs.UBTREE_VLLM_RUNNER, spec, args.tensor_parallel_size)
+    if spec.tree_attention == "triton_stock_roots" and not mrv2:
+        raise ValueError("speculative_config.tree_attention 'triton_stock_roots' runs on Model Runner V2 only (the "
+                         "default CUDA runner; it lays out uniform decode steps for it); this engine runs the V1 runner: "
+                         "use 'triton' or 'flash_merge'")
     _check_engine_args(args, mrv2)
     if _user_chose_graph_sizes(args):
         spec = dataclasses.replace(spec, wide_decode_graphs=False)

@@ -44,12 +44,13 @@ def batches():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_tree_layout_matches_torch(device):
+@pytest.mark.parametrize("cover_rows", [False, True])
+def test_tree_layout_matches_torch(device, cover_rows):
     num_tree_rows = 0
     for k, batch in enumerate(batches()):
         for m_cap in (batch.num_tokens, batch.padded_tokens + 70):
-            want_bufs, want_pos = run_layout_with(lay_out_tree_rows, batch, m_cap)
-            got_bufs, got_pos = run_layout_with(tree_layout, batch, m_cap, device)
+            want_bufs, want_pos = run_layout_with(lay_out_tree_rows, batch, m_cap, cover_rows=cover_rows)
+            got_bufs, got_pos = run_layout_with(tree_layout, batch, m_cap, device, cover_rows=cover_rows)
             assert got_pos.tolist() == want_pos.tolist(), k
             for name, want in want_bufs.items():
                 assert got_bufs[name].tolist() == want.tolist(), (k, name)

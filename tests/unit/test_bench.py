@@ -308,6 +308,12 @@ def test_tree_attention_modes_run_side_by_side_in_one_invocation(drafter_dir):
         with pytest.raises(BenchArgumentError, match=message):
             settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree-mrv2", tree_budgets="16", top_k=16,
                                         tree_attention=bad))
+    roots = settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ar,ubtree-mrv2-lookup", tree_budgets="16",
+                                        top_k=16, tree_attention="triton,triton_stock_roots"))
+    assert planned_methods(roots) == ["ar", "ubtree-mrv2-lookup:16", "ubtree-mrv2-lookup:16@triton_stock_roots"]
+    with pytest.raises(BenchArgumentError, match="triton_stock_roots runs on Model Runner V2 only; drop ubtree "):
+        settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree,ubtree-mrv2", tree_budgets="16",
+                                    top_k=16, tree_attention="triton_stock_roots"))
 
 
 @pytest.mark.parametrize("overrides,pattern", [

@@ -92,3 +92,89 @@ def test_drafts_and_topologies_must_pair_up():
     assert with_tree_parents(drafts, None) is drafts
     with pytest.raises(RuntimeError, match="1 tree topologies for 2 drafting requests"):
         with_tree_parents(drafts, np.zeros((1, 1), dtype=np.int32))
+
+
+def _input_batch(scheduled: list[int], num_logits: list[int], decode_graph_eligible: bool = True):
+    import numpy as np
+    from types import SimpleNamespace
+
+    return SimpleNamespace(num_scheduled_tokens=np.array(scheduled, dtype=np.int32), num_tokens=sum(scheduled),
+                           cu_num_logits_np=np.cumsum([0, *num_logits]), decode_graph_eligible=decode_graph_eligible)
+
+
+def test_stock_roots_only_in_uniform_decode_steps():
+    from ubtree_vllm.vllm.mrv2.model_runner import stock_roots_only
+
+    assert stock_roots_only(_input_batch([65, 65], [65, 65]))  # uniform decode
+    assert stock_roots_only(_input_batch([17], [17]))  # one request
+    assert not stock_roots_only(_input_batch([65, 33], [65, 33]))  # drafts truncated by the token budget: not uniform
+    assert not stock_roots_only(_input_batch([65, 40], [65, 1], decode_graph_eligible=False))  # a prefill chunk
+    assert not stock_roots_only(_input_batch([65, 65], [65, 65], decode_graph_eligible=False))  # no decode graph
+    assert not stock_roots_only(_input_batch([1, 1], [1, 1]))  # no drafts
+    with pytest.raises(RuntimeError, match="every other row"):  # a uniform decode step with rows nobody would write
+        stock_roots_only(_input_batch([65, 65], [65, 64]))
+
+
+def test_stock_kernel_over_the_roots_only_when_the_entries_cover_the_rest(monkeypatch):
+    """TreeRowsImpl.forward: the stock kernel runs over every row unless the buffers cover every row but the roots
+    (eager: the step's flag; a capture: full_graphs_covered and more than one row per request), then over the roots
+    alone; the tree launch runs whenever bound."""
+    import torch
+    from types import SimpleNamespace
+
+    from ubtree_vllm.vllm.attention import tree_rows
+    from ubtree_vllm.vllm.attention.state import RowBuffers
+
+    calls: list[str] = []
+
+    class Stock:
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *rest):
+            calls.append("stock")
+            return output
+
+    class Impl(tree_rows.TreeRowsImpl, Stock):
+        def __init__(self):  # no vLLM impl to build: the attributes forward reads
+            self.attn_type, self.head_size, self.scale = tree_rows.AttentionType.DECODER, 4, 1.0
+
+        def _stock_roots(self, query, key_cache, value_cache, attn_metadata, output):
+            calls.append("roots")
+
+    monkeypatch.setattr(tree_rows, "attend_tree_rows", lambda *args, **kwargs: calls.append("tree"))
+    monkeypatch.setattr(tree_rows.tree_forward_state(), "_in_forward", True)
+    impl, buffers = Impl(), RowBuffers.empty(8, 3, torch.device("cpu"))
+    impl.ubtree_row_buffers = buffers
+    meta = SimpleNamespace(block_table=None, max_query_len=65)
+    tensors = [torch.zeros(8, 2, 4)] * 3 + [torch.zeros(2, 2, 4, 8)]
+
+    def run(capturing: bool) -> list[str]:
+        calls.clear()
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+        impl.forward(None, *tensors[:3], tensors[3], meta, torch.zeros(8, 2, 4))
+        return list(calls)
+
+    assert run(capturing=False) == ["stock", "tree"]
+    buffers.covers_forward = True
+    assert run(capturing=False) == ["roots", "tree"]
+    assert run(capturing=True) == ["stock", "tree"]  # a capture follows full_graphs_covered, not the step's flag
+    buffers.full_graphs_covered = True
+    assert run(capturing=True) == ["roots", "tree"]
+    meta.max_query_len = 1  # a FULL graph of one-row requests is not a tree step
+    assert run(capturing=True) == ["stock", "tree"]
+    impl.ubtree_row_buffers = None  # an engine without UBTree: stock only
+    assert run(capturing=False) == ["stock"]
+
+
+def test_impls_without_a_roots_only_call_refuse_it():
+    from ubtree_vllm.vllm.attention.tree_rows import TreeRowsImpl
+
+    with pytest.raises(NotImplementedError, match="computes no roots alone"):
+        TreeRowsImpl._stock_roots(object(), None, None, None, None, None)
+
+
+def test_root_context_lens():
+    import torch
+
+    from ubtree_vllm.vllm.attention.flash import root_context_lens
+
+    lens = root_context_lens(torch.tensor([100, 17, 0], dtype=torch.int32), 17)  # the last: a padded request
+    assert lens.tolist() == [84, 1, 0] and lens.dtype == torch.int32

@@ -26,7 +26,7 @@ def ancestors(parents: list[int], node: int) -> list[int] | None:
     return path[::-1]
 
 
-def reference_layout(batch: Batch, m_cap: int) -> dict[str, list]:
+def reference_layout(batch: Batch, m_cap: int, cover_rows: bool = False) -> dict[str, list]:
     """Loop twin of lay_out_tree_rows: entries by logits row, and the positions after it."""
     width = batch.max_depth + 1
     out = {"row_index": [-1] * m_cap, "row_req": [None] * m_cap, "row_context_len": [None] * m_cap,
@@ -34,10 +34,15 @@ def reference_layout(batch: Batch, m_cap: int) -> dict[str, list]:
            "positions": batch.tensors()["positions"].tolist()}
     logits_row = 0
     for b, r in enumerate(batch.reqs):
-        for j in range(1, r.num_logits):
+        for j in range(1, r.num_logits):  # roots never get an entry
             path = ancestors(batch.parents[r.slot], j)
             m = logits_row + j
             if path is None or len(path) > width:
+                if cover_rows:  # a non-tree node: [root, self]
+                    out["row_index"][m] = r.root_row + j
+                    out["row_req"][m] = b
+                    out["row_context_len"][m] = r.root_pos
+                    out["row_path"][m] = [r.root_row, r.root_row + j] + [-1] * (width - 2)
                 continue
             out["row_index"][m] = r.root_row + j
             out["row_req"][m] = b
@@ -48,17 +53,18 @@ def reference_layout(batch: Batch, m_cap: int) -> dict[str, list]:
     return out
 
 
-def run_layout(batch: Batch, m_cap: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    return run_layout_with(lay_out_tree_rows, batch, m_cap)
+def run_layout(batch: Batch, m_cap: int, cover_rows: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    return run_layout_with(lay_out_tree_rows, batch, m_cap, cover_rows=cover_rows)
 
 
-def test_layout_matches_loop_reference():
+@pytest.mark.parametrize("cover_rows", [False, True])
+def test_layout_matches_loop_reference(cover_rows):
     num_tree_rows = num_cut = 0
     for seed in SEEDS:
         batch = random_batch(seed)
         m_cap = batch.num_tokens + 4
-        bufs, positions = run_layout(batch, m_cap)
-        want = reference_layout(batch, m_cap)
+        bufs, positions = run_layout(batch, m_cap, cover_rows)
+        want = reference_layout(batch, m_cap, cover_rows)
         assert bufs["row_index"].tolist() == want["row_index"], seed
         assert positions.tolist() == want["positions"], seed
         assert bufs["row_path"].tolist() == want["row_path"], seed
@@ -67,7 +73,10 @@ def test_layout_matches_loop_reference():
             assert [bufs[name][m].item() for m in tree] == [want[name][m] for m in tree], (seed, name)
         num_tree_rows += len(tree)
         num_cut += sum(r.num_logits - 1 for r in batch.reqs) - len(tree)
-    assert num_tree_rows > 100 and num_cut > 5  # trees were laid out, and padding was left out
+    if cover_rows:  # every draft row has an entry
+        assert num_tree_rows > 100 and num_cut == 0
+    else:  # trees were laid out, and padding was left out
+        assert num_tree_rows > 100 and num_cut > 5
 
 
 def test_layout_small_example():
@@ -87,6 +96,16 @@ def test_layout_small_example():
     assert bufs["row_path"][tree].tolist() == [[3, 4, -1, -1], [3, 5, -1, -1], [3, 4, 6, -1],
                                                [7, 8, -1, -1], [7, 8, 9, -1], [7, 8, 9, 10]]
     assert (bufs["row_path"][[0, 1, 5, 9, 10]] == -1).all()
+    # cover_rows: every draft row has an entry, the roots (and the prefill's last row, a root) none; the node past
+    # max_depth attends to its context, its root and itself; positions as before
+    bufs, covered_positions = run_layout(batch, 11, cover_rows=True)
+    assert covered_positions.tolist() == positions.tolist()
+    assert bufs["row_index"].tolist() == [-1, -1, 4, 5, 6, -1, 8, 9, 10, 11, -1]
+    assert [bufs["row_req"][m].item() for m in (2, 3, 4, 6, 7, 8, 9)] == [1, 1, 1, 2, 2, 2, 2]
+    assert [bufs["row_context_len"][m].item() for m in (2, 3, 4, 6, 7, 8, 9)] == [10, 10, 10, 20, 20, 20, 20]
+    assert bufs["row_path"].tolist() == [[-1, -1, -1, -1], [-1, -1, -1, -1], [3, 4, -1, -1], [3, 5, -1, -1],
+                                         [3, 4, 6, -1], [-1, -1, -1, -1], [7, 8, -1, -1], [7, 8, 9, -1],
+                                         [7, 8, 9, 10], [7, 11, -1, -1], [-1, -1, -1, -1]]
 
 
 def test_layout_matches_build_plan():

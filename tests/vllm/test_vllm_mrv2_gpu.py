@@ -88,6 +88,30 @@ def test_mrv2_flash_merge_with_load_adaptive_budget_greedy_equality_smollm2(mrv2
         assert tau > 1.5, tau
 
 
+def test_mrv2_stock_roots_with_load_adaptive_budget_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path):
+    """tree_attention "triton_stock_roots": in uniform decode steps (every FULL graph of tree steps) FlashAttention
+    computes the roots alone (q_len 1, strided views) and the Triton kernel every other row; with the prompt-lookup
+    branch and a load-adaptive budget (the 8 prompts together verify 5 nodes per tree, the lone prompt 16)."""
+    from test_vllm_gpu import TREE
+
+    tree = {**TREE, "prompt_lookup": True, "tree_attention": "triton_stock_roots",
+            "num_speculative_tokens_per_batch_size": [[1, 4, 16], [5, 64, 5]]}
+    plain_tps, ubtree_tps, tau = run_pair(default_target_dir, smollm2_drafter(default_target_dir, tmp_path), tree=tree)
+    print(f"MRV2 stock roots + load-adaptive SmolLM2: no speculation {plain_tps:.1f} tok/s, ubtree {ubtree_tps:.1f} "
+          f"tok/s, tau {tau:.2f}")
+    if os.environ.get("GPU_TEST_DRAFTER"):
+        assert tau > 1.5, tau
+
+
+def test_stock_roots_mode_is_refused_on_the_v1_runner(monkeypatch, default_target_dir, tmp_path):
+    from test_vllm_gpu import TREE, engine
+
+    monkeypatch.setenv("UBTREE_VLLM_RUNNER", "v1")
+    with pytest.raises(ValueError, match="'triton_stock_roots' runs on Model Runner V2 only"):
+        engine(default_target_dir, {"method": "ubtree", "model": str(smollm2_drafter(default_target_dir, tmp_path)),
+                                    **TREE, "tree_attention": "triton_stock_roots"})
+
+
 def test_mrv2_no_triton_compile_after_warmup_across_budget_buckets(mrv2, default_target_dir, tmp_path):
     """Issue 16's "no recompilation at run time": with vLLM's JIT monitor in error mode (armed when the engine's
     warm-up ends), batches of 1, 4 and 16 requests -- three budget buckets of the schedule, so three tree sizes

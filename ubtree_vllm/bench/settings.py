@@ -217,6 +217,10 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
     _check_members("--tree-attention", settings.tree_attention, TREE_ATTENTION_MODES, "mode")
     if len(set(settings.tree_attention)) != len(settings.tree_attention):
         raise BenchArgumentError(f"--tree-attention lists a mode twice: {','.join(settings.tree_attention)}")
+    v1_tree = [m for m in settings.methods if TREE_METHODS.get(m, {}).get("UBTREE_VLLM_RUNNER") == "v1"]
+    if "triton_stock_roots" in settings.tree_attention and v1_tree:
+        raise BenchArgumentError(f"--tree-attention triton_stock_roots runs on Model Runner V2 only; drop "
+                                 f"{', '.join(v1_tree)} (V1 runner) from --methods or use ubtree-mrv2 / ubtree-mrv2-lookup")
     if settings.tensor_parallel_size < 1:
         raise BenchArgumentError(f"--tensor-parallel-size must be >= 1, got {settings.tensor_parallel_size}")
     if settings.tensor_parallel_size > 1 and any(m in ("ubtree-mrv2", "ubtree-mrv2-lookup") for m in settings.methods):

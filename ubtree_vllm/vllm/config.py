@@ -108,11 +108,15 @@ def default_budget_schedule(budget: int) -> tuple[tuple[int, int, int], ...]:
     tree/search.py)."""
     return ((1, 8, budget), (9, 16, max(1, budget // 2)), (17, 32, max(1, budget // 4)),
             (33, 1024, max(1, budget // 8)))
-# How tree rows attend on CUDA (vllm/attention/flash.py): "triton" -- the Triton kernel walks each row's
-# committed context and its path; "flash_merge" -- FlashAttention attends every row to its committed
-# context (the kernel plain decoding uses) and the Triton kernel adds the path rows by log-sum-exp.
-# "triton" stays the default until the H200 measures the other (round time, agreement rate).
-TREE_ATTENTION_MODES = ("triton", "flash_merge")
+# How tree rows attend on CUDA (vllm/attention/flash.py): "triton" -- FlashAttention computes every row
+# causally, then the Triton kernel recomputes the draft rows, walking each one's committed context and its
+# path; "flash_merge" -- as "triton", but a second FlashAttention call attends every row to its committed
+# context (the kernel plain decoding uses) and the Triton kernel adds the path rows by log-sum-exp;
+# "triton_stock_roots" (Model Runner V2, FlashAttention) -- in uniform decode steps FlashAttention computes
+# the roots alone (q_len 1, plain decoding's call) and the Triton kernel every other row, so no FlashAttention
+# work lands on rows the kernel overwrites (vllm/attention/tree_rows.py). "triton" stays the default until
+# the H200 measures the others (greedy tests, round time, agreement rate).
+TREE_ATTENTION_MODES = ("triton", "flash_merge", "triton_stock_roots")
 
 
 @dataclass(frozen=True)

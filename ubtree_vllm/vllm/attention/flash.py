@@ -58,6 +58,36 @@ class TreeFlashAttentionImpl(TreeRowsImpl, FlashAttentionImpl):
     # tree_attention "flash_merge": the context part from FlashAttention (module docstring); set by the bind
     ubtree_context_from_flash: bool = False
 
+    def _stock_roots(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     attn_metadata: FlashAttentionMetadata, output: torch.Tensor) -> None:
+        """The roots alone of a uniform decode step (``q`` rows per request: request i's root is row ``i * q``), each
+        attending to its first ``seq_lens[i] - q + 1`` tokens with ``q_len`` 1: the call plain decoding makes at that
+        position, so the roots' logits keep its numerics. Strided views of ``query`` / ``output`` (no copy); the
+        lengths are computed once per forward and shared by its layers (``TreeForwardState.step_cache``)."""
+        from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        q = attn_metadata.max_query_len
+        num_reqs = attn_metadata.seq_lens.shape[0]
+        if num_reqs * q > query.shape[0]:
+            raise RuntimeError(f"ubtree: {num_reqs} requests x {q} rows exceed the forward's {query.shape[0]} rows; "
+                               "tree_attention 'triton_stock_roots' needs a uniform decode step")
+        step = tree_forward_state().step_cache
+        cached = step.get(_ROOT_LENS)
+        if cached is not None and cached[0] is attn_metadata:
+            cu_seqlens_q, root_lens = cached[1]
+        else:
+            cu_seqlens_q = torch.arange(num_reqs + 1, dtype=torch.int32, device=query.device)  # [R + 1]
+            root_lens = root_context_lens(attn_metadata.seq_lens, q)  # [R]
+            step[_ROOT_LENS] = (attn_metadata, (cu_seqlens_q, root_lens))
+        roots = slice(0, num_reqs * q, q)
+        flash_attn_varlen_func(
+            q=query[roots], k=canonicalize_singleton_dim_strides(key_cache),
+            v=canonicalize_singleton_dim_strides(value_cache), out=output[roots], cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=1, seqused_k=root_lens, max_seqlen_k=attn_metadata.max_seq_len, softmax_scale=self.scale,
+            causal=True, block_table=attn_metadata.block_table, fa_version=self.vllm_flash_attn_version,
+            num_splits=attn_metadata.max_num_splits)
+
     def _tree_context(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       attn_metadata: FlashAttentionMetadata) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """"flash_merge": the context part by FlashAttention's context-only call; "triton": none."""
@@ -91,6 +121,14 @@ class TreeFlashAttentionImpl(TreeRowsImpl, FlashAttentionImpl):
 
 
 _CONTEXT_LENS = "flash_merge_context_lens"  # step_cache key: (metadata, [R] int32) of the forward in flight
+_ROOT_LENS = "stock_roots_lens"  # step_cache key: (metadata, ([R + 1], [R]) int32) of the forward in flight
+
+
+def root_context_lens(
+        # [R] int32 each request's tokens including this forward's q rows (0 for a padded request)
+        seq_lens: torch.Tensor, q: int) -> torch.Tensor:
+    """[R] int32 tokens each root attends to: its committed context and itself, ``seq_lens - q + 1`` (>= 0)."""
+    return (seq_lens - (q - 1)).clamp(min=0).to(torch.int32)
 
 
 def committed_context_lens(

@@ -61,6 +61,14 @@ class RowBuffers:
     row_path: torch.Tensor
     # entries 0 .. filled - 1 hold the last step's rows (reset to -1 by the next fill)
     filled: int = 0
+    # The step's entries cover every row of the forward but the roots (Model Runner V2's ``cover_rows`` layout in a
+    # uniform decode step, tree_attention "triton_stock_roots"), so the stock kernel runs over the roots alone
+    # (attention/tree_rows.py). Set per step.
+    covers_forward: bool = False
+    # Every FULL CUDA graph captured against these buffers replays such steps (Model Runner V2 with that mode: FULL
+    # graphs are uniform decode steps unless the mixed mode is FULL), so captures make the roots-only call too. Set
+    # once by the runner.
+    full_graphs_covered: bool = False
 
     @classmethod
     def empty(cls, max_tokens: int, path_width: int, device: torch.device) -> "RowBuffers":

@@ -1,10 +1,18 @@
-"""What every CUDA tree-aware backend does after its stock kernel: recompute the tree rows.
+"""What every CUDA tree-aware backend does around its stock kernel: compute the tree rows.
 
 The stock impl (FLASH_ATTN, TRITON_ATTN) computes every row causally; :func:`attend_tree_rows` then
 overwrites the rows of non-root tree nodes with :func:`ubtree_vllm.triton_ops.tree_attention`, one
 launch per layer over the runner's fixed-size :class:`~ubtree_vllm.vllm.attention.state.RowBuffers`
 (each row attends to its request's committed context in the paged cache plus its ancestors-or-self
-among this forward's fresh K/V). Both backends keep K and V in one cache of logical shape
+among this forward's fresh K/V). With ``tree_attention: "triton_stock_roots"`` (Model Runner V2,
+FLASH_ATTN), a uniform decode step's buffers hold an entry for every row but the roots
+(:func:`rows_covered`; so every FULL graph of tree steps), and the stock call runs over the roots alone
+(``q_len`` 1, the call plain decoding makes: the roots' logits keep plain decoding's numerics) instead of
+over every row: at batch 1 on SmolLM2 that call was among the largest items of a round's device time (H200
+profile, 2026-12-04), spent on rows the launch overwrites. Computing the roots with the tree kernel too
+(31e8dc1) failed the MRV2 greedy test on the H200 and was withdrawn.
+
+Both backends keep K and V in one cache of logical shape
 ``[num_blocks, H_kv, block_size, 2 * head_size]``, so the same views, launch and in-cache KV commit
 serve both. Captured in FULL CUDA graphs like the stock kernel (no host read of a device value).
 """
@@ -40,16 +48,26 @@ class TreeRowsImpl:
                 output_scale: torch.Tensor | None = None,
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
         """query [T, H, D]; key/value [T, H_kv, D]; kv_cache [num_blocks, H_kv, block, 2D] (logical)."""
-        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,  # type: ignore[misc]
-                                 output_scale, output_block_scale)
         buffers = tree_row_buffers(self, attn_metadata)
+        covered = buffers is not None and rows_covered(buffers, attn_metadata)
+        if not covered:
+            output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,  # type: ignore[misc]
+                                     output_scale, output_block_scale)
         if buffers is None:
             return output
         key_cache, value_cache = cache_views(kv_cache, self.head_size)  # type: ignore[attr-defined]
+        if covered:
+            self._stock_roots(query, key_cache, value_cache, attn_metadata, output)
         context_out, context_lse = self._tree_context(query, key_cache, value_cache, attn_metadata)
         attend_tree_rows(query, key, value, key_cache, value_cache, attn_metadata.block_table, output, buffers,
                          self.scale, context_out, context_lse)  # type: ignore[attr-defined]
         return output
+
+    def _stock_roots(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     attn_metadata: Any, output: torch.Tensor) -> None:
+        """The stock kernel over the roots alone of a uniform decode step (``tree_attention: "triton_stock_roots"``,
+        which ``attention/state.py:bind_tree_layers`` allows only for impls that implement this)."""
+        raise NotImplementedError(f"{type(self).__name__} computes no roots alone")
 
     def _tree_context(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       attn_metadata: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -79,6 +97,15 @@ def tree_row_buffers(impl: Any, attn_metadata: Any) -> RowBuffers | None:
     if not (tree_forward_state().has_tree_rows or torch.cuda.is_current_stream_capturing()):
         return None
     return buffers
+
+
+def rows_covered(buffers: RowBuffers, attn_metadata: Any) -> bool:
+    """The tree launch computes every row of this forward but the roots, so the stock kernel runs over the roots
+    alone: a step the runner laid out so (``RowBuffers.covers_forward``), or the capture of a FULL graph of tree steps
+    (uniform decode: ``full_graphs_covered`` and more than one query row per request)."""
+    if torch.cuda.is_current_stream_capturing():
+        return buffers.full_graphs_covered and attn_metadata.max_query_len > 1
+    return buffers.covers_forward
 
 
 def cache_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,9 @@ through a method MRV2 already calls:
 3. ``prepare_attn``: after vLLM computed the slot mappings from linear positions (so node j's
    K/V goes to the slot of row root + j), the tree layout rewrites the positions to
    root + depth and fills the row buffers; the tree-aware FLASH_ATTN impl
-   (``ubtree_vllm/vllm/attention/flash.py``) then recomputes the tree rows' attention.
+   (``ubtree_vllm/vllm/attention/flash.py``) then recomputes the tree rows' attention. With
+   ``tree_attention: "triton_stock_roots"``, in a uniform decode step (:func:`stock_roots_only`) the
+   buffers cover every draft row and FlashAttention computes the roots alone.
 4. ``postprocess_sampled``: after vLLM's bookkeeping, one launch commits the accepted paths
    (``triton_ops/accepted_rows.py:commit_accepted_paths``): the accepted nodes' K/V move to the
    slots of their depths in every target layer, the logits rows' linear positions are restored,
@@ -47,6 +49,29 @@ from ubtree_vllm.vllm.mrv2.tree_layout import lay_out_tree_rows
 from ubtree_vllm.vllm.stage_clock import StageClock
 
 
+def stock_roots_only(input_batch: Any) -> bool:
+    """``tree_attention: "triton_stock_roots"``: the step is a uniform decode step (vLLM's own rule for a batch it
+    may replay in a uniform decode graph, more than one row per request) whose every token row is a logits row, so
+    FlashAttention computes the roots alone and the tree layout covers every other row (host-known sizes, no sync).
+
+    RuntimeError for a uniform decode step with other rows: MRV2 may replay it in a FULL graph captured with the
+    roots-only call, which would leave those rows unwritten."""
+    from vllm.v1.worker.utils import get_uniform_decode_token_count
+
+    all_logits = int(input_batch.cu_num_logits_np[-1]) == input_batch.num_tokens
+    scheduled = input_batch.num_scheduled_tokens
+    uniform_len = get_uniform_decode_token_count(len(scheduled), input_batch.num_tokens,
+                                                 int(scheduled.max()) if len(scheduled) else 0,
+                                                 input_batch.decode_graph_eligible)
+    if uniform_len is None or uniform_len < 2:
+        return False
+    if not all_logits:
+        raise RuntimeError(f"ubtree: a uniform decode step of {input_batch.num_tokens} tokens has "
+                           f"{int(input_batch.cu_num_logits_np[-1])} logits rows; tree_attention 'triton_stock_roots' "
+                           "computes the roots with FlashAttention and needs a tree-attention entry for every other row")
+    return True
+
+
 class UBTreeModelRunnerV2(GPUModelRunner):
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
         config = from_vllm_config(vllm_config)
@@ -56,6 +81,8 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         if self.use_pp:  # PCP is refused with the engine arguments (the PCP manager exists only after KV init)
             raise NotImplementedError("ubtree on Model Runner V2 does not support pipeline parallelism")
         self.ubtree_config = config
+        # tree_attention "triton_stock_roots": in uniform decode steps FlashAttention computes the roots alone
+        self._stock_roots_mode = config.tree_attention == "triton_stock_roots"
         self.gamma = config.tree.block_size
         self.ubtree_stage_clock = StageClock.from_env(device)
         self.speculator = UBTreeSpeculator(vllm_config, device)  # replaces MRV2's DFlashSpeculator
@@ -113,11 +140,20 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         if elsewhere:
             raise RuntimeError(f"ubtree on MRV2 commits KV inside a FLASH_ATTN or TRITON_ATTN cache; the target's "
                                f"layers use {elsewhere}")
+        self._row_buffers.full_graphs_covered = self._stock_roots_mode and self._full_graphs_uniform_decode()
         names = {m.layer_name for m in self._target_layers}
         groups = [gid for gid, g in enumerate(self.kv_cache_config.kv_cache_groups) if names & set(g.layer_names)]
         if len(groups) != 1:
             raise NotImplementedError(f"ubtree on MRV2 needs the target's layers in one KV cache group, got {groups}")
         self._target_group = groups[0]
+
+    def _full_graphs_uniform_decode(self) -> bool:
+        """Every FULL graph replays uniform decode steps only: the mixed mode is not FULL (else a FULL graph may replay
+        a prefill) and vLLM captures no varlen decode graphs (adaptive verification)."""
+        from vllm.config import CUDAGraphMode
+
+        return (self.compilation_config.cudagraph_mode.mixed_mode() != CUDAGraphMode.FULL
+                and getattr(self, "adaptive_verification", None) is None)
 
     # ---- 3. tree positions and attention rows --------------------------------------------------
     def prepare_attn(self, input_batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -128,13 +164,16 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         block_tables, slot_mappings = super().prepare_attn(input_batch)  # linear slots: node j at root + j
         buffers = self._row_buffers
         if input_batch.num_draft_tokens > 0:
+            buffers.covers_forward = self._stock_roots_mode and stock_roots_only(input_batch)
             lay_out_tree_rows(input_batch.positions, input_batch.logits_indices, input_batch.cu_num_logits,
                               input_batch.expanded_idx_mapping, input_batch.expanded_local_pos,
                               self.speculator.topology.parents, self.speculator.topology.depth, self.gamma,
-                              buffers.row_index, buffers.row_req, buffers.row_context_len, buffers.row_path)
+                              buffers.row_index, buffers.row_req, buffers.row_context_len, buffers.row_path,
+                              cover_rows=buffers.covers_forward)
             tree_forward_state().begin_device_rows()
             self._step = (input_batch, slot_mappings)
         else:  # prefill / no drafts: stock attention
+            buffers.covers_forward = False
             buffers.row_index.fill_(-1)
             tree_forward_state().end_forward()
             self._step = None
@@ -142,6 +181,7 @@ class UBTreeModelRunnerV2(GPUModelRunner):
 
     def prepare_dummy_attn(self, input_batch: Any, valid_state_slots: bool = False) -> Any:
         self._row_buffers.row_index.fill_(-1)  # capture / profile runs: every entry skipped
+        self._row_buffers.covers_forward = False
         tree_forward_state().end_forward()
         return super().prepare_dummy_attn(input_batch, valid_state_slots)
 

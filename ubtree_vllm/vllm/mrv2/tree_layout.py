@@ -10,8 +10,12 @@ Per request state slot s (``expanded_idx_mapping``), ``tree_parents[s]`` / ``tre
 ``[B + 1]`` give node j's parent (-1 at the root, -2 for padding, parents[j] < j) and depth.
 Depths must agree with the parents (depth[parents[j]] + 1) for the nodes that are not padding.
 A node is a *tree row* iff j >= 1, 1 <= depth <= max_depth and no node on its root path is
-padding. Rows deeper than max_depth (a chain-reset request: parents j - 1) are left to the
-stock causal attention at their linear positions, which is exact for a chain.
+padding. Rows deeper than max_depth (a chain: parents j - 1) are left to the
+stock causal attention at their linear positions, which is exact for a chain; the runner's trees are
+never deeper than max_depth (gamma), and the acceptance walk never goes past it. With
+``tree_attention: "triton_stock_roots"``, in a uniform decode step the runner lays out every draft row
+(``cover_rows``): FlashAttention then computes the roots alone and the tree kernel every other row
+(``vllm/attention/tree_rows.py``).
 
 Every function uses fixed-shape torch ops only (no ``.item()``/``.cpu()``/``nonzero``/mask
 indexing, no loop over requests): shapes depend on host-known sizes, never on device values.
@@ -45,18 +49,23 @@ def lay_out_tree_rows(
         # [M_cap] (M_cap >= L) tree attention entries, mutated; entry m = logits row m
         out_row_index: torch.Tensor, out_row_req: torch.Tensor, out_row_context_len: torch.Tensor,
         # [M_cap, max_depth + 1] mutated
-        out_row_path: torch.Tensor) -> None:
+        out_row_path: torch.Tensor,
+        # an entry for every logits row (a step whose token rows are all logits rows skips the stock attention)
+        cover_rows: bool = False) -> None:
     """Write the tree positions in place and fill the tree-attention row buffers.
 
     Entry m of a tree row: row_index = its global row, row_req = its batch index (row of the
     block tables), row_context_len = its root's position, row_path = global rows of its
     root->self path, root first, -1 padded (the contract of ``triton_ops/tree_attention``).
     Every other entry (roots, non-tree nodes, m >= L) gets row_index -1, row_path -1,
-    row_req and row_context_len 0.
+    row_req and row_context_len 0. With ``cover_rows`` every non-root logits row m < L gets an entry: a
+    non-tree node (padding, never accepted) attends to its context, its root and itself (``[root, self]``,
+    finite, unread). Roots never get one.
     """
     if positions.is_cuda:
         tree_layout(positions, logits_indices, cu_num_logits, expanded_idx_mapping, expanded_local_pos, tree_parents,
-                    tree_depth, max_depth, out_row_index, out_row_req, out_row_context_len, out_row_path)
+                    tree_depth, max_depth, out_row_index, out_row_req, out_row_context_len, out_row_path,
+                    cover_rows=cover_rows)
         return
     num_logits = logits_indices.shape[0]  # L
     rows = logits_indices.long()  # [L]
@@ -68,9 +77,16 @@ def lay_out_tree_rows(
     positions[rows] = torch.where(is_tree, root_pos + depth, positions[rows])
     batch = _batch_index(cu_num_logits, num_logits)  # [L]
     path_rows = torch.where(is_tree[:, None] & (path >= 0), root_rows[:, None] + path, -1)  # [L, D + 1]
-    _write_entries(out_row_index, torch.where(is_tree, rows, -1), -1)
-    _write_entries(out_row_req, torch.where(is_tree, batch, 0), 0)
-    _write_entries(out_row_context_len, torch.where(is_tree, root_pos, 0), 0)
+    covered = (node >= 1) if cover_rows else is_tree  # [L]
+    if cover_rows:  # [root, self] for a non-tree node
+        other = torch.full_like(path_rows, -1)
+        other[:, 0] = root_rows
+        if other.shape[1] > 1:
+            other[:, 1] = rows
+        path_rows = torch.where(is_tree[:, None], path_rows, torch.where(covered[:, None], other, -1))
+    _write_entries(out_row_index, torch.where(covered, rows, -1), -1)
+    _write_entries(out_row_req, torch.where(covered, batch, 0), 0)
+    _write_entries(out_row_context_len, torch.where(covered, root_pos, 0), 0)
     _write_entries(out_row_path, path_rows, -1)
 
 
