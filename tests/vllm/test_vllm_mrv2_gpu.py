@@ -73,31 +73,20 @@ def test_mrv2_load_adaptive_budget_greedy_equality_smollm2(mrv2, default_target_
           f"tau {tau:.2f}")
 
 
-def test_mrv2_flash_merge_with_load_adaptive_budget_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path):
-    """The settings the bench measures together: the prompt-lookup branch, tree_attention "flash_merge" (its context
-    lengths computed once per forward) and a load-adaptive budget (the 8 prompts run together verify the first 5 nodes
-    of each tree, the lone timing prompt all 16), inside the FULL CUDA graphs of the verification."""
+@pytest.mark.parametrize("mode", ["flash_merge", "triton_stock_roots"])
+def test_mrv2_attention_mode_with_load_adaptive_budget_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path,
+                                                                               mode):
+    """The settings the bench measures together: the prompt-lookup branch, a tree_attention mode and a load-adaptive
+    budget (the 8 prompts run together verify the first 5 nodes of each tree, the lone timing prompt all 16), inside
+    the FULL CUDA graphs of the verification. "flash_merge": FlashAttention's context part (its lengths computed once
+    per forward) merged with the kernel's path part; "triton_stock_roots": in uniform decode steps (every FULL graph
+    of tree steps) FlashAttention computes the roots alone (q_len 1, strided views) and the kernel every other row."""
     from test_vllm_gpu import TREE
 
-    tree = {**TREE, "prompt_lookup": True, "tree_attention": "flash_merge",
+    tree = {**TREE, "prompt_lookup": True, "tree_attention": mode,
             "num_speculative_tokens_per_batch_size": [[1, 4, 16], [5, 64, 5]]}
     plain_tps, ubtree_tps, tau = run_pair(default_target_dir, smollm2_drafter(default_target_dir, tmp_path), tree=tree)
-    print(f"MRV2 flash_merge + load-adaptive SmolLM2: no speculation {plain_tps:.1f} tok/s, ubtree {ubtree_tps:.1f} "
-          f"tok/s, tau {tau:.2f}")
-    if os.environ.get("GPU_TEST_DRAFTER"):
-        assert tau > 1.5, tau
-
-
-def test_mrv2_stock_roots_with_load_adaptive_budget_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path):
-    """tree_attention "triton_stock_roots": in uniform decode steps (every FULL graph of tree steps) FlashAttention
-    computes the roots alone (q_len 1, strided views) and the Triton kernel every other row; with the prompt-lookup
-    branch and a load-adaptive budget (the 8 prompts together verify 5 nodes per tree, the lone prompt 16)."""
-    from test_vllm_gpu import TREE
-
-    tree = {**TREE, "prompt_lookup": True, "tree_attention": "triton_stock_roots",
-            "num_speculative_tokens_per_batch_size": [[1, 4, 16], [5, 64, 5]]}
-    plain_tps, ubtree_tps, tau = run_pair(default_target_dir, smollm2_drafter(default_target_dir, tmp_path), tree=tree)
-    print(f"MRV2 stock roots + load-adaptive SmolLM2: no speculation {plain_tps:.1f} tok/s, ubtree {ubtree_tps:.1f} "
+    print(f"MRV2 {mode} + load-adaptive SmolLM2: no speculation {plain_tps:.1f} tok/s, ubtree {ubtree_tps:.1f} "
           f"tok/s, tau {tau:.2f}")
     if os.environ.get("GPU_TEST_DRAFTER"):
         assert tau > 1.5, tau
