@@ -13,7 +13,9 @@ distribution names with the same import name: ``vllm`` (CUDA) and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib import metadata
+from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
@@ -82,3 +84,12 @@ def allow_cudagraph_capture_for_next_engine() -> None:
     from vllm.compilation.monitor import set_cudagraph_capturing_enabled
 
     set_cudagraph_capturing_enabled(True)
+
+
+def xgrammar_tree_traversal(grammar: Any) -> Callable[..., bool] | None:
+    """``grammar``'s one-call walk of a draft tree, or None (another structured-output backend, or an xgrammar
+    without it): vLLM's xgrammar grammar wraps an ``xgrammar.GrammarMatcher``, whose ``traverse_draft_tree``
+    (xgrammar 0.2, the version vLLM 0.32 pins) fills every visited node's bitmask row from C++ and leaves the
+    matcher in its state. Used by ``ubtree_vllm/vllm/structured_output.py``; remove the probe when every supported
+    xgrammar has the method."""
+    return getattr(getattr(grammar, "matcher", None), "traverse_draft_tree", None)

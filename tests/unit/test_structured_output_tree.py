@@ -60,10 +60,10 @@ def expected_row(compiled, path: list[int], reasoning: bool) -> torch.Tensor | N
     g = grammar(compiled)
     start, constrained = reasoning_bounds(None, path) if reasoning else (0, 0)
     for token in path[start:]:
-        if g.is_terminated() or not g.matcher.accept_token(token):
+        if g.matcher.is_terminated() or not g.matcher.accept_token(token):
             return None
     row = xgr.allocate_token_bitmask(1, len(VOCAB))
-    if len(path) >= constrained and not g.is_terminated():
+    if len(path) >= constrained and not g.matcher.is_terminated():
         g.matcher.fill_next_token_bitmask(row, 0)
     else:
         row.fill_(-1)
@@ -121,3 +121,38 @@ def test_batch_rows_and_the_scheduler_side_topology(compiled):
     assert bitmask.shape == (4 + 1, 1)  # a: root + 3 nodes; b: no drafts, one row
     assert bitmask[0, 0] == 4 and bitmask[1, 0] == (1 << 3) | (1 << 4)  # root: 'a'; after 'a': 'b' or 'c'
     assert bitmask[2, 0] == bitmask[3, 0] == (1 << 2) | (1 << 5)  # after "ab" and "ac": 'a' again or 'd'
+
+
+def test_one_call_tree_walk_gives_the_node_by_node_rows(compiled, monkeypatch):
+    """xgrammar's traverse_draft_tree (one C++ call) and the node-by-node walk (other backends) give the same rows,
+    refused nodes, -1 tokens and the stop token (a terminated grammar's full-mask row) included, and leave the
+    grammar where it was."""
+    from ubtree_vllm.vllm import structured_output
+
+    rng = random.Random(11)
+    alphabet = [2, 3, 4, 5, 1, 6, -1]  # 1: the stop token '</s>', valid after 'd'
+    ended = 0
+    for _ in range(200):
+        n = rng.randrange(1, 30)
+        parents = [rng.randrange(0, j + 1) for j in range(n)]
+        tokens, paths = [], [[]]
+        for j in range(n):  # mostly grammar-valid tokens, so that long paths and the stop token are reached
+            row = expected_row(compiled, paths[parents[j]], False)
+            valid = [t for t in range(len(VOCAB)) if row is not None and (int(row[0]) >> t) & 1]
+            tokens.append(rng.choice(valid) if valid and rng.random() < 0.75 else rng.choice(alphabet))
+            paths.append(paths[parents[j]] + [tokens[-1]])
+        rows = {}
+        for walk in ("one call", "node by node"):
+            if walk == "node by node":
+                monkeypatch.setattr(structured_output, "xgrammar_tree_traversal", lambda _grammar: None)
+            m = manager(n + 1 + 2, lambda _r, _p: (0, 0))
+            m._grammar_bitmask.fill_(0x5A5A5A5A)  # stale rows of an earlier step
+            g = grammar(compiled)
+            request = types.SimpleNamespace(request_id="r", structured_output_request=types.SimpleNamespace(grammar=g))
+            fill_tree_rows(m, request, tokens, parents, base=2)
+            assert g.num_processed_tokens == 0 and not g.is_terminated() and g.validate_tokens([2, 3]) == [2, 3]
+            rows[walk] = m._grammar_bitmask[2:].clone()
+        monkeypatch.undo()
+        assert torch.equal(rows["one call"], rows["node by node"]), (tokens, parents)
+        ended += int((rows["one call"] == -1).all(dim=1).sum())
+    assert ended > 20  # terminated grammars were walked

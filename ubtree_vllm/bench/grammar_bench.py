@@ -1,8 +1,9 @@
 """`ubtree bench microbench --which grammar-rows`: the scheduler's structured-output cost of one round.
 
 Structured output under a tree adds host work to every round in vLLM's scheduler: each node's
-grammar row (:func:`ubtree_vllm.vllm.structured_output.fill_tree_rows`: accept the node's token,
-fill its bitmask, roll back). This times it for one request per round with vLLM's real xgrammar
+grammar row (:func:`ubtree_vllm.vllm.structured_output.fill_tree_rows`: with xgrammar one
+``traverse_draft_tree`` call over the tree, else node by node: accept the node's token, fill its
+bitmask, roll back). This times it for one request per round with vLLM's real xgrammar
 grammar over the default target's tokenizer (SmolLM2, 49k tokens) and a JSON schema, on the
 worst-case tree of B = --tree-budget nodes: the tokens opening a string value as a chain, then
 word tokens branching anywhere below, so that every node is grammar-valid and each is accepted,

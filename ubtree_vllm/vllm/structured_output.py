@@ -12,8 +12,10 @@ refuses. With a tree both are wrong: node j's parent is not node j - 1. Here:
   unreachable anyway (its parent's row masks its token, so the target never draws it);
 * :func:`fill_tree_rows` fills row j with the grammar advanced along root -> node j, exactly
   the row plain decoding would have had after generating that path (vLLM's own grammar
-  objects, moved forward with ``accept_tokens`` and back with ``rollback``: no grammar is
-  re-implemented). With reasoning still open (a reasoning parser), each node's constraint
+  objects: no grammar is re-implemented). With xgrammar (vLLM's default backend) one call walks
+  the whole tree in C++ (``GrammarMatcher.traverse_draft_tree``; the per-node Python walk cost
+  several times more); other backends are moved forward with ``accept_tokens`` and back with
+  ``rollback``, node by node. With reasoning still open (a reasoning parser), each node's constraint
   bounds are vLLM's ``_get_constraint_bounds`` over that node's own path.
 
 The rows keep vLLM's layout ([root, node 1..n] per request, the runner's logits rows), so
@@ -26,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.v1.outputs import DraftTokenIds
+
+from ubtree_vllm.compat import xgrammar_tree_traversal
 
 # attribute of a vLLM ``Request``: parents of the nodes of its latest drafts
 PARENTS_ATTR = "ubtree_draft_parents"
@@ -86,6 +90,10 @@ def _accepts(grammar: Any, tokens: list[int]) -> bool:
 def _fill_constrained(manager: Any, request: Any, tokens: list[int], parents: list[int], base: int) -> None:
     """Grammar active from the root: one depth-first walk, each node accepted once and rolled back on leaving."""
     grammar, bitmask, n = request.structured_output_request.grammar, manager._grammar_bitmask, len(tokens)
+    traverse = xgrammar_tree_traversal(grammar)
+    if traverse is not None and not grammar.is_terminated():
+        _fill_by_traversal(traverse, bitmask[base:base + n + 1], grammar.matcher.stop_token_ids, tokens, parents)
+        return
     children: list[list[int]] = [[] for _ in range(n + 1)]
     for j in range(n):
         children[parents[j]].append(j + 1)
@@ -105,6 +113,41 @@ def _fill_constrained(manager: Any, request: Any, tokens: list[int], parents: li
         else:  # unreachable: any row will do; the parent's keeps the row valid
             bitmask[base + item].copy_(bitmask[base + parent])
         stack.extend(children[item][::-1])
+
+
+def _fill_by_traversal(traverse: Any, rows: Any, stop_token_ids: list[int], tokens: list[int],
+                       parents: list[int]) -> None:
+    """:func:`_fill_constrained`'s rows from one ``traverse_draft_tree`` call (``rows`` [n + 1, words] int32, the
+    root's first), then vLLM's rules where the walk has no row to give: a node whose token the grammar refuses (or
+    -1) copies its parent's row, and so do its descendants; a node that ends the grammar (a stop token) gets the
+    full mask, as ``StructuredOutputManager._fill_bitmasks`` gives a terminated grammar."""
+    import numpy as np
+    import torch
+
+    n, stops = len(tokens), set(stop_token_ids)
+    first_child, next_sibling, last_child = [-1] * (n + 1), [-1] * (n + 1), [-1] * (n + 1)
+    for j in range(1, n + 1):  # the walk's tree: nodes with a token that leaves the grammar running, in node order
+        parent = parents[j - 1]
+        if tokens[j - 1] < 0 or tokens[j - 1] in stops:  # a stop token ends the grammar: its row is set below
+            continue
+        if first_child[parent] < 0:
+            first_child[parent] = j
+        else:
+            next_sibling[last_child[parent]] = j
+        last_child[parent] = j
+    traverse(torch.tensor(first_child, dtype=torch.int64), torch.tensor(next_sibling, dtype=torch.int64),
+             torch.tensor([0] + [max(t, 0) for t in tokens], dtype=torch.int64), rows)
+    words: np.ndarray = rows.numpy()  # [n + 1, ceil(V / 32)] int32, a view
+    reached, ended = [True] + [False] * n, [False] * (n + 1)
+    for j in range(1, n + 1):
+        parent, token = parents[j - 1], tokens[j - 1]
+        reached[j] = (reached[parent] and not ended[parent] and token >= 0
+                      and (int(words[parent, token >> 5]) >> (token & 31)) & 1 == 1)
+        if not reached[j]:
+            words[j] = words[parent]
+        elif token in stops:
+            ended[j] = True
+            words[j] = -1
 
 
 def _fill_per_path(manager: Any, request: Any, tokens: list[int], parents: list[int], base: int) -> None:
