@@ -431,9 +431,23 @@ def test_grammar_rows_microbench_on_the_default_tokenizer(default_target_dir):
     assert len(tokens) == len(parents) == 64 and tokens[:3] == [1, 2, 3] and parents[:3] == [0, 1, 2]
     assert all(3 <= p <= j for j, p in enumerate(parents) if j >= 3) and all(100 <= t < 130 for t in tokens[3:])
     rows = run_microbenches(("grammar-rows",), MicrobenchSettings(iters=3, warmup=1, tree_budget=64))
-    (row,) = rows
-    assert (row["metric"], row["unit"], row["tree_budget"]) == ("grammar_rows_ms", "ms", 64) and row["value"] > 0
-    assert row["hardware"].startswith("CPU (") and "64-node tree" in row["notes"]
+    assert [row["method"] for row in rows] == ["ubtree", "ubtree-node-walk"]  # the serving walk and the other
+    for row in rows:
+        assert (row["metric"], row["unit"], row["tree_budget"]) == ("grammar_rows_ms", "ms", 64) and row["value"] > 0
+        assert row["hardware"].startswith("CPU (") and "64-node tree" in row["notes"]
+    assert "traverse_draft_tree" in rows[0]["notes"] and "node-by-node" in rows[1]["notes"]
+
+
+def test_node_by_node_grammar_hides_only_the_matcher():
+    from types import SimpleNamespace
+
+    from ubtree_vllm.bench.grammar_bench import NodeByNodeGrammar
+    from ubtree_vllm.compat import xgrammar_tree_traversal
+
+    grammar = SimpleNamespace(matcher=SimpleNamespace(traverse_draft_tree=print), is_terminated=lambda: False)
+    assert xgrammar_tree_traversal(grammar) is print
+    hidden = NodeByNodeGrammar(grammar)
+    assert xgrammar_tree_traversal(hidden) is None and hidden.is_terminated() is False
 
 
 def test_microbench_without_records_and_its_errors(drafter_dir):

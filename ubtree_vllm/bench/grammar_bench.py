@@ -3,9 +3,9 @@
 Structured output under a tree adds host work to every round in vLLM's scheduler: each node's
 grammar row (:func:`ubtree_vllm.vllm.structured_output.fill_tree_rows`: with xgrammar one
 ``traverse_draft_tree`` call over the tree, else node by node: accept the node's token, fill its
-bitmask, roll back). This times it for one request per round with vLLM's real xgrammar
-grammar over the default target's tokenizer (SmolLM2, 49k tokens) and a JSON schema, on the
-worst-case tree of B = --tree-budget nodes: the tokens opening a string value as a chain, then
+bitmask, roll back). This times both walks in one invocation, round by round in turn (records
+``ubtree`` and ``ubtree-node-walk``), for one request per round with vLLM's real xgrammar grammar
+over the default target's tokenizer (SmolLM2, 49k tokens) and a JSON schema, on the worst-case tree of B = --tree-budget nodes: the tokens opening a string value as a chain, then
 word tokens branching anywhere below, so that every node is grammar-valid and each is accepted,
 filled and rolled back (a node the grammar refuses costs one check and a row copy). Host-only:
 the record's hardware is the CPU it ran on. Metric ``grammar_rows_ms`` (median per round,
@@ -88,17 +88,37 @@ def grammar_rows(settings: Any) -> list[dict[str, Any]]:
     if refused:  # the record states that every node is grammar-valid
         raise RuntimeError(f"grammar-rows: the bench tree has grammar-refused nodes {refused[:8]}")
     manager = bitmask_manager(budget + 1, vocab_size, lambda _request, _path: (0, 0))
-    request = types.SimpleNamespace(request_id="bench", structured_output_request=types.SimpleNamespace(grammar=grammar))
-    times = []
-    for i in range(settings.warmup + settings.iters):
-        start = time.perf_counter()
-        fill_tree_rows(manager, request, tokens, parents, 0)
-        if i >= settings.warmup:
-            times.append(1000.0 * (time.perf_counter() - start))
-    return [{"kind": "microbench", "method": "ubtree", "target": DEFAULT_TARGET_NAME, "drafter": None,
-             "metric": "grammar_rows_ms", "value": round(statistics.median(times), 5), "unit": "ms", "batch_size": 1,
-             "tree_budget": budget, "cuda_graphs": False, "hardware": hardware("cpu"),
+    walks = {"ubtree": grammar, "ubtree-node-walk": NodeByNodeGrammar(grammar)}  # the serving walk, then the other
+    times: dict[str, list[float]] = {method: [] for method in walks}
+    for i in range(settings.warmup + settings.iters):  # the two walks alternate round by round
+        for method, walked in walks.items():
+            request = types.SimpleNamespace(request_id="bench",
+                                            structured_output_request=types.SimpleNamespace(grammar=walked))
+            start = time.perf_counter()
+            fill_tree_rows(manager, request, tokens, parents, 0)
+            if i >= settings.warmup:
+                times[method].append(1000.0 * (time.perf_counter() - start))
+    what = {"ubtree": "xgrammar's one-call tree walk (traverse_draft_tree), what serving runs with xgrammar",
+            "ubtree-node-walk": "the node-by-node walk (accept, fill, roll back per node) other backends get, "
+                                "alternating with the one-call walk round by round"}
+    return [{"kind": "microbench", "method": method, "target": DEFAULT_TARGET_NAME, "drafter": None,
+             "metric": "grammar_rows_ms", "value": round(statistics.median(times[method]), 5), "unit": "ms",
+             "batch_size": 1, "tree_budget": budget, "cuda_graphs": False, "hardware": hardware("cpu"),
              "notes": (f"scheduler host work per round: xgrammar JSON-schema rows for a {budget}-node tree, "
                        f"every node grammar-valid (inside a JSON string: the worst case), vocab {vocab_size}; "
-                       f"median over "
-                       f"{settings.iters} rounds after {settings.warmup} warm-up (time.perf_counter)")}]
+                       f"{what[method]}; median over "
+                       f"{settings.iters} rounds after {settings.warmup} warm-up (time.perf_counter)")}
+            for method in walks]
+
+
+class NodeByNodeGrammar:
+    """vLLM's grammar without its xgrammar matcher in sight, so :func:`fill_tree_rows` takes the node-by-node walk
+    (the A/B of this bench); every other attribute is the wrapped grammar's."""
+
+    def __init__(self, grammar: Any) -> None:
+        self._grammar = grammar
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "matcher":
+            raise AttributeError(name)
+        return getattr(self._grammar, name)
