@@ -1,7 +1,8 @@
 """FLASH_ATTN with tree rows (CUDA): stock FlashAttention, then one Triton launch for tree rows.
 
-FlashAttention computes every row causally; the rows of non-root tree nodes are then
-overwritten by :func:`ubtree_vllm.triton_ops.tree_attention`, one launch per layer
+FlashAttention computes every row causally (with ``tree_attention: "triton_stock_roots"``, in a uniform
+decode step, only the roots: :meth:`TreeFlashAttentionImpl._stock_roots`, ``tree_rows.rows_covered``); the rows
+of non-root tree nodes are then overwritten by :func:`ubtree_vllm.triton_ops.tree_attention`, one launch per layer
 (:mod:`ubtree_vllm.vllm.attention.tree_rows`, shared with TRITON_ATTN). Each
 tree row attends to its request's committed context, read from FlashAttention's per-token
 paged cache (``kv_cache.transpose(1, 2).split(head_size, -1)`` gives ``[num_blocks,
