@@ -5,11 +5,11 @@ grammar row (:func:`ubtree_vllm.vllm.structured_output.fill_tree_rows`: with xgr
 ``traverse_draft_tree`` call over the tree, else node by node: accept the node's token, fill its
 bitmask, roll back). This times both walks in one invocation, round by round in turn (records
 ``ubtree`` and ``ubtree-node-walk``), for one request per round with vLLM's real xgrammar grammar
-over the default target's tokenizer (SmolLM2, 49k tokens) and a JSON schema, on the worst-case tree of B = --tree-budget nodes: the tokens opening a string value as a chain, then
-word tokens branching anywhere below, so that every node is grammar-valid and each is accepted,
-filled and rolled back (a node the grammar refuses costs one check and a row copy). Host-only:
-the record's hardware is the CPU it ran on. Metric ``grammar_rows_ms`` (median per round,
-time.perf_counter).
+over the default target's tokenizer (SmolLM2, 49k tokens) and a JSON schema, on the worst-case tree
+of B = --tree-budget nodes: the tokens opening a string value as a chain, then word tokens branching
+anywhere below, so that every node is grammar-valid and each is accepted, filled and rolled back (a
+node the grammar refuses costs one check and a row copy). Host-only: the record's hardware is the CPU
+it ran on. Metric ``grammar_rows_ms`` (median per round, time.perf_counter).
 """
 from __future__ import annotations
 
@@ -88,12 +88,13 @@ def grammar_rows(settings: Any) -> list[dict[str, Any]]:
     if refused:  # the record states that every node is grammar-valid
         raise RuntimeError(f"grammar-rows: the bench tree has grammar-refused nodes {refused[:8]}")
     manager = bitmask_manager(budget + 1, vocab_size, lambda _request, _path: (0, 0))
-    walks = {"ubtree": grammar, "ubtree-node-walk": NodeByNodeGrammar(grammar)}  # the serving walk, then the other
+    walks = {method: types.SimpleNamespace(request_id="bench",
+                                           structured_output_request=types.SimpleNamespace(grammar=walked))
+             for method, walked in (("ubtree", grammar),  # the serving walk, then the other
+                                    ("ubtree-node-walk", NodeByNodeGrammar(grammar)))}
     times: dict[str, list[float]] = {method: [] for method in walks}
     for i in range(settings.warmup + settings.iters):  # the two walks alternate round by round
-        for method, walked in walks.items():
-            request = types.SimpleNamespace(request_id="bench",
-                                            structured_output_request=types.SimpleNamespace(grammar=walked))
+        for method, request in walks.items():
             start = time.perf_counter()
             fill_tree_rows(manager, request, tokens, parents, 0)
             if i >= settings.warmup:

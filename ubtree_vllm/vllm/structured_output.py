@@ -13,10 +13,10 @@ refuses. With a tree both are wrong: node j's parent is not node j - 1. Here:
 * :func:`fill_tree_rows` fills row j with the grammar advanced along root -> node j, exactly
   the row plain decoding would have had after generating that path (vLLM's own grammar
   objects: no grammar is re-implemented). With xgrammar (vLLM's default backend) one call walks
-  the whole tree in C++ (``GrammarMatcher.traverse_draft_tree``; the per-node Python walk cost
-  several times more); other backends are moved forward with ``accept_tokens`` and back with
-  ``rollback``, node by node. With reasoning still open (a reasoning parser), each node's constraint
-  bounds are vLLM's ``_get_constraint_bounds`` over that node's own path.
+  the whole tree in C++ (``GrammarMatcher.traverse_draft_tree``; the per-node Python walk took over
+  twice the host time in the ``grammar-rows`` microbench); other backends are moved forward with
+  ``accept_tokens`` and back with ``rollback``, node by node. With reasoning still open (a reasoning
+  parser), each node's constraint bounds are vLLM's ``_get_constraint_bounds`` over that node's own path.
 
 The rows keep vLLM's layout ([root, node 1..n] per request, the runner's logits rows), so
 vLLM's ``apply_grammar_bitmask`` masks each node's logits before the tree sampler sees them,
@@ -92,7 +92,8 @@ def _fill_constrained(manager: Any, request: Any, tokens: list[int], parents: li
     grammar, bitmask, n = request.structured_output_request.grammar, manager._grammar_bitmask, len(tokens)
     traverse = xgrammar_tree_traversal(grammar)
     if traverse is not None and not grammar.is_terminated():
-        _fill_by_traversal(traverse, bitmask[base:base + n + 1], grammar.matcher.stop_token_ids, tokens, parents)
+        _fill_by_traversal(traverse, bitmask[base:base + n + 1], grammar.matcher.stop_token_ids,
+                           int(manager._full_mask), tokens, parents)
         return
     children: list[list[int]] = [[] for _ in range(n + 1)]
     for j in range(n):
@@ -115,12 +116,13 @@ def _fill_constrained(manager: Any, request: Any, tokens: list[int], parents: li
         stack.extend(children[item][::-1])
 
 
-def _fill_by_traversal(traverse: Any, rows: Any, stop_token_ids: list[int], tokens: list[int],
+def _fill_by_traversal(traverse: Any, rows: Any, stop_token_ids: list[int], full_mask: int, tokens: list[int],
                        parents: list[int]) -> None:
     """:func:`_fill_constrained`'s rows from one ``traverse_draft_tree`` call (``rows`` [n + 1, words] int32, the
     root's first), then vLLM's rules where the walk has no row to give: a node whose token the grammar refuses (or
     -1) copies its parent's row, and so do its descendants; a node that ends the grammar (a stop token) gets the
-    full mask, as ``StructuredOutputManager._fill_bitmasks`` gives a terminated grammar."""
+    full mask (``full_mask``, the manager's word), as ``StructuredOutputManager._fill_bitmasks`` gives a terminated
+    grammar."""
     import numpy as np
     import torch
 
@@ -147,7 +149,7 @@ def _fill_by_traversal(traverse: Any, rows: Any, stop_token_ids: list[int], toke
             words[j] = words[parent]
         elif token in stops:
             ended[j] = True
-            words[j] = -1
+            words[j] = full_mask
 
 
 def _fill_per_path(manager: Any, request: Any, tokens: list[int], parents: list[int], base: int) -> None:
