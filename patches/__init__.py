@@ -12,7 +12,8 @@ Stages:
 
 * ``"engine"``: process-global patches, applied by
   :func:`ubtree_vllm.plugin.register` in every process vLLM starts. They only
-  change behaviour for engines configured with ``"method": "ubtree"``.
+  change behaviour for engines configured with ``"method": "ubtree"``, except
+  ``cpu_rope_multihead``, which fixes a vLLM CPU bug in the model function itself.
 * ``"worker"``: patches that may touch CUDA or worker state, applied at worker
   initialisation (:class:`ubtree_vllm.vllm.worker.UBTreeCPUWorker` /
   ``UBTreeGPUWorker``), never at import or plugin-registration time.
@@ -140,6 +141,18 @@ MANIFEST: tuple[PatchSpec, ...] = (
                            "num_speculative_tokens that fits (no such check in 0.32)."),
     ),
     PatchSpec(
+        name="cpu_rope_multihead",
+        vllm_symbol="vllm.model_executor.layers.rotary_embedding.base.RotaryEmbedding.forward_cpu",
+        why=("vLLM 0.32's CPU rotary op mis-rotates [tokens, heads, head_size] inputs with more than one head, "
+             "which DeepSeek-V2/V3's multi-head latent attention passes (the query's RoPE part): on the CPU such a "
+             "target computes another function than its HF model, one that differs between one-token and "
+             "multi-token rows, so even vLLM's own n-gram speculation changes its greedy tokens."),
+        how=("Wraps the method: such inputs are rotated by vLLM's forward_native and written back in place; 2-D and "
+             "single-head inputs keep vLLM's op. Process-global and for plain engines too (it fixes the model "
+             "function, which both sides of a greedy comparison must compute). CPU platform only."),
+        removal_condition="vLLM's CPU rotary op handles 3-D multi-head tensors (as forward_native does).",
+    ),
+    PatchSpec(
         name="cpu_worker_model_runner",
         vllm_symbol="vllm.v1.worker.cpu_worker.CPUModelRunner",
         why=("CPUWorker.init_device constructs the V1 runner through this module-level name "
@@ -152,11 +165,12 @@ MANIFEST: tuple[PatchSpec, ...] = (
     PatchSpec(
         name="attention_backends",
         vllm_symbol="vllm.v1.attention.backends.registry.AttentionBackendEnum",
-        why=("vLLM 0.32 has no tree attention: CPU_ATTN, FLASH_ATTN and TRITON_ATTN support only causal, "
-             "non-causal or sliding-window masks, not an ancestor mask over draft rows."),
-        how=("register_backend() overrides CPU_ATTN (CPU) or FLASH_ATTN and TRITON_ATTN (CUDA; TRITON_ATTN "
-             "serves float32 targets) with subclasses that recompute tree rows under the ancestor mask (CPU: "
-             "stashing tree K/V for the KV commit); the selector cache is cleared."),
+        why=("vLLM 0.32 has no tree attention: CPU_ATTN, CPU_MLA, FLASH_ATTN and TRITON_ATTN support only "
+             "causal, non-causal or sliding-window masks, not an ancestor mask over draft rows."),
+        how=("register_backend() overrides CPU_ATTN and CPU_MLA (CPU) or FLASH_ATTN and TRITON_ATTN (CUDA; "
+             "TRITON_ATTN serves float32 targets) with subclasses that recompute tree rows under the ancestor "
+             "mask (CPU_MLA: masks its dense new-token attention) (CPU: stashing tree K/V for the KV commit); "
+             "the selector cache is cleared."),
         removal_condition=("vLLM ships a tree attention backend again (it had TREE_ATTN up to "
                            "~0.11) or an attention-mask hook in CommonAttentionMetadata."),
         stage="worker",

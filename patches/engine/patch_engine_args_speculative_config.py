@@ -92,7 +92,7 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
     from vllm.platforms import current_platform
 
     from ubtree_vllm import envs
-    from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, PROPOSER_CLASS_PATH, VLLM_METHOD,
+    from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, CPU_ONLY_MLA, PROPOSER_CLASS_PATH, VLLM_METHOD,
                                          TargetInfo, check_hybrid_engine, default_budget_schedule,
                                          parse_speculative_config)
 
@@ -125,6 +125,20 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
     if current_platform.is_cuda() and args.attention_backend is None and \
             getattr(args.attention_config, "backend", None) is None:
         args.attention_backend = cuda_tree_backend(target_model_config.dtype)
+    if current_platform.is_cpu() and any(a in CPU_ONLY_MLA for a in target.architectures):
+        _pin_cpu_mla(args)
+
+
+def _pin_cpu_mla(args: Any) -> None:
+    """An MLA target on the CPU runs CPU_MLA, the backend with a tree-aware subclass (vLLM would pick AMX_MLA on
+    AMX hosts); ValueError if the user chose another."""
+    backend = args.attention_backend or getattr(args.attention_config, "backend", None)
+    name = getattr(backend, "name", backend)
+    if name not in (None, "auto", "CPU_MLA"):
+        raise ValueError(f"attention_backend must be 'CPU_MLA' (or unset) with speculative method 'ubtree' for a "
+                         f"multi-head latent attention target on the CPU, got {name!r}")
+    if backend is None:
+        args.attention_backend = "CPU_MLA"
 
 
 # CUDA attention backends with a tree-aware subclass (ubtree_vllm/vllm/attention/flash.py, triton_attn.py)

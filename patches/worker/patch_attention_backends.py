@@ -1,7 +1,8 @@
 """Route the target's attention through the tree-aware subclasses of vLLM's backends.
 
 vLLM's attention registry (``vllm.v1.attention.backends.registry.register_backend``) is
-the sanctioned override hook: the CPU platform always resolves ``CPU_ATTN`` through it,
+the sanctioned override hook: the CPU platform always resolves ``CPU_ATTN`` (``CPU_MLA`` for
+multi-head latent attention) through it,
 and the UBTree engine args pin ``FLASH_ATTN`` on CUDA (``TRITON_ATTN`` for a float32 target,
 which FlashAttention cannot run). The subclasses behave exactly
 like the stock backend unless the UBTree runner has published a tree plan for the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 NAME = "attention_backends"
 CPU_BACKEND_PATH = "ubtree_vllm.vllm.attention.cpu.TreeCPUAttentionBackend"
+CPU_MLA_BACKEND_PATH = "ubtree_vllm.vllm.attention.cpu_mla.TreeCPUMLABackend"
 FLASH_BACKEND_PATH = "ubtree_vllm.vllm.attention.flash.TreeFlashAttentionBackend"
 TRITON_BACKEND_PATH = "ubtree_vllm.vllm.attention.triton_attn.TreeTritonAttentionBackend"
 
@@ -24,7 +26,8 @@ def apply() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if current_platform.is_cpu():
-        overrides = {AttentionBackendEnum.CPU_ATTN: CPU_BACKEND_PATH}
+        overrides = {AttentionBackendEnum.CPU_ATTN: CPU_BACKEND_PATH,
+                     AttentionBackendEnum.CPU_MLA: CPU_MLA_BACKEND_PATH}
     elif current_platform.is_cuda():
         overrides = {AttentionBackendEnum.FLASH_ATTN: FLASH_BACKEND_PATH,
                      AttentionBackendEnum.TRITON_ATTN: TRITON_BACKEND_PATH}

@@ -152,6 +152,22 @@ def test_cpu_hybrids_are_served_on_the_cpu_on_one_rank_without_prefix_caching(ti
                                                   enable_prefix_caching=False), **kwargs})
 
 
+@pytest.mark.parametrize("arch", ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"])
+def test_mla_targets_are_served_on_the_cpu_on_one_rank(tiny_drafter, arch):
+    """DeepSeek-V2/V3 (multi-head latent attention) parse; CPU only (CPU_MLA's tree form), one rank; prefix caching
+    is vLLM's to turn off (its CPU platform does for MLA)."""
+    target = TargetInfo((arch,), 512, 64, 4)
+    assert parse_speculative_config(spec(tiny_drafter), target).tree.tree_budget == 8
+    check_hybrid_engine(target, on_cpu=True, tensor_parallel_size=1, enable_prefix_caching=True)
+    for kwargs, pattern in [
+            (dict(on_cpu=False), rf"'{arch}' is served by method 'ubtree' on the CPU only: the tree form of its "
+                                 r"DeepseekV2MLAAttention \(multi-head latent attention\) layers"),
+            (dict(tensor_parallel_size=2), rf"tensor_parallel_size must be 1 .* '{arch}'")]:
+        with pytest.raises(ValueError, match=pattern):
+            check_hybrid_engine(target, **{**dict(on_cpu=True, tensor_parallel_size=1,
+                                                  enable_prefix_caching=False), **kwargs})
+
+
 def test_missing_or_broken_drafter_folder(tiny_drafter, tmp_path):
     with pytest.raises(ValueError, match="drafter folder .* does not exist"):
         parse_speculative_config(spec(tmp_path / "nowhere"), TINY)

@@ -26,7 +26,8 @@ cpu_platform_only = pytest.mark.skipif(not on_cpu(), reason="exercises the CPU p
 
 TESTED_PATCHES = {"engine_args_speculative_config", "sampling_params_spec_decode", "scheduler_tree_drafts",
                   "structured_output_tree", "cpu_worker_model_runner", "attention_backends", "cpu_gdn_tree_forward",
-                  "cpu_gdn_native_conv", "cpu_mamba2_tree_decode", "engine_core_hybrid_budget"}
+                  "cpu_gdn_native_conv", "cpu_mamba2_tree_decode", "engine_core_hybrid_budget",
+                  "cpu_rope_multihead"}
 
 
 def test_every_manifest_patch_has_a_module_and_a_test_here():
@@ -418,6 +419,32 @@ def test_cpu_attention_resolves_to_the_tree_backend():
     assert AttentionBackendEnum.CPU_ATTN.get_class() is TreeCPUAttentionBackend
 
 
+@cpu_platform_only
+def test_cpu_mla_resolves_to_the_tree_backend():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from ubtree_vllm.vllm.attention.cpu_mla import TreeCPUMLABackend, TreeCPUMLAImpl
+
+    importlib.import_module("ubtree_vllm.patches.worker.patch_attention_backends").apply()
+    backend = AttentionBackendEnum.CPU_MLA.get_class()
+    assert backend is TreeCPUMLABackend and backend.get_name() == "CPU_MLA"
+    assert backend.get_impl_cls() is TreeCPUMLAImpl and TreeCPUMLAImpl.ubtree_tree_aware
+
+
+@cpu_platform_only
+def test_an_mla_target_on_the_cpu_pins_cpu_mla(vllm_models_dir):
+    """vLLM picks AMX_MLA on AMX hosts, which has no tree form: the UBTree engine asks for CPU_MLA and refuses
+    another choice, before any engine exists."""
+    from vllm_models import save_tiny_deepseek_v2, save_untrained_drafter
+
+    target = save_tiny_deepseek_v2(vllm_models_dir / "patch-deepseek-v2")
+    drafter = save_untrained_drafter(target, vllm_models_dir / "patch-deepseek-v2-drafter")
+    config = engine_config(target, ubtree_spec(drafter), block_size=16)
+    assert getattr(config.attention_config.backend, "name", None) == "CPU_MLA"
+    with pytest.raises(ValueError, match=r"attention_backend must be 'CPU_MLA' \(or unset\) .* got 'AMX_MLA'"):
+        engine_config(target, ubtree_spec(drafter), block_size=16, attention_backend="AMX_MLA")
+
+
 @pytest.mark.gpu
 def test_flash_attention_resolves_to_the_tree_backend_on_cuda():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -504,6 +531,32 @@ def test_cpu_mamba2_decode_calls_run_the_tree_forms_only_inside_a_ubtree_step(mo
     assert calls[3] == ("tree ssu", "pending", {"D": "D", "dt_bias": "bias", "dt_softplus": True,
                                                 "is_blackwell": False})
     assert state.linear_stash == {"mamba2:7": "record"}
+
+
+@cpu_platform_only
+@pytest.mark.parametrize("shape", [(5, 2, 64), (1, 3, 64), (4, 128)])
+def test_cpu_rotary_embedding_rotates_multihead_3d_tensors_as_forward_native(shape):
+    """vLLM's CPU rotary op mis-rotates [tokens, heads > 1, head_size] tensors (MLA's query RoPE part); patched,
+    forward_cpu equals forward_native for them, in place and returned, and 2-D tensors keep vLLM's op."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    module = importlib.import_module("ubtree_vllm.patches.engine.patch_cpu_rope_multihead")
+    module.apply()
+    module.apply()  # idempotent
+    assert getattr(RotaryEmbedding.forward_cpu, MARK) == "cpu_rope_multihead"
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(64, max_position=1024, is_neox_style=False, dtype=torch.float32)
+    torch.manual_seed(0)
+    positions = torch.arange(7, 7 + shape[0])
+    query = torch.randn(*shape)
+    key = torch.randn(shape[0], 1, 64) if len(shape) == 3 else torch.randn(shape[0], 64)
+    ref_q, ref_k = rope.forward_native(positions, query.clone(), key.clone())
+    out_q, out_k = rope.forward_cpu(positions, query, key)
+    torch.testing.assert_close(out_q, ref_q.view_as(out_q), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out_k, ref_k.view_as(out_k), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(query, ref_q.view_as(query), rtol=1e-5, atol=1e-5)  # rotated in place
 
 
 @cpu_platform_only

@@ -3,6 +3,8 @@
 * :func:`save_tiny_llama`        -- random tiny Llama (optionally with a real tokenizer).
 * :func:`save_tiny_qwen`         -- random tiny Qwen2 / Qwen3 (the other supported architectures).
 * :func:`save_tiny_qwen3_next`   -- random tiny bf16 Qwen3-Next (Gated DeltaNet + full attention + MoE).
+* :func:`save_tiny_deepseek_v2`  -- random tiny fp32 DeepSeek-V2 (multi-head latent attention + MoE).
+* :func:`save_tiny_deepseek_v3`  -- random tiny fp32 DeepSeek-V3 (multi-head latent attention, q LoRA).
 * :func:`save_untrained_drafter` -- a UBTree drafter folder with random weights for a target.
 * :func:`save_copy_pair`         -- a hand-built target whose greedy continuation of token t
   is perm(t), perm(perm(t)), ... and a drafter whose *weights* make it propose exactly
@@ -94,6 +96,41 @@ def save_tiny_nemotron_h(path: Path, *, vocab_size: int = 512, seed: int = 0) ->
                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512,
                           max_position_embeddings=1024, tie_word_embeddings=False, initializer_range=0.1)
     NemotronHForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return Path(path)
+
+
+@torch.no_grad()
+def save_tiny_deepseek_v2(path: Path, *, vocab_size: int = 512, seed: int = 0) -> Path:
+    """A random fp32 DeepSeek-V2 (multi-head latent attention): hidden 128, 3 layers (dense MLPs but the last, a
+    4-expert MoE), 2 heads, no q LoRA, kv_lora_rank 512 + RoPE 64 (the CPU MLA kernel's only latent width),
+    nope / v head dims 32."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                           num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None,
+                           kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+                           first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                           max_position_embeddings=1024, tie_word_embeddings=False, initializer_range=0.1,
+                           rope_scaling=None)
+    DeepseekV2ForCausalLM(cfg).float().save_pretrained(path)
+    return Path(path)
+
+
+@torch.no_grad()
+def save_tiny_deepseek_v3(path: Path, *, vocab_size: int = 512, seed: int = 0) -> Path:
+    """A random fp32 DeepSeek-V3: as :func:`save_tiny_deepseek_v2` but with a q LoRA (rank 64) and dense MLPs (a
+    tiny HF DeepSeek-V3 MoE saves its router bias under a name vLLM's loader does not map)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV3Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                           num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=64,
+                           kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+                           first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                           n_group=2, topk_group=1, max_position_embeddings=1024, tie_word_embeddings=False,
+                           initializer_range=0.1, rope_scaling=None)
+    DeepseekV3ForCausalLM(cfg).float().save_pretrained(path)
     return Path(path)
 
 

@@ -54,13 +54,17 @@ GPU_WORKER_CLASS_PATH = "ubtree_vllm.vllm.gpu_worker.UBTreeGPUWorker"
 # (SupportsEagle3) with 1-D RoPE positions, and whose stateful layers verify trees (MoE
 # layers are token-wise and need nothing). M-RoPE targets need tree positions first.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3NextForCausalLM",
-                           "NemotronHForCausalLM")
+                           "NemotronHForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # Hybrid families whose recurrent layers verify trees on the CPU only: Qwen3-Next's Gated DeltaNet and
 # NemotronH's Mamba2 run their tree forms through vLLM's CPU kernels (ubtree_vllm.vllm.gdn_tree,
 # ubtree_vllm.vllm.mamba2_tree, docs/design/hybrid.md); the CUDA (Triton) paths are not wired. Checked with
 # the engine arguments (check_hybrid_engine).
 CPU_ONLY_HYBRIDS = {"Qwen3NextForCausalLM": "QwenGatedDeltaNetAttention (Gated DeltaNet)",
                     "NemotronHForCausalLM": "MambaMixer2 (Mamba2)"}
+# Multi-head latent attention targets verify trees through vLLM's CPU MLA backend only (ubtree_vllm.vllm.attention.
+# cpu_mla; the CUDA MLA backends are not wired). Checked with the engine arguments (check_hybrid_engine).
+CPU_ONLY_MLA = {"DeepseekV2ForCausalLM": "DeepseekV2MLAAttention (multi-head latent attention)",
+                "DeepseekV3ForCausalLM": "DeepseekV2MLAAttention (multi-head latent attention)"}
 # Hybrid families vLLM 0.32 serves, and the vLLM layer classes whose recurrent state a tree would have to fork
 # per node and does not yet (docs: README "hybrid targets"); their targets are refused naming these layers.
 HYBRID_LAYERS = {
@@ -319,13 +323,15 @@ def _tree_attention_mode(value: Any, field: str) -> str:
 
 def check_hybrid_engine(target: TargetInfo, on_cpu: bool, tensor_parallel_size: int,
                         enable_prefix_caching: bool) -> None:
-    """Engine settings a hybrid target (:data:`CPU_ONLY_HYBRIDS`) is served with; ValueError names the setting.
+    """Engine settings a hybrid or MLA target (:data:`CPU_ONLY_HYBRIDS`, :data:`CPU_ONLY_MLA`) is served with;
+    ValueError names the setting.
 
-    The tree form of its recurrent layers runs on the CPU only, on one rank, and vLLM's prefix caching of
-    recurrent states (``mamba_cache_mode`` 'align') copies a chain's per-token state slots after each step
-    (and launches a Triton kernel the CPU build lacks).
+    The tree form of its recurrent or latent-attention layers runs on the CPU only, on one rank, and vLLM's prefix
+    caching of recurrent states (``mamba_cache_mode`` 'align') copies a chain's per-token state slots after each
+    step (and launches a Triton kernel the CPU build lacks); vLLM's CPU platform turns prefix caching off for MLA.
     """
-    hybrid = [(a, CPU_ONLY_HYBRIDS[a]) for a in target.architectures if a in CPU_ONLY_HYBRIDS]
+    cpu_only = {**CPU_ONLY_HYBRIDS, **CPU_ONLY_MLA}
+    hybrid = [(a, cpu_only[a]) for a in target.architectures if a in cpu_only]
     if not hybrid:
         return
     arch, layers = hybrid[0]
@@ -336,7 +342,7 @@ def check_hybrid_engine(target: TargetInfo, on_cpu: bool, tensor_parallel_size: 
         raise ValueError(f"tensor_parallel_size must be 1 with method {METHOD!r} for target architecture {arch!r} "
                          f"(the tree form of its {layers} layers has not run with tensor parallelism), "
                          f"got {tensor_parallel_size}")
-    if enable_prefix_caching:
+    if enable_prefix_caching and arch in CPU_ONLY_HYBRIDS:
         raise ValueError(f"enable_prefix_caching must be False with method {METHOD!r} for target architecture "
                          f"{arch!r}: vLLM's prefix caching of its {layers} states (mamba_cache_mode 'align') "
                          "commits a chain's per-token state slots, not a tree's accepted path")

@@ -9,11 +9,11 @@ of row ``root_row + d``.
 
 Two writers, chosen by the attention backend:
 
-* :func:`commit_accepted_paths` (stash; CPU_ATTN, whose cache layout is tiled per ISA):
+* :func:`commit_accepted_paths` (stash; CPU_ATTN, whose cache layout is tiled per ISA, and CPU_MLA):
   replays the fresh K/V stashed by the attention layers during the forward
   (:class:`ubtree_vllm.vllm.attention.state.StashedLayer`) through each layer's own
-  ``impl.do_kv_cache_update``. Pairs that need no copy get slot -1, which vLLM's cache
-  writers skip.
+  ``impl.do_kv_cache_update`` (MLA: ``impl.ubtree_write_kv``, the latent rows). Pairs that need
+  no copy get slot -1, which vLLM's cache writers skip.
 * :func:`commit_accepted_paths_in_cache` (FLASH_ATTN's ``[num_blocks, H_kv, block_size,
   2 * head_size]`` cache): the stock forward already wrote every node's K/V at its linear
   slot, so the commit copies slot to slot inside the caches of all layers in one Triton
@@ -63,7 +63,11 @@ def commit_accepted_paths(state: TreeForwardState, plan: TreeStepPlan, accepted_
     for entry in state.stash.values():
         slots = torch.where(moves, entry.slots[dst], -1)
         layer = entry.layer
-        layer.impl.do_kv_cache_update(layer, entry.key[src], entry.value[src], layer.kv_cache, slots)
+        write_mla = getattr(layer.impl, "ubtree_write_kv", None)  # MLA: vLLM's latent writer has its own signature
+        if write_mla is not None:
+            write_mla(layer, entry.key[src], entry.value[src], slots)
+        else:
+            layer.impl.do_kv_cache_update(layer, entry.key[src], entry.value[src], layer.kv_cache, slots)
 
 
 def commit_accepted_paths_in_cache(kv_cache_ptrs: torch.Tensor, kv_cache_like: torch.Tensor,

@@ -35,9 +35,10 @@ from ubtree_vllm.vllm.tree_plan import DeviceTrees, TreeStepPlan
 class StashedLayer:
     """Fresh K/V of one attention layer for the plan's stash rows."""
 
-    # the vLLM Attention module (gives impl, kv_cache and scales at commit time)
+    # the vLLM Attention (or MLAAttention) module (gives impl, kv_cache and scales at commit time)
     layer: Any
-    # [num_stash, num_kv_heads, head_size] the layer's key / value rows
+    # [num_stash, num_kv_heads, head_size] the layer's key / value rows (MLA: kv_c_normed [num_stash, L] and
+    # k_pe [num_stash, 1, R])
     key: torch.Tensor
     value: torch.Tensor
     # [num_stash] int64 KV slot each stash row was written to this step
@@ -137,11 +138,16 @@ class TreeForwardState:
         assert self._plan is not None and self._trees is not None
         return self._plan, self._trees
 
-    def stash_layer(self, layer: Any, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Keep ``key/value/slot_mapping`` rows of the plan's stash rows for the KV commit."""
+    def stash_layer(self, layer: Any, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+                    key_row_offset: int = 0) -> None:
+        """Keep ``key/value/slot_mapping`` rows of the plan's stash rows for the KV commit.
+
+        slot_mapping is indexed by global row; key/value by global row - ``key_row_offset`` (an MLA layer's
+        multi-token part starts after the one-row requests)."""
         assert self._trees is not None
         rows = self._trees.stash_rows
-        self.stash[layer.layer_name] = StashedLayer(layer=layer, key=key[rows], value=value[rows],
+        local = rows - key_row_offset if key_row_offset else rows
+        self.stash[layer.layer_name] = StashedLayer(layer=layer, key=key[local], value=value[local],
                                                     slots=slot_mapping[rows].to(torch.int64))
 
 
@@ -154,8 +160,10 @@ def bind_tree_layers(forward_context: Mapping[str, Any], row_buffers: RowBuffers
     RuntimeError when there is none or one runs a stock impl (it would answer tree rows wrongly).
     """
     from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
-    layers = [m for name, m in forward_context.items() if isinstance(m, Attention) and name not in exclude]
+    layers = [m for name, m in forward_context.items()
+              if isinstance(m, (Attention, MLAAttention)) and name not in exclude]
     stock = sorted({type(m.impl).__name__ for m in layers if not getattr(m.impl, "ubtree_tree_aware", False)})
     if not layers or stock:
         raise RuntimeError(f"method 'ubtree' needs its tree-aware attention backend, but the target's "
@@ -167,6 +175,7 @@ def bind_tree_layers(forward_context: Mapping[str, Any], row_buffers: RowBuffers
                            f"target's attention layers use {sorted({type(m.impl).__name__ for m in layers})}")
     for m in layers:
         m.impl.ubtree_row_buffers = row_buffers
+        m.impl.ubtree_layer = m  # MLA impls stash their rows from forward_mha, which is not given the layer
         if tree_attention != "triton":
             m.impl.ubtree_context_from_flash = tree_attention == "flash_merge"
     return layers
