@@ -320,7 +320,12 @@ def test_tree_attention_modes_run_side_by_side_in_one_invocation(drafter_dir):
     ({"methods": "ar,medusa"}, r"--methods: unknown method 'medusa'; allowed: ar, ngram, dflash-chain, ubtree, "
                                r"ubtree-mrv2"),
     ({"methods": "ubtree-mrv2", "tree_budgets": "3"}, r"--tree-budgets: B=3 is below the drafter's block size 4; "
-                                                      r"method ubtree-mrv2 needs B >= gamma"),
+                                                      r"ubtree-mrv2 run on Model Runner V2, which needs B >= gamma"),
+    ({"methods": "ubtree,ubtree-mrv2-lookup", "tree_budgets": "3"},
+     r"block size 4; ubtree-mrv2-lookup run on Model Runner V2, which needs B >= gamma"),
+    ({"methods": "ubtree,ubtree-mrv2-lookup", "tensor_parallel_size": 2},
+     r"--tensor-parallel-size > 1: ubtree-mrv2-lookup run on Model Runner V2, which does not support "
+     r"tensor parallelism"),
     ({"methods": "ar,ar"}, r"--methods lists a method twice"),
     ({"datasets": "mt_bench,gsm8k"}, r"--datasets: unknown dataset 'gsm8k'; allowed: spec_bench, mt_bench, humaneval, "
                                      r"spec_bench:translation, spec_bench:summarization, spec_bench:qa, "

@@ -52,6 +52,11 @@ TREE_METHODS = {"ubtree": {"UBTREE_VLLM_RUNNER": "v1"}, "ubtree-mrv2": {"UBTREE_
 LOOKUP_METHODS = ("ubtree-lookup", "ubtree-mrv2-lookup")
 
 
+def _tree_methods_on(methods: Sequence[str], runner: str) -> list[str]:
+    """The tree methods among ``methods`` that run on ``runner`` ("v1" or "mrv2"; :data:`TREE_METHODS`)."""
+    return [m for m in methods if TREE_METHODS.get(m, {}).get("UBTREE_VLLM_RUNNER") == runner]
+
+
 class BenchArgumentError(ValueError):
     """A bad `ubtree bench` flag value; the message names the flag and what is allowed."""
 
@@ -217,15 +222,15 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
     _check_members("--tree-attention", settings.tree_attention, TREE_ATTENTION_MODES, "mode")
     if len(set(settings.tree_attention)) != len(settings.tree_attention):
         raise BenchArgumentError(f"--tree-attention lists a mode twice: {','.join(settings.tree_attention)}")
-    v1_tree = [m for m in settings.methods if TREE_METHODS.get(m, {}).get("UBTREE_VLLM_RUNNER") == "v1"]
+    v1_tree, mrv2_tree = _tree_methods_on(settings.methods, "v1"), _tree_methods_on(settings.methods, "mrv2")
     if "triton_stock_roots" in settings.tree_attention and v1_tree:
         raise BenchArgumentError(f"--tree-attention triton_stock_roots runs on Model Runner V2 only; drop "
                                  f"{', '.join(v1_tree)} (V1 runner) from --methods or use ubtree-mrv2 / ubtree-mrv2-lookup")
     if settings.tensor_parallel_size < 1:
         raise BenchArgumentError(f"--tensor-parallel-size must be >= 1, got {settings.tensor_parallel_size}")
-    if settings.tensor_parallel_size > 1 and any(m in ("ubtree-mrv2", "ubtree-mrv2-lookup") for m in settings.methods):
-        raise BenchArgumentError("--tensor-parallel-size > 1: the MRV2 methods do not support tensor parallelism; "
-                                 "use ubtree (V1 runner)")
+    if settings.tensor_parallel_size > 1 and mrv2_tree:
+        raise BenchArgumentError(f"--tensor-parallel-size > 1: {', '.join(mrv2_tree)} run on Model Runner V2, which "
+                                 "does not support tensor parallelism; use ubtree (V1 runner)")
     bad = [c for c in settings.concurrency if c < 1]
     if bad:
         raise BenchArgumentError(f"--concurrency: each value must be >= 1, got {bad[0]}")
@@ -295,9 +300,11 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
                 raise BenchArgumentError(
                     f"--tree-budgets: B={budget} is out of range [1, {hi}] for --beam-width {settings.beam_width}, "
                     f"--top-k {settings.top_k} and the drafter's block size {cfg.block_size}")
-            if "ubtree-mrv2" in settings.methods and budget < cfg.block_size:
+            mrv2_tree = _tree_methods_on(settings.methods, "mrv2")
+            if mrv2_tree and budget < cfg.block_size:
                 raise BenchArgumentError(f"--tree-budgets: B={budget} is below the drafter's block size "
-                                         f"{cfg.block_size}; method ubtree-mrv2 needs B >= gamma")
+                                         f"{cfg.block_size}; {', '.join(mrv2_tree)} run on Model Runner V2, which "
+                                         "needs B >= gamma")
         if len(set(settings.tree_budgets)) != len(settings.tree_budgets):
             raise BenchArgumentError(f"--tree-budgets lists a budget twice: {settings.tree_budgets}")
         if settings.budget_schedule is not None:
