@@ -206,6 +206,18 @@ MANIFEST: tuple[PatchSpec, ...] = (
         stage="worker",
     ),
     PatchSpec(
+        name="falcon_h1_hidden_states",
+        vllm_symbol="vllm.model_executor.models.falcon_h1.FalconH1Model.forward",
+        why=("The drafter conditions on the hidden states entering chosen target layers, which vLLM's runners "
+             "request through SupportsEagle3; vLLM 0.32's FalconH1ForCausalLM does not implement it, so a UBTree "
+             "engine on Falcon-H1 failed at start although its Mamba2 mixers verify trees as NemotronH's do."),
+        how=("Replaces FalconH1Model.forward with vLLM's layer loop plus the taps (the stream entering each tapped "
+             "layer, and after the last when tapped; returns (hidden, aux)) and adds the SupportsEagle3 members to "
+             "FalconH1ForCausalLM; without taps vLLM's forward runs unchanged."),
+        removal_condition="vLLM's FalconH1ForCausalLM implements SupportsEagle3 (EagleModelMixin).",
+        stage="worker",
+    ),
+    PatchSpec(
         name="cpu_gdn_native_conv",
         vllm_symbol="vllm.model_executor.layers.mamba.ops.cpu.gdn_attention.is_arm_bf16",
         why=("vLLM 0.32 packs GDN conv weights for its C++ conv on every ARM-bf16 or AVX-512 BF16 CPU and "

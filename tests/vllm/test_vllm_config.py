@@ -120,7 +120,7 @@ def test_hybrid_target_is_refused_naming_its_stateful_layers(tiny_drafter, arch,
         parse_speculative_config(spec(tiny_drafter), TargetInfo((arch,), 512, 64, 4))
 
 
-@pytest.mark.parametrize("arch", ["FalconH1ForCausalLM", "Zamba2ForCausalLM", "Mamba2ForCausalLM"])
+@pytest.mark.parametrize("arch", ["Zamba2ForCausalLM", "Mamba2ForCausalLM"])
 def test_mamba2_families_without_aux_hidden_states_are_refused_saying_so(tiny_drafter, arch):
     with pytest.raises(ValueError, match=rf"'{arch}'\] is not supported by method 'ubtree': vLLM's model class does "
                                          r"not return the hidden states of chosen layers \(SupportsEagle3\)"):
@@ -135,9 +135,9 @@ def test_qwen3_5_is_refused_saying_its_gdn_layers_run_for_qwen3_next_only(tiny_d
         parse_speculative_config(spec(tiny_drafter), TargetInfo((arch,), 512, 64, 4))
 
 
-@pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "NemotronHForCausalLM"])
+@pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM"])
 def test_cpu_hybrids_are_served_on_the_cpu_on_one_rank_without_prefix_caching(tiny_drafter, arch):
-    """Qwen3-Next (GDN) and NemotronH (Mamba2) parse; their engine settings are checked: CPU only, one rank, no
+    """Qwen3-Next (GDN), NemotronH and Falcon-H1 (Mamba2) parse; their engine settings are checked: CPU only, one rank, no
     recurrent-state caching."""
     target = TargetInfo((arch,), 512, 64, 4)
     assert parse_speculative_config(spec(tiny_drafter), target).tree.tree_budget == 8

@@ -27,7 +27,7 @@ cpu_platform_only = pytest.mark.skipif(not on_cpu(), reason="exercises the CPU p
 TESTED_PATCHES = {"engine_args_speculative_config", "sampling_params_spec_decode", "scheduler_tree_drafts",
                   "structured_output_tree", "cpu_worker_model_runner", "attention_backends", "cpu_gdn_tree_forward",
                   "cpu_gdn_native_conv", "cpu_mamba2_tree_decode", "engine_core_hybrid_budget",
-                  "cpu_rope_multihead"}
+                  "cpu_rope_multihead", "falcon_h1_hidden_states"}
 
 
 def test_every_manifest_patch_has_a_module_and_a_test_here():
@@ -531,6 +531,23 @@ def test_cpu_mamba2_decode_calls_run_the_tree_forms_only_inside_a_ubtree_step(mo
     assert calls[3] == ("tree ssu", "pending", {"D": "D", "dt_bias": "bias", "dt_softplus": True,
                                                 "is_blackwell": False})
     assert state.linear_stash == {"mamba2:7": "record"}
+
+
+def test_falcon_h1_gets_the_eagle3_interface_and_a_tapping_forward():
+    """The runners' check (vLLM's runtime-checkable SupportsEagle3) passes for Falcon-H1 once patched; the layer
+    loop with taps is exercised by the Falcon-H1 engine tests (test_vllm_hybrid_engines.py)."""
+    from vllm.model_executor.models import falcon_h1
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    module = importlib.import_module("ubtree_vllm.patches.worker.patch_falcon_h1_hidden_states")
+    module.apply()
+    module.apply()  # idempotent
+    assert getattr(falcon_h1.FalconH1Model.forward, MARK) == "falcon_h1_hidden_states"
+    assert supports_eagle3(falcon_h1.FalconH1ForCausalLM) and falcon_h1.FalconH1Model.ubtree_aux_layers == ()
+    model = types.SimpleNamespace(model=types.SimpleNamespace(layers=[None] * 12))
+    falcon_h1.FalconH1ForCausalLM.set_aux_hidden_state_layers(model, (5, 1, 5))
+    assert model.model.ubtree_aux_layers == (1, 5)
+    assert falcon_h1.FalconH1ForCausalLM.get_eagle3_default_aux_hidden_state_layers(model) == (2, 6, 9)
 
 
 @cpu_platform_only

@@ -3,6 +3,7 @@
 * :func:`save_tiny_llama`        -- random tiny Llama (optionally with a real tokenizer).
 * :func:`save_tiny_qwen`         -- random tiny Qwen2 / Qwen3 (the other supported architectures).
 * :func:`save_tiny_qwen3_next`   -- random tiny bf16 Qwen3-Next (Gated DeltaNet + full attention + MoE).
+* :func:`save_tiny_falcon_h1`    -- random tiny fp32 Falcon-H1 (attention + Mamba2 in parallel).
 * :func:`save_tiny_deepseek_v2`  -- random tiny fp32 DeepSeek-V2 (multi-head latent attention + MoE).
 * :func:`save_tiny_deepseek_v3`  -- random tiny fp32 DeepSeek-V3 (multi-head latent attention, q LoRA).
 * :func:`save_untrained_drafter` -- a UBTree drafter folder with random weights for a target.
@@ -131,6 +132,20 @@ def save_tiny_deepseek_v3(path: Path, *, vocab_size: int = 512, seed: int = 0) -
                            n_group=2, topk_group=1, max_position_embeddings=1024, tie_word_embeddings=False,
                            initializer_range=0.1, rope_scaling=None)
     DeepseekV3ForCausalLM(cfg).float().save_pretrained(path)
+    return Path(path)
+
+
+def save_tiny_falcon_h1(path: Path, *, vocab_size: int = 512, seed: int = 0) -> Path:
+    """A random fp32 Falcon-H1 (attention and Mamba2 side by side in every layer): hidden 128, 3 layers, 2 attention
+    heads of 64 (1 KV head), 4 Mamba heads of 64, state size 16, one group, conv width 4."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = FalconH1Config(vocab_size=vocab_size, hidden_size=128, num_hidden_layers=3, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=64, intermediate_size=256, mamba_d_ssm=256, mamba_n_heads=4,
+                         mamba_d_head=64, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
+                         max_position_embeddings=1024, tie_word_embeddings=False, initializer_range=0.1)
+    FalconH1ForCausalLM(cfg).float().save_pretrained(path)
     return Path(path)
 
 

@@ -54,13 +54,15 @@ GPU_WORKER_CLASS_PATH = "ubtree_vllm.vllm.gpu_worker.UBTreeGPUWorker"
 # (SupportsEagle3) with 1-D RoPE positions, and whose stateful layers verify trees (MoE
 # layers are token-wise and need nothing). M-RoPE targets need tree positions first.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3NextForCausalLM",
-                           "NemotronHForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+                           "NemotronHForCausalLM", "FalconH1ForCausalLM", "DeepseekV2ForCausalLM",
+                           "DeepseekV3ForCausalLM")
 # Hybrid families whose recurrent layers verify trees on the CPU only: Qwen3-Next's Gated DeltaNet and
 # NemotronH's Mamba2 run their tree forms through vLLM's CPU kernels (ubtree_vllm.vllm.gdn_tree,
 # ubtree_vllm.vllm.mamba2_tree, docs/design/hybrid.md); the CUDA (Triton) paths are not wired. Checked with
 # the engine arguments (check_hybrid_engine).
 CPU_ONLY_HYBRIDS = {"Qwen3NextForCausalLM": "QwenGatedDeltaNetAttention (Gated DeltaNet)",
-                    "NemotronHForCausalLM": "MambaMixer2 (Mamba2)"}
+                    "NemotronHForCausalLM": "MambaMixer2 (Mamba2)",
+                    "FalconH1ForCausalLM": "MambaMixer2 (Mamba2)"}
 # Multi-head latent attention targets verify trees through vLLM's CPU MLA backend only (ubtree_vllm.vllm.attention.
 # cpu_mla; the CUDA MLA backends are not wired). Checked with the engine arguments (check_hybrid_engine).
 CPU_ONLY_MLA = {"DeepseekV2ForCausalLM": "DeepseekV2MLAAttention (multi-head latent attention)",
@@ -80,7 +82,7 @@ _NO_AUX_HIDDEN_REASON = ("vLLM's model class does not return the hidden states o
                          "which the drafter conditions on; its MambaMixer2 (Mamba2) layers would verify trees as "
                          "NemotronHForCausalLM's do")
 REFUSED_ARCHITECTURES = {"Qwen3_5ForCausalLM": _QWEN3_5_REASON, "Qwen3_5MoeForCausalLM": _QWEN3_5_REASON,
-                         "FalconH1ForCausalLM": _NO_AUX_HIDDEN_REASON, "Zamba2ForCausalLM": _NO_AUX_HIDDEN_REASON,
+                         "Zamba2ForCausalLM": _NO_AUX_HIDDEN_REASON,
                          "Mamba2ForCausalLM": _NO_AUX_HIDDEN_REASON}
 # vLLM's V1 rejection sampler bounds the draft length (vllm.v1.sample.rejection_sampler
 # MAX_SPEC_LEN); its dummy sampler run at start-up uses num_speculative_tokens rows.
