@@ -5,7 +5,7 @@ node, bit for bit what vLLM's non-speculative decode computes for that token aft
 root path (and what the torch references compute, to bf16 rounding); after the commit of an
 accepted path the next step finds it where vLLM's chain convention looks.
 
-Engine level (tests/vllm/test_vllm_hybrid_engines.py): greedy UBTree on a tiny random bf16 Qwen3-Next is
+Engine level (tests/vllm/test_vllm_cpu_families.py): greedy UBTree on a tiny random bf16 Qwen3-Next is
 token-identical to the same engine without speculation; here, prefix caching is refused.
 """
 from __future__ import annotations
@@ -189,7 +189,7 @@ def test_after_the_commit_the_next_step_resumes_from_the_accepted_path(gdn_step)
         assert torch.equal(s.ssm_state[s.slots[i, 2]], final), i
 
 
-# --- engine settings: greedy equality runs in test_vllm_hybrid_engines.py --------------------------------
+# --- engine settings: greedy equality runs in test_vllm_cpu_families.py --------------------------------
 
 
 @pytest.fixture(scope="module")

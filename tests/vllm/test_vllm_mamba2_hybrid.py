@@ -5,7 +5,7 @@ bit what vLLM's non-speculative decode computes for that token after the node's 
 the ancestors, SSM state from the parent), with vLLM's own CPU kernels; after the commit of an accepted path
 the next step resumes from it.
 
-Engine level (greedy equality, T = 1 distribution): tests/vllm/test_vllm_hybrid_engines.py.
+Engine level (greedy equality, T = 1 distribution): tests/vllm/test_vllm_cpu_families.py.
 """
 from __future__ import annotations
 

@@ -535,7 +535,7 @@ def test_cpu_mamba2_decode_calls_run_the_tree_forms_only_inside_a_ubtree_step(mo
 
 def test_falcon_h1_gets_the_eagle3_interface_and_a_tapping_forward():
     """The runners' check (vLLM's runtime-checkable SupportsEagle3) passes for Falcon-H1 once patched; the layer
-    loop with taps is exercised by the Falcon-H1 engine tests (test_vllm_hybrid_engines.py)."""
+    loop with taps is exercised by the Falcon-H1 engine tests (test_vllm_cpu_families.py)."""
     from vllm.model_executor.models import falcon_h1
     from vllm.model_executor.models.interfaces import supports_eagle3
 
