@@ -125,6 +125,8 @@ class TreeCPUMLAImpl(CPUMLAImpl):
         _, trees = active
         offset = attn_metadata.num_decode_tokens
         # Every tree request has more than one row, so its rows are all here (vLLM orders one-row requests first).
+        if int(trees.stash_rows.min()) < offset:  # SYNC: CPU tensors (host-side backend)
+            raise RuntimeError("ubtree: a tree request's rows reached CPU MLA's one-row decode path")
         state.stash_layer(self.ubtree_layer, kv_c_normed, k_pe, attn_metadata.slot_mapping, key_row_offset=offset)
         prefill = attn_metadata.prefill
         allowed = state.step_cache.get("cpu_mla_mask")
