@@ -80,8 +80,7 @@ def _check_engine_args(args: Any, mrv2: bool = False) -> None:
         raise ValueError("async_scheduling must be off with speculative method 'ubtree' "
                          "(the tree commit runs synchronously in the V1 model runner)")
     if current_platform.is_cuda():
-        backend = args.attention_backend or getattr(args.attention_config, "backend", None)
-        name = getattr(backend, "name", backend)
+        name = _chosen_attention_backend(args)
         if name not in (None, "auto", *TREE_BACKENDS_CUDA):
             raise ValueError(f"attention_backend must be one of {list(TREE_BACKENDS_CUDA)} (or unset) with "
                              f"speculative method 'ubtree' on CUDA, got {name!r}")
@@ -122,22 +121,27 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
         args.speculative_config["num_speculative_tokens_per_batch_size"] = [list(e) for e in spec.budget_schedule]
     args.spec_method = args.spec_model = args.spec_tokens = None
     args.additional_config = {**(args.additional_config or {}), ADDITIONAL_CONFIG_KEY: spec.to_additional_config()}
-    if current_platform.is_cuda() and args.attention_backend is None and \
-            getattr(args.attention_config, "backend", None) is None:
+    if current_platform.is_cuda() and _chosen_attention_backend(args) is None:
         args.attention_backend = cuda_tree_backend(target_model_config.dtype)
     if current_platform.is_cpu() and any(a in CPU_ONLY_MLA for a in target.architectures):
         _pin_cpu_mla(args)
 
 
+def _chosen_attention_backend(args: Any) -> str | None:
+    """The attention backend the user chose (``attention_backend`` or ``attention_config.backend``), by name; None
+    when unset."""
+    backend = args.attention_backend or getattr(args.attention_config, "backend", None)
+    return getattr(backend, "name", backend)
+
+
 def _pin_cpu_mla(args: Any) -> None:
     """An MLA target on the CPU runs CPU_MLA, the backend with a tree-aware subclass (vLLM would pick AMX_MLA on
     AMX hosts); ValueError if the user chose another."""
-    backend = args.attention_backend or getattr(args.attention_config, "backend", None)
-    name = getattr(backend, "name", backend)
+    name = _chosen_attention_backend(args)
     if name not in (None, "auto", "CPU_MLA"):
         raise ValueError(f"attention_backend must be 'CPU_MLA' (or unset) with speculative method 'ubtree' for a "
                          f"multi-head latent attention target on the CPU, got {name!r}")
-    if backend is None:
+    if name is None:
         args.attention_backend = "CPU_MLA"
 
 

@@ -124,15 +124,16 @@ class TreeCPUMLAImpl(CPUMLAImpl):
                                        output, output_scale)
         _, trees = active
         offset = attn_metadata.num_decode_tokens
-        # Every tree request has more than one row, so its rows are all here (vLLM orders one-row requests first).
-        if int(trees.stash_rows.min()) < offset:  # SYNC: CPU tensors (host-side backend)
-            raise RuntimeError("ubtree: a tree request's rows reached CPU MLA's one-row decode path")
-        state.stash_layer(self.ubtree_layer, kv_c_normed, k_pe, attn_metadata.slot_mapping, key_row_offset=offset)
         prefill = attn_metadata.prefill
         allowed = state.step_cache.get("cpu_mla_mask")
-        if allowed is None:
+        if allowed is None:  # once per forward, shared by its layers
+            # Every tree request has more than one row, so its rows are all here (vLLM orders one-row requests
+            # first).
+            if int(trees.stash_rows.min()) < offset:  # SYNC: CPU tensors (host-side backend)
+                raise RuntimeError("ubtree: a tree request's rows reached CPU MLA's one-row decode path")
             allowed = new_token_mask(trees, prefill.query_start_loc, offset)
             state.step_cache["cpu_mla_mask"] = allowed
+        state.stash_layer(self.ubtree_layer, kv_c_normed, k_pe, attn_metadata.slot_mapping, key_row_offset=offset)
         stock = prefill.prefill_backend
         prefill.prefill_backend = _TreeMaskedPrefill(stock, allowed)
         try:

@@ -146,7 +146,7 @@ class TreeForwardState:
         multi-token part starts after the one-row requests)."""
         assert self._trees is not None
         rows = self._trees.stash_rows
-        local = rows - key_row_offset if key_row_offset else rows
+        local = rows - key_row_offset
         self.stash[layer.layer_name] = StashedLayer(layer=layer, key=key[local], value=value[local],
                                                     slots=slot_mapping[rows].to(torch.int64))
 
