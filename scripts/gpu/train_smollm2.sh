@@ -32,12 +32,12 @@
 #            phase imports the installed package (PYTHONSAFEPATH keeps the source tree off sys.path)
 #   gputest  tests/vllm/test_vllm_gpu.py with the shipped drafter (greedy equality + tok/s record);
 #            GPUTEST_K selects tests (pytest -k), e.g. smollm2
-#   ablations  the training ablations, one pipeline each, run side by side until DEADLINE_S
-#            seconds after the phase starts (default 540): hard-label CE, beta=0, T_train=0
-#            (data, train, export to runs/ablations/, tau on the three sets). Every step is
-#            resumable or skipped when done, so calling the phase again continues. ABLATIONS
-#            (default "t0 hard-ce beta0") selects pipelines; a file runs/ablations/NAME/eval-SET.done
-#            skips that evaluation.
+#   ablations  the recipe's ablations (ablation_args): one dataset (runs/ablations/data: gen-data alone for
+#            ABL_GEN_MINUTES, default 1.5, the recipe's greedy + T = 1 mix, seed ABL_SEED), then a fresh drafter per
+#            ablation (ABLATIONS, default all six; ABL_LAYERS layers, default 2; batch ABL_BATCH, default 8), the
+#            trainers side by side for ABL_TRAIN_MINUTES each (default 5; less if DEADLINE_S, default 540, leaves less)
+#   eval-ablations  eval-tau (single path and tree, T = 0 and 1, ABL_EVAL_PROMPTS per set, default 16) of every
+#            trained ablation drafter, all at once; runs/ survives between the calls of one warm machine
 #   humaneval-t1  tau of UBTree at T=1 on HumanEval with the shipped drafter
 #   ceiling  `ubtree eval-tau --ceiling`: E[tau] of the shipped drafter's B=64 tree and of the best 64-node tree under
 #            the target's own distribution, CEILING_PROMPTS (default 32) prompts per set at CEILING_TEMPS (default 1)
@@ -93,8 +93,7 @@
 # The device copy has no .git: pass UBTREE_COMMIT=<local HEAD> so records name the commit.
 # Run phases that start vLLM engines one at a time: vLLM 0.32 asserts ("Error in memory profiling")
 # when another process frees GPU memory while an engine profiles at start-up (seen when gputest ran
-# beside the ablations). The ablations phase itself starts two data-generation engines side by
-# side; that has worked so far, and if it ever fails, this assertion is the first suspect.
+# beside an earlier form of the ablations phase).
 # checkpoints/ is not git-ignored, so the device tree loses it on the next call unless the
 # exported drafter is first copied back into the local checkout.
 set -euo pipefail
@@ -125,29 +124,18 @@ engine_started() {
   echo "slice: $log: KV cache sized or worker ended after ${waited}s"
 }
 
-# One ablation: NAME DATA_DIR [train --set overrides...]. Logs to runs/ablations/NAME.log.
-ablation() {
-  local name=$1 data=$2; shift 2
-  local out=runs/ablations/$name
-  mkdir -p runs/ablations
-  {
-    if [ ! -f "$data/manifest.json" ] || ! grep -q '"complete": true' "$data/manifest.json"; then
-      [ "$data" = runs/smollm2/data-t0 ] || { echo "$name: waiting for $data"; return 0; }
-      ubtree gen-data --config "$CONFIG" --data-root .gpudata --temperature 0 --out "$data" \
-        --set gpu_memory_utilization=0.25 --max-minutes "$(minutes_left 120)" || return 0
-    fi
-    if [ ! -f "$out/drafter/model.safetensors" ]; then
-      ubtree train --config "$CONFIG" --data-dir "$data" --output-dir "$out/train" --set export_dir="$out/drafter" \
-        --set records_path="$RECORDS" --max-minutes "$(minutes_left 60)" "$@" || return 0
-    fi
-    for ds in spec_bench mt_bench humaneval; do
-      [ -f "$out/eval-$ds.done" ] && continue
-      [ "$(left_s)" -gt 240 ] || { echo "$name: no time left for eval $ds"; continue; }
-      ( ubtree eval-tau --drafter "$out/drafter" --datasets "$ds" --methods single,ubtree --temperatures 0,1 \
-          "${EVAL[@]}" && touch "$out/eval-$ds.done" ) &
-    done
-    wait
-  } > "runs/ablations/$name.log" 2>&1
+# The recipe's ablations (ablations phase): NAME -> the `ubtree train` overrides that make it. Every one trains a fresh
+# drafter on the same dataset (the recipe's mix of greedy and T = 1 answers) for the same minutes, side by side.
+ablation_args() {
+  case "$1" in
+    recipe)         ;;                                                     # the recipe as shipped
+    joint)          echo --set proposer_kl=0 --set detach_selector=false --set loss_decay=null ;;  # the first run's loss
+    recipe-hard-ce) echo --set selector_loss=hard_ce ;;                    # hard-label CE instead of the renormalized KL
+    recipe-beta0)   echo --set beta=0 ;;                                   # no proposer cross-entropy
+    recipe-t0)      echo --set answers=greedy ;;                           # T_train = 0: the greedy answers only
+    recipe-t1)      echo --set answers=sampled ;;                          # T_train = 1: the sampled answers only
+    *) echo "unknown ablation $1 (recipe joint recipe-hard-ce recipe-beta0 recipe-t0 recipe-t1)" >&2; return 2 ;;
+  esac
 }
 
 for phase in "$@"; do
@@ -333,20 +321,35 @@ for phase in "$@"; do
     humaneval-t1)
       [ -f runs/humaneval-t1.done ] || { ubtree eval-tau --drafter "$DRAFTER" --datasets humaneval --methods ubtree \
         --temperatures 1 "${EVAL[@]}" && touch runs/humaneval-t1.done; } ;;
-    ablations)
-      END_AT=$(( $(date +%s) + ${DEADLINE_S:-540} ))
-      mkdir -p runs/ablations
-      wanted=" ${ABLATIONS:-t0 hard-ce beta0} "
-      [[ $wanted == *" t0 "* ]] && ablation t0 runs/smollm2/data-t0 &
-      if [[ $wanted == *" hard-ce "* || $wanted == *" beta0 "* ]] \
-          && ! grep -qs '"complete": true' runs/smollm2/data-t1/manifest.json; then
-        ubtree gen-data --config "$CONFIG" --data-root .gpudata --set gpu_memory_utilization=0.25 \
-          --max-minutes "$(minutes_left 200)" >> runs/data-t1.log 2>&1 || true
-      fi
-      [[ $wanted == *" hard-ce "* ]] && ablation hard-ce runs/smollm2/data-t1 --set selector_loss=hard_ce &
-      [[ $wanted == *" beta0 "* ]] && ablation beta0 runs/smollm2/data-t1 --set beta=0 &
+    ablations)  # data once, then every ablation's trainer side by side (eval-ablations measures them)
+      start=$(date +%s); data=runs/ablations/data; mkdir -p runs/ablations
+      [ -f "$data/manifest.json" ] || ubtree gen-data --config "$CONFIG" --data-root .gpudata --set seed="${ABL_SEED:-5}" \
+          --set out_dir="$data" --set gpu_memory_utilization=0.85 --max-minutes "${ABL_GEN_MINUTES:-1.5}" \
+          > runs/ablations/gen-data.log 2>&1 || { tail -n 20 runs/ablations/gen-data.log; exit 1; }
+      tail -n 2 runs/ablations/gen-data.log
+      minutes=$(python3 -c "print(round(max(0.5, min(${ABL_TRAIN_MINUTES:-5}, ($start + ${DEADLINE_S:-540} \
+        - $(date +%s) - 60) / 60)), 2))")
+      echo "ablations: each trainer gets $minutes minutes"
+      for name in ${ABLATIONS:-recipe joint recipe-hard-ce recipe-beta0 recipe-t0 recipe-t1}; do
+        args=$(ablation_args "$name") || exit 2
+        # shellcheck disable=SC2086  # args: word-split --set pairs
+        ubtree train --config "$CONFIG" --data-dir "$data" --output-dir "runs/ablations/$name/train" \
+          --set export_dir="runs/ablations/$name/drafter" --set init_drafter=null \
+          --set drafter.num_layers="${ABL_LAYERS:-2}" --set batch_size="${ABL_BATCH:-8}" --set target_cache_gb=0 \
+          --set stream_wait_minutes=0.2 --set records_path="$RECORDS" --set progress=false \
+          --max-minutes "$minutes" $args > "runs/ablations/$name.log" 2>&1 &
+      done
       wait
-      tail -n 4 runs/data-t1.log runs/ablations/*.log || true ;;
+      tail -n 3 runs/ablations/*.log || true ;;
+    eval-ablations)  # eval-tau of every trained ablation, all at once (ABL_EVAL_PROMPTS per set, T = 0 and 1)
+      for d in runs/ablations/*/drafter; do
+        [ -f "$d/model.safetensors" ] || continue
+        ubtree eval-tau --drafter "$d" --datasets spec_bench,mt_bench,humaneval --methods single,ubtree \
+          --temperatures 0,1 --data-dir .gpudata --num-prompts "${ABL_EVAL_PROMPTS:-16}" --batch-size 64 \
+          --records "$RECORDS" > "${d%/drafter}/eval.log" 2>&1 &
+      done
+      wait
+      tail -n 2 runs/ablations/*/eval.log || true ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

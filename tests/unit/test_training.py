@@ -170,6 +170,46 @@ def test_gen_data_greedy_samples_answer_first_samples_at_t0(tmp_path, workspace)
         DataGenConfig(samples_per_prompt=3, greedy_samples=4)
 
 
+def test_answers_selects_the_greedy_or_the_sampled_answers_of_a_mixed_dataset(tmp_path, workspace):
+    cfg = DataGenConfig(target=str(workspace["target"]), out_dir=str(tmp_path / "d"),
+                        data_root=str(workspace["prompts"]), num_prompts=6, shard_size=2, max_new_tokens=6,
+                        samples_per_prompt=3, greedy_samples=1, temperature=1.0)
+
+    def marked(prompts, seed, temperatures):  # a greedy answer is token 3 repeated, a sampled one token 4
+        return [[3 if t == 0.0 else 4] * 5 + [2] for t in temperatures]
+
+    generate_dataset(cfg, generator=marked, log=lambda _: None)
+    for answers, token, count in (("all", None, 18), ("greedy", 3, 6), ("sampled", 4, 12)):
+        ds = TokenDataset.load(tmp_path / "d", answers=answers)
+        assert len(ds) == count
+        firsts = {int(ds.sample(i)[0][ds.sample(i)[1]]) for i in range(len(ds))}
+        assert firsts == ({3, 4} if token is None else {token})
+        streamed = TokenDataset.load(tmp_path / "d", shard_files=[], answers=answers)  # ShardStream's path
+        for shard in ds.manifest["shards"]:
+            streamed.append_shard(shard["file"])
+        assert torch.equal(streamed.input_ids, ds.input_ids) and torch.equal(streamed.offsets, ds.offsets)
+    greedy_only = DataGenConfig(**{**cfg.__dict__, "out_dir": str(tmp_path / "g"), "temperature": 0.0,
+                                   "samples_per_prompt": 1, "greedy_samples": 0})
+    generate_dataset(greedy_only, generator=marked, log=lambda _: None)
+    assert len(TokenDataset.load(tmp_path / "g", answers="greedy")) == 6
+    with pytest.raises(ValueError, match="answers='sampled': the dataset has no such answers"):
+        TokenDataset.load(tmp_path / "g", answers="sampled")
+    with pytest.raises(ValueError, match=r"answers must be one of \('all', 'greedy', 'sampled'\)"):
+        TrainConfig(answers="hot")
+
+
+def test_a_run_on_the_greedy_answers_records_t_train_0(tmp_path, workspace):
+    cfg = DataGenConfig(target=str(workspace["target"]), out_dir=str(tmp_path / "d"),
+                        data_root=str(workspace["prompts"]), num_prompts=8, shard_size=4, max_new_tokens=24,
+                        samples_per_prompt=2, greedy_samples=1, temperature=1.0)
+    generate_dataset(cfg, generator=count_up, log=lambda _: None)
+    records = tmp_path / "records.jsonl"
+    train(train_config(workspace, tmp_path / "run", data_dir=str(tmp_path / "d"), answers="greedy", max_steps=2,
+                       records_path=str(records)), log=lambda _: None)
+    record = json.loads(records.read_text().splitlines()[-1])
+    assert record["temperature"] == 0.0 and "answers=greedy" in record["notes"] and "samples=8" in record["notes"]
+
+
 class FakeEngine:
     """vLLM's LLMEngine calls as engine_stream uses them; finishes a random subset of requests per step."""
 

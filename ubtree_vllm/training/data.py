@@ -526,6 +526,30 @@ def _finish_manifest(manifest: dict[str, Any], num_shards: int) -> None:
 
 
 # ---- reading ---------------------------------------------------------------------------
+# Which answers of a dataset a run trains on: every one, only the greedy ones (T = 0), or only those
+# drawn at the generation temperature (the T_train ablations on one dataset of both kinds).
+ANSWERS = ("all", "greedy", "sampled")
+
+
+def answer_mask(manifest: Mapping[str, Any], num_samples: int, answers: str) -> torch.Tensor:
+    """[num_samples] bool: the samples of one shard that `answers` keeps.
+
+    A shard holds each prompt's samples_per_prompt answers in a row, the first greedy_samples
+    of them greedy (generate_dataset). ValueError naming `answers` when the data has none of that kind.
+    """
+    if answers not in ANSWERS:
+        raise ValueError(f"answers must be one of {ANSWERS}, got {answers!r}")
+    gen = manifest["generation"]
+    per_prompt, greedy = int(gen.get("samples_per_prompt", 1)), int(gen.get("greedy_samples", 0))
+    if float(gen["temperature"]) == 0.0:
+        greedy = per_prompt  # every answer of a T_train = 0 dataset is greedy
+    if answers == "greedy" and greedy == 0 or answers == "sampled" and greedy == per_prompt:
+        raise ValueError(f"answers={answers!r}: the dataset has no such answers (samples_per_prompt {per_prompt}, "
+                         f"greedy_samples {greedy}, temperature {gen['temperature']})")
+    is_greedy = torch.arange(num_samples) % per_prompt < greedy
+    return {"all": torch.ones(num_samples, dtype=torch.bool), "greedy": is_greedy, "sampled": ~is_greedy}[answers]
+
+
 @dataclass
 class TokenDataset:
     """All samples of a dataset folder in memory (token ids are small: 4 bytes each)."""
@@ -536,16 +560,20 @@ class TokenDataset:
     offsets: torch.Tensor
     prompt_lens: torch.Tensor
     root: Path = field(default=Path("."))
+    # ANSWERS: the kind of answer each shard contributes (the others are skipped at load)
+    answers: str = "all"
 
     @classmethod
-    def load(cls, directory: str | Path, shard_files: Sequence[str] | None = None) -> TokenDataset:
-        """All shards listed in the manifest, or only `shard_files` (in that order)."""
+    def load(cls, directory: str | Path, shard_files: Sequence[str] | None = None,
+             answers: str = "all") -> TokenDataset:
+        """All shards listed in the manifest, or only `shard_files` (in that order); `answers` selects samples."""
         root = Path(directory)
         manifest = read_manifest(root)
         if not manifest["shards"]:
             raise ValueError(f"{root} holds no shards yet; run `ubtree gen-data` to completion")
+        answer_mask(manifest, 0, answers)  # the data has such answers
         dataset = cls(manifest, torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
-                      torch.zeros(0, dtype=torch.int32), root)
+                      torch.zeros(0, dtype=torch.int32), root, answers)
         listed = [s["file"] for s in manifest["shards"]]
         for name in listed if shard_files is None else shard_files:
             if name not in listed:
@@ -554,8 +582,16 @@ class TokenDataset:
         return dataset
 
     def append_shard(self, name: str) -> range:
-        """Load one shard file and append its samples; returns their indices."""
+        """Load one shard file and append its samples of the kind `answers` keeps; returns their indices."""
         t = load_file(str(self.root / name))
+        offsets, prompt_lens = t["offsets"], t["prompt_lens"]
+        keep = answer_mask(self.manifest, int(prompt_lens.numel()), self.answers)
+        if not bool(keep.all()):
+            starts, ends = offsets[:-1][keep], offsets[1:][keep]
+            ids = [t["input_ids"][int(a):int(b)] for a, b in zip(starts, ends)]
+            t = {"input_ids": torch.cat(ids) if ids else t["input_ids"][:0],
+                 "offsets": torch.cat([offsets[:1] * 0, torch.cumsum(ends - starts, 0)]),
+                 "prompt_lens": prompt_lens[keep]}
         first, base = len(self), int(self.input_ids.numel())
         self.input_ids = torch.cat([self.input_ids, t["input_ids"]])
         self.offsets = torch.cat([self.offsets, t["offsets"][1:] + base])

@@ -45,8 +45,8 @@ from ubtree_vllm.drafter.config import DrafterConfig
 from ubtree_vllm.drafter.io import load_drafter, training_totals
 from ubtree_vllm.drafter.proposer import UBTreeDrafter
 from ubtree_vllm.training import checkpoint as ckpt
-from ubtree_vllm.training.data import (ShardStream, TokenDataset, epoch_permutation, manifest_summary, read_manifest,
-                                      resolve_target_path)
+from ubtree_vllm.training.data import (ANSWERS, ShardStream, TokenDataset, epoch_permutation, manifest_summary,
+                                      read_manifest, resolve_target_path)
 from ubtree_vllm.training.export import check_round_trip, export_drafter
 from ubtree_vllm.training.grow import grow_layers
 from ubtree_vllm.training.losses import LossConfig, collate, drafter_loss, make_generator
@@ -74,6 +74,9 @@ class TrainConfig:
     # Name written into the drafter config; default: the dataset manifest's target name.
     target_name: str | None = None
     data_dir: str = "runs/data"
+    # Which answers of the dataset to train on (data.ANSWERS): all, only the greedy ones or only the
+    # sampled ones (the T_train = 0 / 1 ablations on one dataset that holds both).
+    answers: str = "all"
     output_dir: str = "runs/train"
     # Where the final drafter folder goes (default: <output_dir>/drafter).
     export_dir: str | None = None
@@ -135,6 +138,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.adam_betas = tuple(self.adam_betas)  # type: ignore[assignment]
+        if self.answers not in ANSWERS:
+            raise ValueError(f"answers must be one of {ANSWERS}, got {self.answers!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if not self.target_cache_gb >= 0:
@@ -302,14 +307,14 @@ def _wait_for_shards(data_dir: str, minutes: float, log: Callable[[str], None]) 
 
 def _open_data(cfg: TrainConfig, log: Callable[[str], None]) -> tuple[TokenDataset, ShardStream | None]:
     if not cfg.stream_data:
-        dataset = TokenDataset.load(cfg.data_dir)
+        dataset = TokenDataset.load(cfg.data_dir, answers=cfg.answers)
         if not dataset.manifest["complete"]:
             raise ValueError(f"dataset {cfg.data_dir} is incomplete ({len(dataset)} of "
                              f"{dataset.manifest['generation']['num_prompts']} samples); run `ubtree gen-data` again to "
                              f"finish it, or set stream_data: true")
         return dataset, None
     _wait_for_shards(cfg.data_dir, cfg.stream_wait_minutes, log)
-    dataset = TokenDataset.load(cfg.data_dir, shard_files=[])
+    dataset = TokenDataset.load(cfg.data_dir, shard_files=[], answers=cfg.answers)
     return dataset, ShardStream(dataset, cfg.seed)
 
 
@@ -535,7 +540,7 @@ def _finish(cfg: TrainConfig, drafter: UBTreeDrafter, dataset: TokenDataset, his
     provenance = {
         "training": {"steps": step, "tokens_seen": tokens_seen, "wall_time_s": round(wall, 1), **totals,
                      "init_drafter": cfg.init_drafter, "final_metrics": final, "config": cfg.to_dict()},
-        "data": manifest_summary(dataset.manifest),
+        "data": {**manifest_summary(dataset.manifest), "answers": cfg.answers},
     }
     drafter_dir = export_drafter(drafter, cfg.drafter_dir, provenance)
     check_round_trip(drafter, drafter_dir)
@@ -544,10 +549,12 @@ def _finish(cfg: TrainConfig, drafter: UBTreeDrafter, dataset: TokenDataset, his
         from ubtree_vllm.bench.records import append_record
 
         gen = dataset.manifest["generation"]
+        # T_train of the answers trained on: the greedy ones of a mixed dataset are T = 0
+        t_train = 0.0 if cfg.answers == "greedy" else gen["temperature"]
         append_record({
             "kind": "train", "method": "ubtree", "target": target_name, "drafter": str(drafter_dir),
             "dataset": "+".join(gen["sources"]), "num_prompts": dataset.manifest["num_samples"],
-            "max_new_tokens": gen["max_new_tokens"], "temperature": gen["temperature"],
+            "max_new_tokens": gen["max_new_tokens"], "temperature": t_train,
             "batch_size": cfg.batch_size, "top_k": drafter.cfg.top_k, "block_size": drafter.cfg.block_size,
             "loss": final.get("loss"), "tokens_seen": tokens_seen, "wall_time_s": round(wall, 1), "steps": step,
             **totals,
@@ -556,7 +563,7 @@ def _finish(cfg: TrainConfig, drafter: UBTreeDrafter, dataset: TokenDataset, his
                       f"blocks_per_seq={cfg.blocks_per_seq} init={cfg.init_drafter or 'fresh'} "
                       f"layers={drafter.cfg.num_layers}{f' (grown by {cfg.grow_layers})' if cfg.grow_layers else ''} "
                       f"stream_data={cfg.stream_data} samples={len(dataset)} "
-                      f"T_train={gen['temperature']} greedy_samples={gen.get('greedy_samples', 0)} "
+                      f"T_train={t_train} greedy_samples={gen.get('greedy_samples', 0)} answers={cfg.answers} "
                       f"final top1={final.get('top1', float('nan')):.3f} "
                       f"topk_hit={final.get('topk_hit', float('nan')):.3f} "
                       f"chain_tau_proxy={final.get('chain_tau', float('nan')):.2f}"),
