@@ -149,6 +149,9 @@ def test_report_ablation_pivot_speed_and_microbench_sections(tmp_path):
     rec.append_record({**fast, "tree_budget": 64, "tau": 7.7}, path=path)
     rec.append_record({**fast, "method": "dflash-chain", "tree_budget": 16, "top_k": 1, "beam_width": 1,
                        "tau": 7.1}, path=path)
+    rec.append_record({"kind": "train", "method": "ubtree", "target": "smollm2-135m-instruct", "drafter": shipped,
+                       "steps": 900, "tokens_seen": 1_000_000, "cumulative_label_rows": 2_500_000, "loss": 3.5,
+                       "wall_time_s": 60.0}, path=path)
     for metric, value in (("lm_head_topk_ms", 0.125), ("draft_postprocess_ms", 0.375)):
         rec.append_record({"kind": "microbench", "method": "ubtree", "target": "t", "drafter": ablation,
                            "metric": metric, "value": value, "unit": "ms", "tree_budget": 64, "beam_width": 12,
@@ -157,10 +160,10 @@ def test_report_ablation_pivot_speed_and_microbench_sections(tmp_path):
     readme = (tmp_path / "README.md").read_text()
     ablations = readme.split("## Ablations: tau by drafter")[1].split("\n## ")[0]
     rows = [line for line in ablations.splitlines() if line.startswith("| ") and "drafter |" not in line]
-    assert rows[0].startswith("| smollm2-ubtree (shipped) | `checkpoints/smollm2-ubtree` |")
+    assert rows[0].startswith("| smollm2-ubtree (shipped) | `checkpoints/smollm2-ubtree` | 80 | 2.5M |")
     assert "| humaneval T=1.0 | mt_bench T=0.0 |" in ablations
     assert rows[0].endswith("| 1.70 | 1.90 (1.10) |")  # humaneval T=1 has no single-path record
-    assert rows[1].startswith("| beta0 | `runs/ablations/beta0/drafter` | – | 1.60 (1.10) |")
+    assert rows[1].startswith("| beta0 | `runs/ablations/beta0/drafter` | 80 | – | – | 1.60 (1.10) |")
     assert "9.90" not in ablations and "7.70" not in ablations and "7.10" not in ablations
     speed = readme.split("## Speed (vLLM end-to-end)")[1].split("\n## ")[0]
     speed_rows = [line for line in speed.splitlines() if line.startswith("| ar") or line.startswith("| ubtree")]

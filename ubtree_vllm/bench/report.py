@@ -18,7 +18,8 @@ prompt lookup); draft post-processing ms; tree vs chain verification); End-to-en
 record, one table per dataset and temperature; ngram rows are method rows, never single-path ones);
 Ablations (per target a drafter x (dataset, T) pivot of UBTree tau at B = ABLATION_BUDGET
 with the single-path tau in parentheses, each cell from the latest matching tau evaluation; the
-shipped drafter under checkpoints/ first, others labelled by `drafter_label`); Speed (e2e
+shipped drafter under checkpoints/ first, others labelled by `drafter_label`; each row with the
+prompts per set and the cumulative label rows behind its cells); Speed (e2e
 records with tokens/s, i.e. from `ubtree bench e2e`); Step time by stage (microbench records
 `step_*_ms` of `ubtree bench e2e --stage-timing`, one row per run, stage columns in the order the
 records were written); Microbenchmarks (the others); Training runs; Plots.
@@ -122,17 +123,30 @@ def _drafter_order(drafter: str) -> tuple:
     return (not drafter.startswith(SHIPPED_PREFIX), drafter_label(drafter), drafter)
 
 
-def _ablation_section(e2e: Sequence[dict[str, Any]]) -> list[str]:
+def _label_rows(rows: Sequence[float], train: dict[str, Any] | None) -> str | None:
+    """How much the drafter behind a row's cells was trained: the cumulative label rows its tau records name (a folder
+    retrained later names several), else those of the folder's latest `train` record."""
+    if not rows and train is not None:
+        rows = [train.get("cumulative_label_rows") or train.get("tokens_seen") or 0]
+    return "/".join(f"{r / 1e6:.1f}M" for r in sorted(set(rows)) if r) or None
+
+
+def _ablation_section(e2e: Sequence[dict[str, Any]], train: Sequence[dict[str, Any]] = ()) -> list[str]:
     """Per target: one row per drafter, one column per (dataset, T); see the module docstring."""
     with_drafter = [r for r in e2e if r["drafter"] and measurement(r) == "tau"]  # file order: later records win
     tree = _tau_by_drafter(with_drafter, lambda r: r["method"] == "ubtree" and r["tree_budget"] == ABLATION_BUDGET)
+    trained = {r["drafter"]: r for r in train if r.get("drafter")}  # later records win
     single = _single_tau(with_drafter)
     if not tree:
         return []
+    # the record behind each tree cell shown (the latest one of its key)
+    shown = {_tau_key(r): r for r in with_drafter
+             if r["method"] == "ubtree" and r["tree_budget"] == ABLATION_BUDGET and r.get("tau")}
     lines = ["## Ablations: tau by drafter", "",
              (f"UBTree tau at B = {ABLATION_BUDGET} per drafter (single-path tau in parentheses); each cell is the "
               f"latest record of that drafter, dataset and temperature. The shipped drafter "
-              f"(`{SHIPPED_PREFIX}`) comes first."), ""]
+              f"(`{SHIPPED_PREFIX}`) comes first. Prompts per set and label rows (the drafter's cumulative training): "
+              f"those its tree cells' records name, else its folder's latest `train` record's label rows."), ""]
     for target in sorted({k[0] for k in tree}, key=str):
         keys = [k for k in (*tree, *single) if k[0] == target]
         columns = sorted({(k[2], k[3]) for k in keys}, key=lambda c: (str(c[0]), c[1] or 0))
@@ -146,8 +160,13 @@ def _ablation_section(e2e: Sequence[dict[str, Any]]) -> list[str]:
                 key = (target, drafter, dataset, temperature, "tau")
                 t, s1 = tree.get(key), single.get(key)
                 cells.append(("–" if t is None else f"{t:.2f}") + ("" if s1 is None else f" ({s1:.2f})"))
-            rows.append([label, f"`{drafter}`", *cells])
-        lines += _table(["drafter", "folder", *[f"{d} T={_fmt(t, 1)}" for d, t in columns]], rows)
+            mine = [shown[k] for k in shown if k[0] == target and k[1] == drafter]
+            prompts = "/".join(map(str, sorted({r["num_prompts"] for r in mine}))) or None
+            label_rows = _label_rows([r["cumulative_label_rows"] for r in mine if r.get("cumulative_label_rows")],
+                                     trained.get(drafter))
+            rows.append([label, f"`{drafter}`", prompts, label_rows, *cells])
+        lines += _table(["drafter", "folder", "prompts/set", "label rows", *[f"{d} T={_fmt(t, 1)}" for d, t in columns]],
+                        rows)
     return lines
 
 
@@ -368,7 +387,8 @@ def render(records: Sequence[dict[str, Any]], plots: Sequence[str] = (), source:
                   (r["tau"] / s if r["tau"] and (s := singles.get(_single_key(r))) else None),
                   r["output_tokens_per_s"], r["tpot_ms"], r["speedup_vs_ar"], r["hardware"], r["commit"], r["date"]]
                  for r in rows])
-        lines += _ablation_section([r for r in records if r["kind"] == "e2e"])
+        lines += _ablation_section([r for r in records if r["kind"] == "e2e"],
+                                   [r for r in records if r["kind"] == "train"])
         lines += _speed_section(e2e)
     lines += _step_section([r for r in shown if r["kind"] == "microbench"])
     lines += _options_section([r for r in shown if r["kind"] == "microbench"])
