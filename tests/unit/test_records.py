@@ -341,3 +341,31 @@ def test_standing_shows_each_cells_newest_three_way_invocation(tmp_path):
     assert [row.split(" | ")[3] for row in rows] == ["1", "4", "8"]
     assert "| 1 | ubtree-mrv2-lookup | 64 | 4.00 | 2.00 | 1.20 | yes | new1234 |" in rows[0]
     assert "| 1.10 | 1.30 | no |" in rows[1] and "| 0.99 | 0.70 | no |" in rows[2]
+
+
+def test_drafter_goals_prefer_the_shipped_training_and_say_what_was_not_measured():
+    """Issue 15's goal rows: the newest GPU bench records of the shipped folder's shipped training (the label rows of
+    the newest train record into it), an earlier training's only where the shipped one has none, the n-gram run of
+    the tree record's own invocation, and "not measured" where nothing ran."""
+    from ubtree_vllm.bench.drafter_goals import drafter_goal_rows
+
+    base = {**E2E, "hardware": "1x NVIDIA H200", "commit": "c1", "date": "2026-12-05", "command": "bench",
+            "concurrency": 1, "batch_size": 1, "output_tokens_per_s": 100.0, "dataset": "mt_bench"}
+    shipped, older = {"cumulative_label_rows": 210_000_000}, {"cumulative_label_rows": 190_000_000}
+    records = [
+        {**base, **older, "method": "dflash-chain", "tree_budget": 16, "tau": 2.1, "speedup_vs_ar": 1.3},
+        {"kind": "train", "drafter": "checkpoints/d", **shipped},
+        {**base, "method": "ar", "drafter": None, "tau": None, "speedup_vs_ar": 1.0},
+        {**base, "method": "ngram", "drafter": None, "tree_budget": 8, "tau": 1.8, "speedup_vs_ar": 1.5},
+        {**base, **shipped, "method": "ubtree-mrv2-lookup", "tau": 4.5, "speedup_vs_ar": 2.0},
+        {**base, **older, "method": "ubtree-mrv2-lookup", "tau": 9.0, "speedup_vs_ar": 9.0, "command": "other"},
+        {**base, **shipped, "method": "ubtree-mrv2-lookup", "tau": 9.0, "tree_budget": 32, "speedup_vs_ar": 9.0},
+        {**base, **shipped, "method": "ubtree-mrv2-lookup", "hardware": "CPU (2 cores)", "tau": 9.0},
+    ]
+    rows = {(row[0], row[1]): row[2:] for row in drafter_goal_rows(records)}
+    assert rows[("tree tau (T=0) >= 4.0", "mt_bench")] == ["4.50", True, 80, "210.0M", "c1", "2026-12-05"]
+    assert rows[("single-path tau (T=0) >= 2.0", "mt_bench")][:4] == ["2.10", True, 80, "190.0M"]  # the fallback
+    assert rows[("speedup over ar (T=0) >= 1.8x", "mt_bench")][:2] == ["2.00x", True]
+    assert rows[("speedup (T=0) >= ngram's", "mt_bench")][:2] == ["2.00x vs 1.50x", True]
+    assert rows[("tree tau (T=1) >= 3.0", "mt_bench")] == ["not measured", None, None, None, None, None]
+    assert rows[("tree tau (T=0) >= 4.0", "humaneval")][0] == "not measured"
