@@ -361,6 +361,7 @@ def test_drafter_goals_prefer_the_shipped_training_and_say_what_was_not_measured
         {**base, **older, "method": "ubtree-mrv2-lookup", "tau": 9.0, "speedup_vs_ar": 9.0, "command": "other"},
         {**base, **shipped, "method": "ubtree-mrv2-lookup", "tau": 9.0, "tree_budget": 32, "speedup_vs_ar": 9.0},
         {**base, **shipped, "method": "ubtree-mrv2-lookup", "hardware": "CPU (2 cores)", "tau": 9.0},
+        {**base, **shipped, "method": "ubtree-mrv2-lookup", "tree_attention": "flash_merge", "tau": 9.0},
     ]
     rows = {(row[0], row[1]): row[2:] for row in drafter_goal_rows(records)}
     assert rows[("tree tau (T=0) >= 4.0", "mt_bench")] == ["4.50", True, 80, "210.0M", "c1", "2026-12-05"]

@@ -7,7 +7,7 @@ and records name the drafter's cumulative label rows: records of the shipped tra
 earlier training of the folder, its label rows in the row.
 
 * tree tau at T = 0 and at T = 1: the serving default on CUDA (``DEFAULT_TREE_METHOD``: Model Runner V2 with the
-  prompt-lookup branch) at B = ``GOAL_BUDGET``;
+  prompt-lookup branch, the default tree attention) at B = ``GOAL_BUDGET``;
 * single-path tau at T = 0: ``SINGLE_PATH_METHODS``;
 * speedup at T = 0: that tree record's speedup over the ``ar`` run of its own invocation, against ``SPEEDUP_GOAL``
   and against the ``ngram`` run of the same invocation.
@@ -22,6 +22,7 @@ from typing import Any
 from ubtree_vllm.bench.standing import NGRAM_METHOD, on_gpu, same_invocation
 
 DEFAULT_TREE_METHOD = "ubtree-mrv2-lookup"
+DEFAULT_TREE_ATTENTION = (None, "triton")  # a record's tree_attention: None when the bench left the default
 SINGLE_PATH_METHODS = ("ubtree-single", "dflash-chain", "ubtree-chain")
 SHIPPED_PREFIX = "checkpoints/"
 GOAL_BUDGET = 64
@@ -32,7 +33,7 @@ INTRO = ("Issue 15's goals, each from the newest GPU `ubtree bench e2e` record a
          f"drafter under `{SHIPPED_PREFIX}`: of the shipped training (the label rows of the newest `train` record "
          "into the folder) where one exists, else of an earlier training of the folder (its label rows say which): "
          "tree = "
-         f"`{DEFAULT_TREE_METHOD}` (the CUDA serving default) at B = {GOAL_BUDGET}; single path = "
+         f"`{DEFAULT_TREE_METHOD}` (the CUDA serving default, default tree attention) at B = {GOAL_BUDGET}; single path = "
          f"{' / '.join(SINGLE_PATH_METHODS)}; speedups over the `ar` run of the tree record's own invocation, and "
          f"`{NGRAM_METHOD}`'s from the same invocation. A goal with no such record is listed as not measured.")
 
@@ -55,7 +56,8 @@ def _newest(rows: Sequence[dict[str, Any]], dataset: str, temperature: float, me
     shipped training (``shipped`` label rows) when there is one, else of any training of the folder."""
     found = [r for r in rows if r["dataset"] == dataset and r["temperature"] == temperature
              and r["method"] in methods and str(r.get("drafter") or "").startswith(SHIPPED_PREFIX)
-             and r.get("tau") is not None and (budget is None or r["tree_budget"] == budget)]
+             and r.get("tau") is not None and (budget is None or r["tree_budget"] == budget)
+             and r.get("tree_attention") in DEFAULT_TREE_ATTENTION]
     mine = [r for r in found if shipped is not None and r.get("cumulative_label_rows") == shipped]
     return (mine or found or [None])[-1]
 
