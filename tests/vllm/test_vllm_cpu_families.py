@@ -83,7 +83,12 @@ def test_t1_samples_follow_plain_decodings_distribution(vllm_models_dir, name):
     tokens, so trees are often partly accepted) against 3000 from the same engine without speculation, a two-sample
     test per position and adjacent pair (the engine's arithmetic, not an HF enumeration, is the law)."""
     from exact_distribution import two_sample_pvalues  # scipy, imported only by this test
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
+    # A family's engine may still be alive (module-scoped fixture, never used again here); vLLM made the process's
+    # model-parallel groups for its model (no expert-parallel group for a dense one) and builds them once per
+    # process, so a MoE target built next failed ("expert parallel group is not initialized"). Start afresh.
+    cleanup_dist_env_and_memory()
     save_target, engine_kwargs = FAMILIES[name]
     target = save_target(vllm_models_dir / f"vocab8-{name}", vocab_size=8, seed=3)
     drafter = save_untrained_drafter(target, vllm_models_dir / f"vocab8-{name}-drafter", block_size=3, top_k=6,
