@@ -107,8 +107,10 @@ DRAFTER=checkpoints/smollm2-135m-instruct-ubtree
 RECORDS=${RECORDS:-docs/benchmarks/records.jsonl}
 EVAL=(--data-dir .gpudata --num-prompts "${EVAL_PROMPTS:-80}" --batch-size 64 --records "$RECORDS")
 
-left_s() { echo $(( END_AT - $(date +%s) )); }
-minutes_left() { python3 -c "print(max(0.5, ($END_AT - $(date +%s) - ${1:-45}) / 60))"; }
+# Minutes a trainer gets: MAX, or what a deadline START + DEADLINE_S leaves less MARGIN_S (its export), at least 0.5.
+trainer_minutes() {  # MAX START DEADLINE_S MARGIN_S
+  python3 -c "print(round(max(0.5, min($1, ($2 + $3 - $(date +%s) - $4) / 60)), 2))"
+}
 
 # Wait until the vLLM engine of process PID, logging to LOG, has sized its KV cache (vLLM's "GPU KV cache size" line;
 # the cache is allocated right after it, and the CUDA-graph capture that follows takes ~20 s, less than the next
@@ -187,8 +189,8 @@ for phase in "$@"; do
       [ -n "${GEN_MINUTES:-}" ] && init+=(--set stream_wait_minutes=0.2)
       train_minutes=${SLICE_MINUTES:-7}
       if [ -n "${SLICE_DEADLINE_S:-}" ]; then  # what the deadline leaves, less the export margin
-        train_minutes=$(python3 -c "print(round(max(0.5, min($train_minutes, ($slice_start + $SLICE_DEADLINE_S \
-          - $(date +%s) - ${SLICE_EXPORT_MARGIN_S:-60}) / 60)), 2))")
+        train_minutes=$(trainer_minutes "$train_minutes" "$slice_start" "$SLICE_DEADLINE_S" \
+          "${SLICE_EXPORT_MARGIN_S:-60}")
         echo "slice: the trainer gets $train_minutes minutes (SLICE_DEADLINE_S=$SLICE_DEADLINE_S)"
       fi
       ubtree train --config "$CONFIG" --data-dir runs/smollm2/slice-data-$seed --set records_path="$RECORDS" \
@@ -329,8 +331,7 @@ for phase in "$@"; do
           > runs/ablations/gen-data.log 2>&1 || true
       grep -q '"file"' "$data/manifest.json" 2>/dev/null || { tail -n 20 runs/ablations/gen-data.log; exit 1; }
       tail -n 2 runs/ablations/gen-data.log
-      minutes=$(python3 -c "print(round(max(0.5, min(${ABL_TRAIN_MINUTES:-5}, ($start + ${DEADLINE_S:-540} \
-        - $(date +%s) - 60) / 60)), 2))")
+      minutes=$(trainer_minutes "${ABL_TRAIN_MINUTES:-5}" "$start" "${DEADLINE_S:-540}" 60)
       echo "ablations: each trainer gets $minutes minutes"
       for name in ${ABLATIONS:-recipe joint recipe-hard-ce recipe-beta0 recipe-t0 recipe-t1}; do
         args=$(ablation_args "$name") || exit 2
