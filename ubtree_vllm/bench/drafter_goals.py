@@ -38,8 +38,8 @@ INTRO = ("Issue 15's goals, each from the newest GPU `ubtree bench e2e` record a
          f"`{NGRAM_METHOD}`'s from the same invocation. A goal with no such record is listed as not measured.")
 
 
-def _shipped_bench(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """GPU bench e2e records at one request in flight of a drafter under checkpoints/ (and the ar / ngram runs)."""
+def _batch1_gpu_bench(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """GPU `bench e2e` records (with tokens/s) at one request in flight, of every method (ar and ngram included)."""
     return [r for r in records if r["kind"] == "e2e" and on_gpu(r) and r.get("output_tokens_per_s") is not None
             and (r["concurrency"] or 1) == 1]
 
@@ -72,7 +72,7 @@ def _row(goal: str, dataset: str, record: dict[str, Any] | None, measured: str |
 
 def drafter_goal_rows(records: Sequence[dict[str, Any]]) -> list[list[Any]]:
     """[goal, set, measured, met, prompts, drafter label rows, commit, date] per goal and set (HEADER)."""
-    bench, shipped = _shipped_bench(records), shipped_label_rows(records)
+    bench, shipped = _batch1_gpu_bench(records), shipped_label_rows(records)
     rows: list[list[Any]] = []
     for dataset in SETS:
         tree0 = _newest(bench, dataset, 0.0, (DEFAULT_TREE_METHOD,), shipped, GOAL_BUDGET)

@@ -135,14 +135,14 @@ def _label_rows(rows: Sequence[float], train: dict[str, Any] | None) -> str | No
 def _ablation_section(e2e: Sequence[dict[str, Any]], train: Sequence[dict[str, Any]] = ()) -> list[str]:
     """Per target: one row per drafter, one column per (dataset, T); see the module docstring."""
     with_drafter = [r for r in e2e if r["drafter"] and measurement(r) == "tau"]  # file order: later records win
-    tree = _tau_by_drafter(with_drafter, lambda r: r["method"] == "ubtree" and r["tree_budget"] == ABLATION_BUDGET)
+    # the record behind each tree cell (the latest of its key) and its tau
+    shown = {_tau_key(r): r for r in with_drafter
+             if r["method"] == "ubtree" and r["tree_budget"] == ABLATION_BUDGET and r.get("tau")}
+    tree = {key: r["tau"] for key, r in shown.items()}
     trained = {r["drafter"]: r for r in train if r.get("drafter")}  # later records win
     single = _single_tau(with_drafter)
     if not tree:
         return []
-    # the record behind each tree cell shown (the latest one of its key)
-    shown = {_tau_key(r): r for r in with_drafter
-             if r["method"] == "ubtree" and r["tree_budget"] == ABLATION_BUDGET and r.get("tau")}
     lines = ["## Ablations: tau by drafter", "",
              (f"UBTree tau at B = {ABLATION_BUDGET} per drafter (single-path tau in parentheses); each cell is the "
               f"latest record of that drafter, dataset and temperature. The shipped drafter "

@@ -587,10 +587,9 @@ class TokenDataset:
         offsets, prompt_lens = t["offsets"], t["prompt_lens"]
         keep = answer_mask(self.manifest, int(prompt_lens.numel()), self.answers)
         if not bool(keep.all()):
-            starts, ends = offsets[:-1][keep], offsets[1:][keep]
-            ids = [t["input_ids"][int(a):int(b)] for a, b in zip(starts, ends)]
-            t = {"input_ids": torch.cat(ids) if ids else t["input_ids"][:0],
-                 "offsets": torch.cat([offsets[:1] * 0, torch.cumsum(ends - starts, 0)]),
+            lengths = offsets.diff()  # [num_samples] tokens of each sample
+            t = {"input_ids": t["input_ids"][keep.repeat_interleave(lengths)],
+                 "offsets": torch.cat([offsets[:1] * 0, torch.cumsum(lengths[keep], 0)]),
                  "prompt_lens": prompt_lens[keep]}
         first, base = len(self), int(self.input_ids.numel())
         self.input_ids = torch.cat([self.input_ids, t["input_ids"]])
