@@ -206,6 +206,21 @@ MANIFEST: tuple[PatchSpec, ...] = (
         stage="worker",
     ),
     PatchSpec(
+        name="cuda_gdn_tree_forward",
+        vllm_symbol="vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn.QwenGatedDeltaNetAttention._forward_core",
+        why=("vLLM's CUDA Gated DeltaNet serves a request's speculative tokens as one chain (causal_conv1d_update "
+             "and fused_sigmoid_gating_delta_rule_update with num_accepted_tokens); a tree node needs its parent's "
+             "state and its ancestors' conv inputs, and vLLM has no hook for a draft topology."),
+        how=("Wraps _forward_core (the layer's trees from the step plan before vLLM's code, the commit record "
+             "after) and rebinds the two module-level names it calls: their speculative calls run as the step's "
+             "trees through vLLM's one-token calls (ubtree_vllm.vllm.gdn_tree_cuda), every other call runs vLLM's "
+             "function; layers are built with enable_fused_gdn_spec_decode off. CUDA only, for targets admitted by "
+             "UBTREE_CUDA_GDN=1."),
+        removal_condition=("vLLM's linear-attention backends take a draft topology (tree speculative decoding "
+                           "upstream, e.g. parents in the GDN metadata) or expose a per-node state hook."),
+        stage="worker",
+    ),
+    PatchSpec(
         name="falcon_h1_hidden_states",
         vllm_symbol="vllm.model_executor.models.falcon_h1.FalconH1Model.forward",
         why=("The drafter conditions on the hidden states entering chosen target layers, which vLLM's runners "

@@ -1,7 +1,10 @@
-"""Gated DeltaNet (Qwen3-Next) targets under tree verification on the CPU V1 runner.
+"""Gated DeltaNet (Qwen3-Next) targets under tree verification.
 
-Layer level (no engine): the tree form of vLLM's speculative CPU GDN forward computes, for every
-node, bit for bit what vLLM's non-speculative decode computes for that token after the node's
+Layer level (no engine), for both tree forms: the CPU one (vLLM's ``_spec_forward`` replaced,
+``gdn_tree``) and the CUDA one (vLLM's own ``_forward_core`` run through patch
+``cuda_gdn_tree_forward``, ``gdn_tree_cuda``; here on the CPU, its recurrence call served by vLLM's CPU
+decode kernel behind the CUDA signature, which accepts only the calls plain decoding makes). Each computes,
+for every node, bit for bit what vLLM's non-speculative decode computes for that token after the node's
 root path (and what the torch references compute, to bf16 rounding); after the commit of an
 accepted path the next step finds it where vLLM's chain convention looks.
 
@@ -10,6 +13,7 @@ token-identical to the same engine without speculation; here, prefix caching is 
 """
 from __future__ import annotations
 
+import importlib
 import random
 import types
 
@@ -17,11 +21,15 @@ import numpy as np
 import pytest
 import torch
 from vllm import _custom_ops as ops
+import vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn as gdn
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_update_cpu
 
+from ubtree_vllm.patches._patching import original_attr_name, restore_attr
 from ubtree_vllm.triton_ops.reference import tree_causal_conv1d_reference, tree_gated_delta_rule_reference
 from ubtree_vllm.vllm.gdn_tree import tree_spec_forward
+from ubtree_vllm.vllm.attention.state import tree_forward_state
 from ubtree_vllm.vllm.hybrid_state import commit_accepted_states
 from hybrid_checks import path_to, random_tree
 from vllm_engines import TINY_TREE
@@ -93,9 +101,46 @@ def plain_decode(layer, window, state, tokens):
     return torch.stack(outs), conv[1], ssm[1]
 
 
+def cpu_decode_recurrence(*, A_log, a, b, dt_bias, q, k, v, initial_state, inplace_final_state=True, cu_seqlens=None,
+                          ssm_state_indices=None, num_accepted_tokens=None, use_qk_l2norm_in_kernel=False, **_):
+    """vLLM's ``fused_sigmoid_gating_delta_rule_update`` (the CUDA path's signature) for the calls plain decoding
+    makes -- one token per sequence, one state index each, in place -- by vLLM's CPU decode kernel; anything else
+    (the chain form with num_accepted_tokens) fails."""
+    assert num_accepted_tokens is None and inplace_final_state and ssm_state_indices.ndim == 1
+    assert torch.equal(cu_seqlens, torch.arange(len(ssm_state_indices) + 1, dtype=cu_seqlens.dtype))
+    o = ops.fused_sigmoid_gating_delta_rule_update_cpu(
+        A_log=A_log, dt_bias=dt_bias, q=q, k=k, v=v, a=a, b=b, initial_state_source=initial_state,
+        initial_state_indices=ssm_state_indices, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return o.reshape(v.shape), initial_state
+
+
 @pytest.fixture
-def gdn_step():
-    """Three requests (a deep tree, a bushy tree, a lone root) resuming from different slots."""
+def cuda_forward_core(monkeypatch):
+    """vLLM's CUDA ``_forward_core`` with patch cuda_gdn_tree_forward installed, runnable on the CPU: the conv is the
+    module's (vLLM's CPU conv on this platform) with the CUDA conv's output contract, the recurrence
+    :func:`cpu_decode_recurrence`."""
+    patch = importlib.import_module("ubtree_vllm.patches.worker.patch_cuda_gdn_tree_forward")
+    patch.install()
+    cpu_conv = getattr(gdn, original_attr_name("causal_conv1d_update"))
+
+    def conv_over_its_input(x, *args, **kwargs):  # vLLM's CUDA conv writes its output over x (no `out` given)
+        return x.copy_(cpu_conv(x, *args, **kwargs))
+
+    monkeypatch.setattr(gdn, original_attr_name("causal_conv1d_update"), conv_over_its_input)
+    monkeypatch.setattr(gdn, original_attr_name("fused_sigmoid_gating_delta_rule_update"), cpu_decode_recurrence)
+    yield
+    monkeypatch.undo()  # the originals first, then the patched names back to them
+    for owner, name in ((QwenGatedDeltaNetAttention, "__init__"), (QwenGatedDeltaNetAttention, "_forward_core"),
+                        (gdn, "causal_conv1d_update"), (gdn, "fused_sigmoid_gating_delta_rule_update")):
+        restore_attr(owner, name)
+
+
+@pytest.fixture(params=["cpu_spec_forward", "cuda_forward_core"])
+def gdn_step(request):
+    """Three requests (a deep tree, a bushy tree, a lone root) resuming from different slots, run by one tree
+    form."""
+    if request.param == "cuda_forward_core":
+        request.getfixturevalue("cuda_forward_core")
     gen, rng = torch.Generator().manual_seed(0), random.Random(0)
     layer = fake_gdn_layer(gen)
     conv_buf, ssm_state = layer_caches(3 * (SPEC + 1) + 1, gen)
@@ -107,12 +152,34 @@ def gdn_step():
     before = conv_buf.clone(), ssm_state.clone()
     return types.SimpleNamespace(layer=layer, conv_buf=conv_buf, ssm_state=ssm_state, slots=slots, trees=trees,
                                  num_accepted=num_accepted, plan=plan, metadata=metadata, x=x, b=b, a=a, before=before,
-                                 gen=gen)
+                                 gen=gen, form=request.param, monkeypatch=request.getfixturevalue("monkeypatch"))
 
 
 def run_tree_step(s):
-    return tree_spec_forward(s.plan, s.layer, s.metadata, s.x, s.b, s.a, s.conv_buf, s.ssm_state, WIDTH,
-                             WIDTH - 1 + SPEC)
+    """([T, H, Dv] output, the layer's commit record) of the step's tree form."""
+    if s.form == "cpu_spec_forward":
+        return tree_spec_forward(s.plan, s.layer, s.metadata, s.x, s.b, s.a, s.conv_buf, s.ssm_state, WIDTH,
+                                 WIDTH - 1 + SPEC)
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    md, total = s.metadata, len(s.x)
+    metadata = GDNAttentionMetadata(
+        num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0, num_spec_decodes=md.num_spec_decodes,
+        num_spec_decode_tokens=total, num_actual_tokens=total, spec_query_start_loc=md.spec_query_start_loc,
+        spec_state_indices_tensor=md.spec_state_indices_tensor, spec_sequence_masks=md.spec_sequence_masks_cpu,
+        spec_sequence_masks_cpu=md.spec_sequence_masks_cpu, num_accepted_tokens=md.num_accepted_tokens)
+    layer = types.SimpleNamespace(**vars(s.layer), enable_packed_recurrent_decode=False,
+                                  kv_cache=(s.conv_buf if is_conv_state_dim_first() else s.conv_buf.transpose(-1, -2),
+                                            s.ssm_state))
+    layer.rearrange_mixed_qkv = types.MethodType(QwenGatedDeltaNetAttention.rearrange_mixed_qkv, layer)
+    state = tree_forward_state()
+    s.monkeypatch.setattr(gdn, "get_forward_context",
+                          lambda: types.SimpleNamespace(attn_metadata={layer.prefix: metadata}))
+    s.monkeypatch.setattr(state, "step_plan", s.plan)
+    s.monkeypatch.setattr(state, "linear_stash", {})
+    out = torch.zeros(total, HEADS, HEAD_DIM, dtype=BF16)
+    QwenGatedDeltaNetAttention._forward_core(layer, s.x.clone(), s.b, s.a, out)  # the CUDA conv overwrites its input
+    return out, state.linear_stash[layer.prefix]
 
 
 def committed(s, i):
@@ -174,7 +241,7 @@ def test_after_the_commit_the_next_step_resumes_from_the_accepted_path(gdn_step)
     commit_accepted_states([record], accepted_path, num_accepted)
 
     chain = (np.arange(3) - 1, np.arange(3))
-    nxt = types.SimpleNamespace(**vars(s))
+    nxt = types.SimpleNamespace(**vars(s))  # the same tree form
     nxt.before = s.conv_buf.clone(), s.ssm_state.clone()
     nxt.num_accepted = (num_accepted + 1).tolist()
     nxt.plan, nxt.metadata, nxt.x, nxt.b, nxt.a = step_inputs(s.layer, [chain] * 3, nxt.num_accepted, s.slots, s.gen)
@@ -187,6 +254,26 @@ def test_after_the_commit_the_next_step_resumes_from_the_accepted_path(gdn_step)
         outs, _, final = plain_decode(s.layer, window, state, tokens)
         assert torch.equal(out[3 * i:3 * i + 3], outs[-3:]), i
         assert torch.equal(s.ssm_state[s.slots[i, 2]], final), i
+
+
+def test_a_steps_tree_index_is_built_once_and_shared_by_its_layers(monkeypatch):
+    """Index tensors are built by the step's first linear layer and reused by the others (no per-layer
+    host-to-device copies); another plan, conv width or set of sequences gets its own; a layout that is not the
+    plan's is refused."""
+    from ubtree_vllm.vllm.linear_tree import tree_index
+
+    monkeypatch.setattr(tree_forward_state(), "step_cache", {})
+    plan = types.SimpleNamespace(num_nodes=np.array([3, 2]), parents=np.array([[-1, 0, 0], [-1, 0, -2]]),
+                                 depth=np.array([[0, 1, 1], [0, 1, 0]]))
+    req, lens, cpu = np.array([0, 1]), np.array([3, 2]), torch.device("cpu")
+    index = tree_index(plan, req, lens, "GDN", WIDTH, cpu)
+    assert tree_index(plan, req, lens, "GDN", WIDTH, cpu) is index
+    assert index.window_rows.shape == (1 + 5, WIDTH - 1) and [len(d[0]) for d in index.depths] == [2, 3]
+    assert tree_index(plan, req, lens, "GDN", 2, cpu) is not index
+    assert tree_index(plan, req[1:], lens[1:], "GDN", WIDTH, cpu) is not index
+    assert tree_index(types.SimpleNamespace(**vars(plan)), req, lens, "GDN", WIDTH, cpu) is not index
+    with pytest.raises(RuntimeError, match=r"the GDN speculative sequences \(\[3, 1\] tokens\) are not the step's"):
+        tree_index(plan, req, np.array([3, 1]), "GDN", WIDTH, cpu)
 
 
 # --- engine settings: greedy equality runs in test_vllm_cpu_families.py --------------------------------

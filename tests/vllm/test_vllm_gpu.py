@@ -29,8 +29,9 @@ import pytest
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
-from vllm_engines import spec_counts
-from vllm_models import save_tiny_llama, save_untrained_drafter
+from vllm_engines import TINY_TREE, spec_counts
+from vllm_models import save_tiny_llama, save_tiny_qwen3_next, save_untrained_drafter
+from vllm_oracle import ReferenceOracle, engine_runner, install_oracle
 from ubtree_vllm.config import SamplingConfig
 
 from ubtree_vllm import compat
@@ -161,6 +162,80 @@ def test_float32_greedy_is_token_identical_smollm2(runner, default_target_dir, t
           f"tau {tau:.2f}")
     if os.environ.get("GPU_TEST_DRAFTER"):  # accepted drafts: the KV commit in TRITON_ATTN's cache is exercised
         assert tau > 1.5, tau
+
+
+@pytest.fixture
+def tiny_qwen3_next(tmp_path, monkeypatch):
+    """(target, untrained drafter): a random bf16 Qwen3-Next (Gated DeltaNet + full attention + MoE), served under
+    UBTREE_CUDA_GDN=1 (the V1 runner, PIECEWISE graphs; ubtree_vllm/vllm/gdn_tree_cuda.py)."""
+    monkeypatch.setenv("UBTREE_CUDA_GDN", "1")
+    target = save_tiny_qwen3_next(tmp_path / "qwen3-next")
+    return target, save_untrained_drafter(target, tmp_path / "qwen3-next-drafter")
+
+
+def test_greedy_equality_gdn_hybrid_tiny_qwen3_next(tiny_qwen3_next):
+    """Issue 17 on CUDA, untrained drafter: up to bf16 near-ties (vLLM's plain GDN decode may take its packed
+    recurrent kernel; the tree form makes vLLM's per-token call), one request and the batch."""
+    run_pair(*tiny_qwen3_next, tree=TINY_TREE, enable_prefix_caching=False)
+
+
+def test_gdn_hybrid_copying_oracle_commits_long_paths_tiny_qwen3_next(tiny_qwen3_next):
+    """The copying oracle puts plain decoding's continuation on a second branch cut at random depths, so accepted
+    paths run off their depth and every GDN layer's commit moves state slots and conv columns; greedy output equals
+    plain decoding's up to bf16 near-ties, with tau > 2."""
+    target, drafter = tiny_qwen3_next
+    plain = engine(target, logprobs_mode="raw_logits", enable_prefix_caching=False)
+    vocab = plain.llm_engine.model_config.get_vocab_size()
+    prompt_ids = prompts_for(vocab)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
+    reference = plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                       detokenize=False, logprobs=2), use_tqdm=False)
+    del plain
+    gc.collect()
+    ubtree = engine(target, {"method": "ubtree", "model": str(drafter), **TINY_TREE}, enable_prefix_caching=False)
+    oracle = ReferenceOracle(prompt_ids, [list(o.outputs[0].token_ids) for o in reference],
+                             engine_runner(ubtree).drafter.config.tree, vocab_size=vocab)
+    install_oracle(ubtree, oracle)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+    spec = [list(o.outputs[0].token_ids) for o in ubtree.generate(prompts, params, use_tqdm=False)]
+    drafts, accepted = spec_counts(ubtree)
+    calls = oracle.calls
+    del ubtree, oracle
+    gc.collect()
+    assert calls > 0 and 1 + accepted / max(1, drafts) > 2.0, (calls, drafts, accepted)
+    assert_greedy_equal_up_to_near_ties(spec, reference, "copying oracle")
+
+
+def test_t1_gdn_hybrid_samples_follow_plain_decodings_distribution(tmp_path, monkeypatch):
+    """Issue 17 on CUDA at T = 1: a vocabulary-8 Qwen3-Next under UBTREE_CUDA_GDN=1, 3000 continuations of 4 tokens
+    from UBTree (untrained drafter, K = 6 of 8, so trees are often partly accepted) against 3000 from the same engine
+    without speculation, a two-sample test per position and adjacent pair."""
+    import torch
+    from exact_distribution import two_sample_pvalues  # scipy, imported only by this test
+
+    monkeypatch.setenv("UBTREE_CUDA_GDN", "1")
+    target = save_tiny_qwen3_next(tmp_path / "vocab8-qwen3-next", vocab_size=8, seed=3)
+    drafter = save_untrained_drafter(target, tmp_path / "vocab8-qwen3-next-drafter", block_size=3, top_k=6, seed=1)
+    small = dict(max_model_len=64, max_num_seqs=64, enable_prefix_caching=False)
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=[1, 2, 3])] * 3000
+
+    def samples(llm):
+        return torch.tensor([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)])
+
+    plain = engine(target, **small)
+    reference = samples(plain)
+    del plain
+    gc.collect()
+    ubtree = engine(target, {"method": "ubtree", "model": str(drafter), "num_speculative_tokens": 9,
+                             "beam_width": 3, "top_k": 6}, **small)
+    drafted = samples(ubtree)
+    drafts, accepted = spec_counts(ubtree)
+    del ubtree  # shut down before asserting (see run_pair)
+    gc.collect()
+    assert accepted > 0.3 * drafts, (accepted, drafts)  # lossless only tested where trees are partly accepted
+    pvals = two_sample_pvalues(drafted, reference, 8)
+    assert min(pvals) > ALPHA / len(pvals), pvals
 
 
 def smollm2_drafter(default_target_dir, tmp_path):

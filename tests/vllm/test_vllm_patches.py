@@ -27,7 +27,7 @@ cpu_platform_only = pytest.mark.skipif(not on_cpu(), reason="exercises the CPU p
 TESTED_PATCHES = {"engine_args_speculative_config", "sampling_params_spec_decode", "scheduler_tree_drafts",
                   "structured_output_tree", "cpu_worker_model_runner", "attention_backends", "cpu_gdn_tree_forward",
                   "cpu_gdn_native_conv", "cpu_mamba2_tree_decode", "engine_core_hybrid_budget",
-                  "cpu_rope_multihead", "falcon_h1_hidden_states"}
+                  "cpu_rope_multihead", "falcon_h1_hidden_states", "cuda_gdn_tree_forward"}
 
 
 def test_every_manifest_patch_has_a_module_and_a_test_here():
@@ -484,6 +484,121 @@ def test_cpu_gdn_spec_forward_runs_the_tree_form_only_inside_a_ubtree_step(monke
     assert gdn_attention._spec_forward(layer, None, 1, 2) == "tree"
     assert calls == [("vllm", (1, 2)), ("tree", "plan", (1, 2))]
     assert state.linear_stash == {"model.layers.0.linear_attn": "record"}
+
+
+# --- cuda_gdn_tree_forward --------------------------------------------------------------------
+
+
+def test_cuda_gdn_forward_core_runs_the_tree_forms_only_for_a_ubtree_steps_speculative_calls(monkeypatch):
+    """Installed here on any platform (apply() installs it on CUDA only): outside a tree step _forward_core and both
+    calls are vLLM's; in one, the speculative calls (num_accepted_tokens) go to the tree forms and the layer's record
+    reaches the stash; a tree step whose speculative rows skip the tree form fails; layers are built with vLLM's fused
+    spec kernel off. The layer-level arithmetic: tests/vllm/test_vllm_gdn_hybrid.py."""
+    import vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn as gdn
+
+    import ubtree_vllm.vllm.gdn_tree_cuda as gdn_tree_cuda
+    from ubtree_vllm.patches._patching import restore_attr
+    from ubtree_vllm.vllm.attention.state import tree_forward_state
+
+    module = importlib.import_module("ubtree_vllm.patches.worker.patch_cuda_gdn_tree_forward")
+    layer_cls = gdn.QwenGatedDeltaNetAttention
+    module.install()
+    module.install()  # idempotent
+    try:
+        assert {getattr(f, MARK) for f in (layer_cls.__init__, layer_cls._forward_core, gdn.causal_conv1d_update,
+                                           gdn.fused_sigmoid_gating_delta_rule_update)} == {"cuda_gdn_tree_forward"}
+        calls = []
+        monkeypatch.setattr(layer_cls, original_attr_name("__init__"),
+                            lambda self: setattr(self, "enable_fused_gdn_spec_decode", True))
+        built = types.SimpleNamespace()
+        layer_cls.__init__(built)
+        assert built.enable_fused_gdn_spec_decode is False
+
+        def vllm_forward_core(self, mixed_qkv, b, a, out):  # vLLM's order: a plain call, then the two spec calls
+            calls.append(("core", gdn.causal_conv1d_update("x", "conv", "w", conv_state_indices="i"),
+                          gdn.causal_conv1d_update("x", "conv", "w", "b", "silu", num_accepted_tokens="n"),
+                          gdn.fused_sigmoid_gating_delta_rule_update(initial_state="h", num_accepted_tokens="n")))
+
+        monkeypatch.setattr(layer_cls, original_attr_name("_forward_core"), vllm_forward_core)
+        monkeypatch.setattr(gdn, original_attr_name("causal_conv1d_update"), lambda *args, **kwargs: "vllm conv")
+        monkeypatch.setattr(gdn, original_attr_name("fused_sigmoid_gating_delta_rule_update"),
+                            lambda **kwargs: ("vllm out", "vllm state"))
+
+        def tree_recurrence(seqs, recurrence, **kwargs):
+            seqs.record = "record"
+            return "tree out"
+
+        monkeypatch.setattr(gdn_tree_cuda, "spec_sequences", lambda plan, md, width: None if md is None else
+                            gdn_tree_cuda.SpecSequences(index=None, req=None, slots=None, num_accepted=None))
+        monkeypatch.setattr(gdn_tree_cuda, "tree_conv", lambda seqs, conv, *args, **kwargs: "tree conv")
+        monkeypatch.setattr(gdn_tree_cuda, "tree_recurrence", tree_recurrence)
+        layer = types.SimpleNamespace(prefix="model.layers.0.linear_attn",
+                                      conv1d=types.SimpleNamespace(weight=torch.zeros(8, 1, 4)))
+        state = tree_forward_state()
+        monkeypatch.setattr(gdn, "get_forward_context",
+                            lambda: types.SimpleNamespace(attn_metadata={layer.prefix: "metadata"}))
+        monkeypatch.setattr(state, "linear_stash", {})
+        monkeypatch.setattr(state, "step_plan", None)  # other engines, dummy runs
+        layer_cls._forward_core(layer, "qkv", "b", "a", "out")
+        assert calls.pop() == ("core", "vllm conv", "vllm conv", ("vllm out", "vllm state"))
+        monkeypatch.setattr(state, "step_plan", "plan")
+        layer_cls._forward_core(layer, "qkv", "b", "a", "out")
+        assert calls.pop() == ("core", "vllm conv", "tree conv", ("tree out", "h"))
+        assert state.linear_stash == {layer.prefix: "record"}
+        monkeypatch.setattr(gdn_tree_cuda, "tree_recurrence", lambda seqs, recurrence, **kwargs: "no record")
+        with pytest.raises(RuntimeError, match="did not reach the tree form"):
+            layer_cls._forward_core(layer, "qkv", "b", "a", "out")
+    finally:
+        monkeypatch.undo()  # the originals first, then the patched names back to them
+        for owner, name in ((layer_cls, "__init__"), (layer_cls, "_forward_core"), (gdn, "causal_conv1d_update"),
+                            (gdn, "fused_sigmoid_gating_delta_rule_update")):
+            restore_attr(owner, name)
+
+
+def test_a_gdn_target_on_cuda_is_opt_in_and_runs_the_v1_runner_with_piecewise_graphs(monkeypatch, tmp_path,
+                                                                                    vllm_models_dir):
+    """Faked CUDA, rewrite only: refused without UBTREE_CUDA_GDN=1 (the error names it); with it, the V1 form and
+    PIECEWISE graphs, a FULL mode or UBTREE_VLLM_RUNNER=mrv2 refused by name."""
+    import vllm.envs as vllm_envs
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    from vllm_models import save_tiny_qwen3_next, save_untrained_drafter
+
+    target = save_tiny_qwen3_next(vllm_models_dir / "cuda-opt-in-qwen3-next")
+    drafter = save_untrained_drafter(target, vllm_models_dir / "cuda-opt-in-qwen3-next-drafter")
+    rewrite = importlib.import_module("ubtree_vllm.patches.engine.patch_engine_args_speculative_config")
+    monkeypatch.setenv("UBTREE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("UBTREE_VLLM_RUNNER", raising=False)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(vllm_envs, "VLLM_USE_V2_MODEL_RUNNER", None, raising=False)
+
+    def rewritten(**engine_kwargs):
+        args = EngineArgs(model=str(target), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512,
+                          enable_prefix_caching=False, speculative_config=ubtree_spec(drafter), **engine_kwargs)
+        rewrite._rewrite_to_vllm(args, args.create_model_config())
+        return args
+
+    monkeypatch.delenv("UBTREE_CUDA_GDN", raising=False)
+    with pytest.raises(ValueError, match=r"'Qwen3NextForCausalLM' is served by method 'ubtree' on the CPU only.*"
+                                         r"UBTREE_CUDA_GDN=1"):
+        rewritten()
+    monkeypatch.setenv("UBTREE_CUDA_GDN", "1")
+    args = rewritten()
+    assert args.speculative_config["method"] == VLLM_METHOD
+    assert args.additional_config[ADDITIONAL_CONFIG_KEY].get("runner", "v1") == "v1"
+    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    assert rewritten(compilation_config={"cudagraph_mode": "NONE"}).compilation_config.cudagraph_mode == \
+        CUDAGraphMode.NONE
+    with pytest.raises(ValueError, match=r"compilation_config.cudagraph_mode must be PIECEWISE or NONE.*got "
+                                         r"FULL_AND_PIECEWISE"):
+        rewritten(compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must be 1"):
+        rewritten(tensor_parallel_size=2)
+    monkeypatch.setenv("UBTREE_VLLM_RUNNER", "mrv2")
+    with pytest.raises(ValueError, match=r"UBTREE_VLLM_RUNNER=mrv2 cannot serve a hybrid target"):
+        rewritten()
 
 
 # --- cpu_mamba2_tree_decode ------------------------------------------------------------------

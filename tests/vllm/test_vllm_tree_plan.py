@@ -60,3 +60,25 @@ def test_truncated_drafts_are_a_prefix_tree():
     assert plan.parents[0].tolist() == [-1, 0, 0]
     assert plan.is_tree.tolist() == [True, False, False]  # r2's prefix [-1, 0] is a chain
     assert plan.row_index.tolist() == [1, 2]
+
+
+def test_in_cache_commit_reads_the_slot_mapping_of_the_tree_attention_groups():
+    """A hybrid target's KV cache groups hold its recurrent layers too: the in-cache KV commit takes the slot
+    mapping of the group holding the tree attention layers, and refuses layers spread over several groups."""
+    import types
+
+    import pytest
+
+    from ubtree_vllm.vllm.runner import UBTreeRunnerMixin
+
+    def runner(groups, attention):
+        return types.SimpleNamespace(
+            kv_cache_config=types.SimpleNamespace(kv_cache_groups=[types.SimpleNamespace(layer_names=g)
+                                                                   for g in groups]),
+            _tree_attention_layers=[types.SimpleNamespace(layer_name=name) for name in attention])
+
+    gdn, attn = ["layers.0.linear_attn", "layers.2.linear_attn"], ["layers.1.self_attn", "layers.3.self_attn"]
+    assert UBTreeRunnerMixin._tree_attention_group(runner([gdn, attn], attn)) == 1
+    assert UBTreeRunnerMixin._tree_attention_group(runner([attn], attn)) == 0
+    with pytest.raises(NotImplementedError, match="found them in 2"):
+        UBTreeRunnerMixin._tree_attention_group(runner([attn[:1], attn[1:]], attn))

@@ -58,11 +58,14 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
                            "DeepseekV3ForCausalLM")
 # Hybrid families whose recurrent layers verify trees on the CPU only: Qwen3-Next's Gated DeltaNet and
 # NemotronH's Mamba2 run their tree forms through vLLM's CPU kernels (ubtree_vllm.vllm.gdn_tree,
-# ubtree_vllm.vllm.mamba2_tree, docs/design/hybrid.md); the CUDA (Triton) paths are not wired. Checked with
-# the engine arguments (check_hybrid_engine).
+# ubtree_vllm.vllm.mamba2_tree, docs/design/hybrid.md); on CUDA only Gated DeltaNet, opt-in (CUDA_GDN_HYBRIDS).
+# Checked with the engine arguments (check_hybrid_engine).
 CPU_ONLY_HYBRIDS = {"Qwen3NextForCausalLM": "QwenGatedDeltaNetAttention (Gated DeltaNet)",
                     "NemotronHForCausalLM": "MambaMixer2 (Mamba2)",
                     "FalconH1ForCausalLM": "MambaMixer2 (Mamba2)"}
+# Of those, the Gated DeltaNet targets whose tree form also runs on CUDA (ubtree_vllm.vllm.gdn_tree_cuda: vLLM's
+# CUDA GDN calls per node, V1 runner, PIECEWISE graphs), opt-in with UBTREE_CUDA_GDN=1 until its H200 test passes.
+CUDA_GDN_HYBRIDS = ("Qwen3NextForCausalLM",)
 # Multi-head latent attention targets verify trees through vLLM's CPU MLA backend only (ubtree_vllm.vllm.attention.
 # cpu_mla; the CUDA MLA backends are not wired). Checked with the engine arguments (check_hybrid_engine).
 CPU_ONLY_MLA = {"DeepseekV2ForCausalLM": "DeepseekV2MLAAttention (multi-head latent attention)",
@@ -324,22 +327,27 @@ def _tree_attention_mode(value: Any, field: str) -> str:
 
 
 def check_hybrid_engine(target: TargetInfo, on_cpu: bool, tensor_parallel_size: int,
-                        enable_prefix_caching: bool) -> None:
+                        enable_prefix_caching: bool, cuda_gdn: bool = False) -> None:
     """Engine settings a hybrid or MLA target (:data:`CPU_ONLY_HYBRIDS`, :data:`CPU_ONLY_MLA`) is served with;
     ValueError names the setting.
 
-    The tree form of its recurrent or latent-attention layers runs on the CPU only, on one rank, and vLLM's prefix
-    caching of recurrent states (``mamba_cache_mode`` 'align') copies a chain's per-token state slots after each
-    step (and launches a Triton kernel the CPU build lacks); vLLM's CPU platform turns prefix caching off for MLA.
+    The tree form of its recurrent or latent-attention layers runs on the CPU, on one rank; Gated DeltaNet targets
+    (:data:`CUDA_GDN_HYBRIDS`) run on CUDA too when ``cuda_gdn`` (``UBTREE_CUDA_GDN=1``, opt-in until its H200 test
+    passes). vLLM's prefix caching of recurrent states (``mamba_cache_mode`` 'align') copies a chain's per-token
+    state slots after each step (and launches a Triton kernel the CPU build lacks); vLLM's CPU platform turns
+    prefix caching off for MLA.
     """
     cpu_only = {**CPU_ONLY_HYBRIDS, **CPU_ONLY_MLA}
     hybrid = [(a, cpu_only[a]) for a in target.architectures if a in cpu_only]
     if not hybrid:
         return
     arch, layers = hybrid[0]
-    if not on_cpu:
+    if not on_cpu and not (cuda_gdn and arch in CUDA_GDN_HYBRIDS):
+        opt_in = (" (the CUDA GDN tree form is opt-in until its H200 engine test passes: UBTREE_CUDA_GDN=1)"
+                  if arch in CUDA_GDN_HYBRIDS else "")
         raise ValueError(f"target architecture {arch!r} is served by method {METHOD!r} on the CPU only: the tree form "
-                         f"of its {layers} layers runs through vLLM's CPU kernels; vLLM's CUDA path is not wired yet")
+                         f"of its {layers} layers runs through vLLM's CPU kernels; vLLM's CUDA path is not wired "
+                         f"yet{opt_in}")
     if tensor_parallel_size != 1:
         raise ValueError(f"tensor_parallel_size must be 1 with method {METHOD!r} for target architecture {arch!r} "
                          f"(the tree form of its {layers} layers has not run with tensor parallelism), "

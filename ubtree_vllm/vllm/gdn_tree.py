@@ -36,8 +36,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _causal_conv1d_update_cpu, _unpacked_conv_weight
 
 from ubtree_vllm.vllm.hybrid_state import LinearStepLayer
-from ubtree_vllm.vllm.linear_tree import (TreeTokens, fork_states_by_depth, node_windows, roll_conv_buffers,
-                                          tree_tokens)
+from ubtree_vllm.vllm.linear_tree import TreeIndex, fork_states_by_depth, node_windows, roll_conv_buffers, tree_index
 from ubtree_vllm.vllm.tree_plan import TreeStepPlan
 
 
@@ -56,13 +55,13 @@ def tree_spec_forward(plan: TreeStepPlan, layer: Any, attn_metadata: Any, mixed_
     num_accepted = attn_metadata.num_accepted_tokens[:num_seqs].long()  # [Q]
     seq_lens = attn_metadata.spec_query_start_loc[:num_seqs + 1].diff().numpy()  # [Q]
     req = attn_metadata.spec_sequence_masks_cpu.nonzero()[:num_seqs, 0].numpy()  # [Q] plan request index
-    tokens = tree_tokens(plan, req, seq_lens, "GDN")
+    index = tree_index(plan, req, seq_lens, "GDN", width, conv_buf.device)
 
-    conv_out = _tree_conv(layer, mixed_qkv_spec, conv_buf, slots, num_accepted, tokens, width)
-    roll_conv_buffers(mixed_qkv_spec, conv_buf, slots, num_accepted, tokens, width)
+    conv_out = _tree_conv(layer, mixed_qkv_spec, conv_buf, slots, num_accepted, index)
+    roll_conv_buffers(mixed_qkv_spec, conv_buf, slots, num_accepted, index)
     query, key, value = layer.rearrange_mixed_qkv(conv_out)  # each [1, T, H, D]
     out = torch.empty(value.shape[1:], dtype=mixed_qkv_spec.dtype)  # [T, H, Dv]
-    for rows, dst in fork_states_by_depth(ssm_state, slots, num_accepted, tokens):  # [n] tokens of a depth, slots
+    for rows, dst in fork_states_by_depth(ssm_state, slots, num_accepted, index):  # [n] tokens of a depth, slots
         o = ops.fused_sigmoid_gating_delta_rule_update_cpu(
             A_log=layer.A_log, dt_bias=layer.dt_bias, q=query[:, rows], k=key[:, rows], v=value[:, rows],
             a=a_spec[rows].contiguous(), b=b_spec[rows].contiguous(), initial_state_source=ssm_state,
@@ -75,13 +74,12 @@ def tree_spec_forward(plan: TreeStepPlan, layer: Any, attn_metadata: Any, mixed_
 
 
 def _tree_conv(layer: Any, x: torch.Tensor, conv_buf: torch.Tensor, slots: torch.Tensor, num_accepted: torch.Tensor,
-               tokens: TreeTokens, width: int) -> torch.Tensor:
+               index: TreeIndex) -> torch.Tensor:
     """[T, dim] conv output of every node: vLLM's one-token conv update on the node's own window
     (:func:`~ubtree_vllm.vllm.linear_tree.node_windows`)."""
     packed = weights_packed(layer)  # the kernel plain decoding runs on this CPU (_cpu_gdn_attention_nonspec)
-    windows = node_windows(x, conv_buf, slots, num_accepted, tokens, width, dim_first=packed and
-                           is_conv_state_dim_first())
-    indices = torch.arange(1, len(tokens.seq) + 1, dtype=torch.int32)
+    windows = node_windows(x, conv_buf, slots, num_accepted, index, dim_first=packed and is_conv_state_dim_first())
+    indices = torch.arange(1, len(index.tokens.seq) + 1, dtype=torch.int32)
     if packed:
         return _causal_conv1d_update_cpu(x=x, conv_states=windows, weight=layer.conv1d.weight, bias=layer.conv1d.bias,
                                          silu_activation=layer.activation == "silu", conv_state_indices=indices,

@@ -33,7 +33,8 @@ class LinearStepLayer:
 
     # [num_slots, dim, state_len] the layer's rolling conv-input buffers (a view of its kv_cache[0])
     conv_buf: torch.Tensor
-    # [num_slots, H, Dk, Dv] the layer's recurrent states (a view of its kv_cache[1])
+    # [num_slots, ...] the layer's recurrent states, one per slot (a view of its kv_cache[1]; [H, Dk, Dv] on the CPU,
+    # [HV, V, K] on CUDA)
     ssm_state: torch.Tensor
     # [Q] int64 request index (row of the step plan / AcceptResult) of each speculative sequence
     req: torch.Tensor
@@ -54,6 +55,7 @@ def commit_accepted_states(layers: Iterable[LinearStepLayer], accepted_path: tor
         path = accepted_path[layer.req, 1:]  # [Q, D]
         depth = torch.arange(1, path.shape[1] + 1, device=path.device).expand_as(path)  # [Q, D]
         moves = (depth <= num_accepted[layer.req, None]) & (path != depth)  # [Q, D]
+        # SYNC: the moves are few and data-dependent; the V1 runner has synchronised on the step's output already
         if not bool(moves.any()):
             continue
         seq = torch.arange(path.shape[0], device=path.device)[:, None].expand_as(path)[moves]  # [M]

@@ -1,4 +1,4 @@
-"""What the tree forms of vLLM's recurrent layers share (CPU): node bookkeeping, per-node conv windows, the roll.
+"""What the tree forms of vLLM's recurrent layers share: node bookkeeping, per-node conv windows, the roll.
 
 A linear-attention layer (Gated DeltaNet: ``gdn_tree``; Mamba2: ``mamba2_tree``) gets the step's tokens of its
 speculative sequences in order; sequence i is the tree of plan request ``req[i]`` (node 0 the root, parents
@@ -9,6 +9,10 @@ the sequence's first state slot:
 * after the step the buffer holds that window's newest ``width - 2`` inputs, then node j's input in column
   ``width - 2 + j`` (:func:`roll_conv_buffers`), so the commit of the accepted path
   (:func:`ubtree_vllm.vllm.hybrid_state.commit_accepted_states`) moves columns like state slots.
+
+The bookkeeping is host numpy from the step plan, turned once per step into index tensors on the caches' device
+(:class:`TreeIndex`, shared by the step's layers through ``TreeForwardState.step_cache``); the tensor work runs on
+that device (CPU, or CUDA for ``gdn_tree_cuda``) and never reads a device tensor back on the host.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ubtree_vllm.vllm.attention.state import tree_forward_state
 from ubtree_vllm.vllm.tree_plan import TreeStepPlan
 
 
@@ -46,52 +51,91 @@ def tree_tokens(plan: TreeStepPlan, req: np.ndarray, seq_lens: np.ndarray, layer
                       start=start, seq_lens=seq_lens)
 
 
+@dataclass(frozen=True)
+class TreeIndex:
+    """A step's tree bookkeeping for linear layers of conv width ``width``, as index tensors on the caches' device."""
+
+    tokens: TreeTokens
+    width: int
+    seq: torch.Tensor  # [T] int64 sequence of each token
+    node: torch.Tensor  # [T] int64 node index within its tree
+    # [1 + T, width - 1] int64 rows of node_windows' source (the Q committed windows' columns, then the step's
+    # inputs) making each token's window in row 1 + t; row 0 repeats row 1 (vLLM's null block, never read)
+    window_rows: torch.Tensor
+    # per depth, shallowest first: (rows, seq, node, parent) [n] int64 of that depth's tokens
+    depths: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], ...]
+
+
+def tree_index(plan: TreeStepPlan, req: np.ndarray, seq_lens: np.ndarray, layer_name: str, width: int,
+               device: torch.device) -> TreeIndex:
+    """The :class:`TreeIndex` of sequences that are the trees of plan requests ``req`` [Q] with ``seq_lens`` [Q]
+    tokens (checked: :func:`tree_tokens`). Built by the step's first such layer and kept in
+    ``TreeForwardState.step_cache`` (cleared before every target forward) for the others."""
+    cache = tree_forward_state().step_cache
+    key = ("linear_tree", req.tobytes(), seq_lens.tobytes(), width, str(device))
+    cached = cache.get(key)
+    if cached is not None and cached[0] is plan:
+        return cached[1]
+    tokens = tree_tokens(plan, req, seq_lens, layer_name)
+    seq, parent, depth, start = tokens.seq, tokens.parent, tokens.depth, tokens.start
+    num_seqs, hist = len(seq_lens), width - 1
+    rows = np.empty((len(seq), hist), dtype=np.int64)  # [T, width - 1]
+    parent_token = np.where(parent >= 0, start[seq] + parent, -1)  # [T]
+    ancestor = parent_token  # [T] token at distance m before each token, -1 past the root
+    for m in range(1, width):  # distance m: the ancestor at m if m <= depth, else committed column hist - (m - depth)
+        rows[:, hist - m] = np.where(m <= depth, num_seqs * hist + ancestor, seq * hist + hist - (m - depth))
+        ancestor = np.where(ancestor >= 0, parent_token[np.maximum(ancestor, 0)], -1)
+
+    def on_device(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+
+    depths = []
+    for d in range(int(depth.max()) + 1):
+        at = np.nonzero(depth == d)[0]  # [n]
+        depths.append((on_device(at), on_device(seq[at]), on_device(tokens.node[at]), on_device(parent[at])))
+    index = TreeIndex(tokens=tokens, width=width, seq=on_device(seq), node=on_device(tokens.node),
+                      window_rows=on_device(np.concatenate([rows[:1], rows])), depths=tuple(depths))
+    cache[key] = (plan, index)
+    return index
+
+
 def node_windows(x: torch.Tensor, conv_buf: torch.Tensor, slots: torch.Tensor, num_accepted: torch.Tensor,
-                 tokens: TreeTokens, width: int, dim_first: bool) -> torch.Tensor:
-    """[1 + T, dim, width - 1] each token's conv window, in row 1 + t (the CPU conv kernels skip row 0, vLLM's
+                 index: TreeIndex, dim_first: bool) -> torch.Tensor:
+    """[1 + T, dim, width - 1] each token's conv window, in row 1 + t (the conv kernels skip row 0, vLLM's
     null block), in the layout of vLLM's conv cache (``dim_first``: dim-contiguous rows, else width-contiguous).
 
     Window of token t (oldest first): for distance m = width - 1 .. 1 before t, its ancestor at distance m if
     m <= depth[t], else column ``width - 1 - (m - depth[t])`` of its sequence's committed window. x [T, dim];
     conv_buf [num_slots, dim, state_len] (read before :func:`roll_conv_buffers`); slots [Q, 1 + S];
     num_accepted [Q]."""
-    seq, parent, depth, start = tokens.seq, tokens.parent, tokens.depth, tokens.start
-    num_seqs, hist = slots.shape[0], width - 1
+    num_seqs, hist = slots.shape[0], index.width - 1
     # [Q * (width - 1) + T, dim]: the committed windows, then the step's inputs
-    offsets = (num_accepted - 1)[:, None] + torch.arange(hist)  # [Q, width - 1]
+    offsets = (num_accepted - 1)[:, None] + torch.arange(hist, device=conv_buf.device)  # [Q, width - 1]
     committed = conv_buf[slots[:, 0, None], :, offsets]  # [Q, width - 1, dim]
     source = torch.cat([committed.reshape(num_seqs * hist, -1), x.to(conv_buf.dtype)])
-    index = np.empty((len(seq), hist), dtype=np.int64)  # [T, width - 1] rows of `source`
-    parent_token = np.where(parent >= 0, start[seq] + parent, -1)  # [T]
-    ancestor = parent_token  # [T] token at distance m before each token, -1 past the root
-    for m in range(1, width):
-        index[:, hist - m] = np.where(m <= depth, num_seqs * hist + ancestor, seq * hist + hist - (m - depth))
-        ancestor = np.where(ancestor >= 0, parent_token[np.maximum(ancestor, 0)], -1)
-    windows = source[torch.from_numpy(np.concatenate([index[:1], index]))].transpose(1, 2)
+    windows = source[index.window_rows].transpose(1, 2)
     return windows.contiguous() if dim_first else windows
 
 
 def roll_conv_buffers(x: torch.Tensor, conv_buf: torch.Tensor, slots: torch.Tensor, num_accepted: torch.Tensor,
-                      tokens: TreeTokens, width: int) -> None:
+                      index: TreeIndex) -> None:
     """Each sequence's buffer: its resumed window's newest width - 2 inputs, then node j's input in column
     ``width - 2 + j``. x [T, dim]; conv_buf [num_slots, dim, state_len] (mutated)."""
-    for i in range(slots.shape[0]):
-        buf = conv_buf[slots[i, 0]]  # [dim, state_len]
-        offset, first, n = int(num_accepted[i]) - 1, int(tokens.start[i]), int(tokens.seq_lens[i])
-        buf[:, :width - 2 + n] = torch.cat([buf[:, offset + 1:offset + width - 1],
-                                            x[first:first + n].T.to(buf.dtype)], dim=-1)
+    buf_slot = slots[:, 0, None]  # [Q, 1]
+    kept_cols = torch.arange(index.width - 2, device=conv_buf.device)  # [width - 2]
+    kept = conv_buf[buf_slot, :, num_accepted[:, None] + kept_cols]  # [Q, width - 2, dim], gathered before writing
+    conv_buf[buf_slot, :, kept_cols] = kept
+    conv_buf[slots[index.seq, 0], :, index.width - 2 + index.node] = x.to(conv_buf.dtype)
 
 
 def fork_states_by_depth(state: torch.Tensor, slots: torch.Tensor, num_accepted: torch.Tensor,
-                         tokens: TreeTokens) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                         index: TreeIndex) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Depth by depth, shallowest first: copy each node's parent's state into the node's own slot, then yield
     (rows [n] the tokens at that depth, dst [n] their slots) for the caller to advance those states one token
     in place before the next depth is forked. Node j's state goes to slot j; its parent's is in the parent's
     slot, the root's in slot ``num_accepted - 1`` (the state the sequence resumes from). state [num_slots, ...]
     (mutated); slots [Q, 1 + S]; num_accepted [Q]."""
-    for d in range(int(tokens.depth.max()) + 1):
-        rows = torch.from_numpy(np.nonzero(tokens.depth == d)[0])  # [n]
-        seq, node, parent = (torch.from_numpy(a[rows.numpy()]).long() for a in (tokens.seq, tokens.node, tokens.parent))
+    for rows, seq, node, parent in index.depths:
         dst = slots[seq, node]
         src = torch.where(parent < 0, slots[seq, num_accepted[seq] - 1], slots[seq, parent.clamp(min=0)])
         state.index_copy_(0, dst, state.index_select(0, src))

@@ -28,8 +28,7 @@ import numpy as np
 import torch
 
 from ubtree_vllm.vllm.hybrid_state import LinearStepLayer
-from ubtree_vllm.vllm.linear_tree import (TreeTokens, fork_states_by_depth, node_windows, roll_conv_buffers,
-                                          tree_tokens)
+from ubtree_vllm.vllm.linear_tree import TreeIndex, fork_states_by_depth, node_windows, roll_conv_buffers, tree_index
 from ubtree_vllm.vllm.tree_plan import TreeStepPlan
 
 
@@ -40,8 +39,7 @@ class PendingConv:
     conv_buf: torch.Tensor  # [num_slots, dim, state_len] (a view of the layer's conv cache)
     slots: torch.Tensor  # [Q, 1 + S] int64
     num_accepted: torch.Tensor  # [Q] int64
-    tokens: TreeTokens
-    width: int
+    index: TreeIndex
 
 
 def tree_conv_update(plan: TreeStepPlan, conv_update: Callable[..., torch.Tensor], x: torch.Tensor,
@@ -57,13 +55,12 @@ def tree_conv_update(plan: TreeStepPlan, conv_update: Callable[..., torch.Tensor
     slots = conv_state_indices.long()
     num_accepted = num_accepted_tokens[:num_seqs].long()
     seq_lens = query_start_loc[:num_seqs + 1].diff().numpy()
-    tokens = tree_tokens(plan, np.arange(num_seqs), seq_lens, "Mamba2")
-    width = weight.shape[-1]
-    windows = node_windows(x, conv_state, slots, num_accepted, tokens, width, dim_first)  # [1 + T, dim, width - 1]
+    index = tree_index(plan, np.arange(num_seqs), seq_lens, "Mamba2", weight.shape[-1], conv_state.device)
+    windows = node_windows(x, conv_state, slots, num_accepted, index, dim_first)  # [1 + T, dim, width - 1]
+    roll_conv_buffers(x, conv_state, slots, num_accepted, index)  # from the inputs, before any conv output
     out = conv_update(x, windows, weight, bias, activation,
-                      conv_state_indices=torch.arange(1, len(tokens.seq) + 1, dtype=conv_state_indices.dtype))
-    roll_conv_buffers(x, conv_state, slots, num_accepted, tokens, width)
-    return out, PendingConv(conv_buf=conv_state, slots=slots, num_accepted=num_accepted, tokens=tokens, width=width)
+                      conv_state_indices=torch.arange(1, len(index.tokens.seq) + 1, dtype=conv_state_indices.dtype))
+    return out, PendingConv(conv_buf=conv_state, slots=slots, num_accepted=num_accepted, index=index)
 
 
 def tree_state_update(pending: PendingConv, state_update: Callable[..., Any], state: torch.Tensor, x: torch.Tensor,
@@ -75,9 +72,9 @@ def tree_state_update(pending: PendingConv, state_update: Callable[..., Any], st
     B / C [T, groups, N]; out [T, H, head_dim] (written); kwargs: the call's other arguments (D, z, dt_bias,
     dt_softplus, ...) for vLLM's ``selective_state_update`` (``state_update``), which each depth's nodes go
     through one token each, as plain decoding calls it."""
-    tokens, slots = pending.tokens, pending.slots
+    slots = pending.slots
     z = kwargs.pop("z", None)
-    for rows, dst in fork_states_by_depth(state, slots, pending.num_accepted, tokens):  # [n] tokens of a depth, slots
+    for rows, dst in fork_states_by_depth(state, slots, pending.num_accepted, pending.index):  # [n] tokens of a depth, slots
         node_out = torch.empty_like(out[rows])  # [n, H, head_dim]
         indices = dst.to(index_dtype)[:, None]  # [n, 1]: one token per node, as in plain decoding
         state_update(state, x[rows], dt[rows], A, B[rows], C[rows], z=None if z is None else z[rows],
@@ -85,4 +82,4 @@ def tree_state_update(pending: PendingConv, state_update: Callable[..., Any], st
         out[rows] = node_out
     return LinearStepLayer(conv_buf=pending.conv_buf, ssm_state=state,
                            req=torch.arange(slots.shape[0], dtype=torch.int64), slots=slots.clone(),
-                           node0_col=pending.width - 2)
+                           node0_col=pending.index.width - 2)

@@ -180,16 +180,24 @@ class UBTreeRunnerMixin:
         if not self._commit_in_cache:  # CPU_ATTN: replay the stashed K/V
             commit_accepted_paths(self._tree_state, plan, accept.accepted_path, accept.num_accepted)
         elif len(plan.stash_rows):
-            if len(self.kv_cache_config.kv_cache_groups) != 1:
-                raise NotImplementedError("ubtree's in-cache KV commit supports one KV cache group")
             # FLASH_ATTN: this step's KV slot of every stash row, from vLLM's slot-mapping buffer.
-            slot_mapping = self.input_batch.block_table[0].slot_mapping.gpu
+            slot_mapping = self.input_batch.block_table[self._tree_attention_group()].slot_mapping.gpu
             stash_slots = slot_mapping[plan.to_device(self.device).stash_rows].long()
             caches = [layer.kv_cache for layer in self._tree_attention_layers]
             if self._kv_cache_ptrs is None:  # once: the caches are allocated before the first step and never move
                 self._kv_cache_ptrs = kv_cache_pointers(caches)
             commit_accepted_paths_in_cache(self._kv_cache_ptrs, caches[0], stash_slots, plan, accept.accepted_path,
                                            accept.num_accepted)
+
+    def _tree_attention_group(self) -> int:
+        """The KV cache group of the tree attention layers (a hybrid target's recurrent layers have groups of their
+        own); NotImplementedError if they span several (the in-cache commit reads one slot mapping)."""
+        names = {layer.layer_name for layer in self._tree_attention_layers}
+        groups = [g for g, group in enumerate(self.kv_cache_config.kv_cache_groups) if names & set(group.layer_names)]
+        if len(groups) != 1:
+            raise NotImplementedError(f"ubtree's in-cache KV commit supports tree attention layers in one KV cache "
+                                      f"group, found them in {len(groups)}")
+        return groups[0]
 
     # ---- 5. features and drafting ----------------------------------------------------------
     def _input_fits_in_drafter(self, common_attn_metadata: Any) -> bool:
