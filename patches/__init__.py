@@ -191,7 +191,7 @@ MANIFEST: tuple[PatchSpec, ...] = (
         stage="worker",
     ),
     PatchSpec(
-        name="cpu_mamba2_tree_decode",
+        name="mamba2_tree_decode",
         vllm_symbol="vllm.model_executor.layers.mamba.mamba_mixer2.selective_state_update",
         why=("vLLM's Mamba2 mixer runs a request's speculative tokens through causal_conv1d_update and "
              "selective_state_update as one chain (the CPU conv even ignores num_accepted_tokens); a tree node "
@@ -200,7 +200,8 @@ MANIFEST: tuple[PatchSpec, ...] = (
              "step's target forward the decode tokens run as the step's trees (ubtree_vllm.vllm.mamba2_tree: "
              "node j's window from its root path through vLLM's one-token conv, its state from its parent's "
              "through vLLM's one-token state update, written to slot j) and the layer is recorded for the "
-             "runner's commit of the accepted path; otherwise vLLM's functions run. CPU platform only."),
+             "runner's commit of the accepted path; otherwise vLLM's functions run. CPU, and CUDA for targets "
+             "admitted by UBTREE_CUDA_HYBRIDS=1."),
         removal_condition=("vLLM's Mamba2 mixer takes a draft topology (tree speculative decoding upstream) or "
                            "exposes a per-node state hook."),
         stage="worker",
@@ -215,7 +216,7 @@ MANIFEST: tuple[PatchSpec, ...] = (
              "after) and rebinds the two module-level names it calls: their speculative calls run as the step's "
              "trees through vLLM's one-token calls (ubtree_vllm.vllm.gdn_tree_cuda), every other call runs vLLM's "
              "function; layers are built with enable_fused_gdn_spec_decode off. CUDA only, for targets admitted by "
-             "UBTREE_CUDA_GDN=1."),
+             "UBTREE_CUDA_HYBRIDS=1."),
         removal_condition=("vLLM's linear-attention backends take a draft topology (tree speculative decoding "
                            "upstream, e.g. parents in the GDN metadata) or expose a per-node state hook."),
         stage="worker",

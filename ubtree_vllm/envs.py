@@ -86,13 +86,15 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
             "VLLM_USE_V2_MODEL_RUNNER=0, then V1; v1 / mrv2 force one (mrv2 refuses B < gamma)."
         ),
     ),
-    "UBTREE_CUDA_GDN": EnvVar(
+    "UBTREE_CUDA_HYBRIDS": EnvVar(
         default="0",
         parse=_flag,
         doc=(
-            "1: serve Gated DeltaNet targets (Qwen3-Next) on CUDA with the tree form of vLLM's CUDA GDN path "
-            "(ubtree_vllm/vllm/gdn_tree_cuda.py; V1 runner, PIECEWISE CUDA graphs). Opt-in until its H200 "
-            "engine test (tests/vllm/test_vllm_gpu_hybrid.py) has passed; 0 (default): refused on CUDA."
+            "1: serve hybrid targets on CUDA with the tree forms of their recurrent layers through vLLM's CUDA "
+            "calls: Gated DeltaNet (Qwen3-Next, ubtree_vllm/vllm/gdn_tree_cuda.py) and Mamba2 (NemotronH, "
+            "Falcon-H1, ubtree_vllm/vllm/mamba2_tree.py); V1 runner, PIECEWISE CUDA graphs. Opt-in until their "
+            "H200 tests (tests/vllm/test_vllm_gpu.py, test_vllm_gdn_cuda_layer.py) have passed; 0 (default): "
+            "refused on CUDA."
         ),
     ),
     "UBTREE_COMMIT": EnvVar(

@@ -91,27 +91,30 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
     from vllm.platforms import current_platform
 
     from ubtree_vllm import envs
-    from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, CPU_ONLY_MLA, CUDA_GDN_HYBRIDS, PROPOSER_CLASS_PATH,
-                                         VLLM_METHOD, TargetInfo, check_hybrid_engine, default_budget_schedule,
-                                         parse_speculative_config)
+    from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, CPU_ONLY_MLA, CUDA_HYBRIDS, HYBRID_MAMBA2,
+                                         PROPOSER_CLASS_PATH, VLLM_METHOD, TargetInfo, check_hybrid_engine,
+                                         default_budget_schedule, parse_speculative_config)
 
     target = TargetInfo.from_model_config(target_model_config)
     spec = parse_speculative_config(_merged_user_spec(args), target)
     check_hybrid_engine(target, current_platform.is_cpu(), args.tensor_parallel_size, bool(args.enable_prefix_caching),
-                        cuda_gdn=envs.UBTREE_CUDA_GDN)
-    cuda_gdn = current_platform.is_cuda() and any(a in CUDA_GDN_HYBRIDS for a in target.architectures)
+                        cuda_hybrids=envs.UBTREE_CUDA_HYBRIDS)
+    cuda_hybrid = current_platform.is_cuda() and any(a in CUDA_HYBRIDS for a in target.architectures)
     if spec.tree_attention != "triton" and not current_platform.is_cuda():
         raise ValueError(f"speculative_config.tree_attention {spec.tree_attention!r} runs on CUDA only (FlashAttention "
                          f"attends the context); on {current_platform.device_name!r} use 'triton' (the default)")
     mrv2 = current_platform.is_cuda() and _runs_on_mrv2(envs.UBTREE_VLLM_RUNNER, spec, args.tensor_parallel_size,
-                                                        hybrid=cuda_gdn)
+                                                        hybrid=cuda_hybrid)
     if spec.tree_attention == "triton_stock_roots" and not mrv2:
         raise ValueError("speculative_config.tree_attention 'triton_stock_roots' runs on Model Runner V2 only (the "
                          "default CUDA runner; it lays out uniform decode steps for it); this engine runs the V1 runner: "
                          "use 'triton' or 'flash_merge'")
     _check_engine_args(args, mrv2)
-    if cuda_gdn:
+    if cuda_hybrid:
         _piecewise_graphs(args)
+    if getattr(args, "use_replayssm", False) and any(a in HYBRID_MAMBA2 for a in target.architectures):
+        raise ValueError("use_replayssm must be False with speculative method 'ubtree' (ReplaySSM's Mamba2 decode "
+                         "calls have no tree form)")
     if _user_chose_graph_sizes(args):
         spec = dataclasses.replace(spec, wide_decode_graphs=False)
     if mrv2 and spec.budget_schedule is None and spec.budget_policy == "load_adaptive":
@@ -177,13 +180,13 @@ def _runs_on_mrv2(runner: str, spec: Any, tensor_parallel_size: int = 1, hybrid:
     ``auto`` takes Model Runner V2 unless it cannot serve the engine -- a tree budget below the
     drafter's block size (vLLM reserves B lookahead KV slots, the drafter writes gamma) or
     ``VLLM_USE_V2_MODEL_RUNNER=0`` or tensor parallelism (V1 only so far) or a hybrid target (``hybrid``: the
-    GDN tree form is wired on the V1 runner; vLLM's MRV2 refuses hybrids) -- and then the V1 runner,
+    recurrent layers' tree forms are wired on the V1 runner; vLLM's MRV2 refuses hybrids) -- and then the V1 runner,
     saying why; ``mrv2`` with a hybrid target is a ValueError. ``prompt_lookup`` runs on either (MRV2's
     branch passed its H200 greedy test on 2026-12-01), and so does a budget schedule (MRV2's load-adaptive greedy test with B = gamma passed on
     the H200 on 2026-12-03, after the draft graph fix of ``mrv2/speculator.py:draft_graph_config``)."""
     if hybrid and runner == "mrv2":
-        raise ValueError("UBTREE_VLLM_RUNNER=mrv2 cannot serve a hybrid target with speculative method 'ubtree' (its "
-                         "Gated DeltaNet tree form runs on the V1 runner): use auto or v1")
+        raise ValueError("UBTREE_VLLM_RUNNER=mrv2 cannot serve a hybrid target with speculative method 'ubtree' (the "
+                         "tree forms of its recurrent layers run on the V1 runner): use auto or v1")
     if runner != "auto":
         return runner == "mrv2"
     from vllm import envs as vllm_envs
@@ -194,16 +197,16 @@ def _runs_on_mrv2(runner: str, spec: Any, tensor_parallel_size: int = 1, hybrid:
               f"num_speculative_tokens ({budget}) < the drafter's block size ({gamma})" if budget < gamma else
               f"tensor_parallel_size {tensor_parallel_size} (tensor parallelism is served on the V1 runner)"
               if tensor_parallel_size > 1 else
-              "a hybrid target (its Gated DeltaNet tree form runs on the V1 runner)" if hybrid else None)
+              "a hybrid target (the tree forms of its recurrent layers run on the V1 runner)" if hybrid else None)
     if reason:
         init_logger(__name__).info("ubtree runs on the V1 model runner: %s (Model Runner V2 needs neither)", reason)
     return reason is None
 
 
 def _piecewise_graphs(args: Any) -> None:
-    """A Gated DeltaNet target on CUDA runs PIECEWISE CUDA graphs: its GDN op (one of vLLM's splitting ops) then runs
-    eagerly, as its tree form's per-step host bookkeeping needs (ubtree_vllm/vllm/gdn_tree_cuda.py); ValueError if
-    the user chose a mode with FULL graphs."""
+    """A hybrid target on CUDA runs PIECEWISE CUDA graphs: its recurrent layers' ops (``qwen_gdn_attention_core``,
+    ``mamba_mixer2``: vLLM's splitting ops) then run eagerly, as their tree forms' per-step host work needs
+    (ubtree_vllm/vllm/gdn_tree_cuda.py, mamba2_tree.py); ValueError if the user chose a mode with FULL graphs."""
     from vllm.config import CompilationConfig
     from vllm.config.compilation import CUDAGraphMode
 
@@ -214,7 +217,7 @@ def _piecewise_graphs(args: Any) -> None:
         args.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
     elif CUDAGraphMode(mode) not in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE):
         raise ValueError(f"compilation_config.cudagraph_mode must be PIECEWISE or NONE (or unset) with speculative "
-                         f"method 'ubtree' for a Gated DeltaNet target on CUDA (its tree form runs outside CUDA graphs), "
+                         f"method 'ubtree' for a hybrid target on CUDA (its tree forms run outside CUDA graphs), "
                          f"got {CUDAGraphMode(mode).name}")
 
 

@@ -4,7 +4,7 @@ UBTree's drafter reads the hidden states entering chosen target layers, which vL
 ``SupportsEagle3`` (``set_aux_hidden_state_layers``, a model forward that returns ``(hidden, [aux...])``).
 vLLM 0.32's ``FalconH1ForCausalLM`` does not implement it, so a UBTree engine on a Falcon-H1 target failed at start
 ("Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested", probe 2026-12-03), although
-its Mamba2 mixers verify trees as NemotronH's do (patch ``cpu_mamba2_tree_decode``). The patch adds the interface
+its Mamba2 mixers verify trees as NemotronH's do (patch ``mamba2_tree_decode``). The patch adds the interface
 to the class and replaces ``FalconH1Model.forward`` with vLLM's loop plus the taps: the residual stream entering
 each tapped layer (Falcon-H1's layers keep no residual between them, so that stream is their input), and after the
 last layer when it is tapped -- vLLM's ``hidden_states + residual`` convention of the models that have it. Without

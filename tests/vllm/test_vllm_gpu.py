@@ -30,7 +30,8 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from vllm_engines import TINY_TREE, spec_counts
-from vllm_models import save_tiny_llama, save_tiny_qwen3_next, save_untrained_drafter
+from vllm_models import (save_tiny_falcon_h1, save_tiny_llama, save_tiny_nemotron_h, save_tiny_qwen3_next,
+                         save_untrained_drafter)
 from vllm_oracle import ReferenceOracle, engine_runner, install_oracle
 from ubtree_vllm.config import SamplingConfig
 
@@ -164,26 +165,30 @@ def test_float32_greedy_is_token_identical_smollm2(runner, default_target_dir, t
         assert tau > 1.5, tau
 
 
-@pytest.fixture
-def tiny_qwen3_next(tmp_path, monkeypatch):
-    """(target, untrained drafter): a random bf16 Qwen3-Next (Gated DeltaNet + full attention + MoE), served under
-    UBTREE_CUDA_GDN=1 (the V1 runner, PIECEWISE graphs; ubtree_vllm/vllm/gdn_tree_cuda.py)."""
-    monkeypatch.setenv("UBTREE_CUDA_GDN", "1")
-    target = save_tiny_qwen3_next(tmp_path / "qwen3-next")
-    return target, save_untrained_drafter(target, tmp_path / "qwen3-next-drafter")
+# Hybrid targets on CUDA (issue 17), opt-in with UBTREE_CUDA_HYBRIDS=1 (the V1 runner, PIECEWISE graphs): Qwen3-Next
+# (Gated DeltaNet, ubtree_vllm/vllm/gdn_tree_cuda.py), NemotronH and Falcon-H1 (Mamba2, ubtree_vllm/vllm/mamba2_tree.py)
+HYBRIDS = {"qwen3_next": save_tiny_qwen3_next, "nemotron_h": save_tiny_nemotron_h, "falcon_h1": save_tiny_falcon_h1}
 
 
-def test_greedy_equality_gdn_hybrid_tiny_qwen3_next(tiny_qwen3_next):
-    """Issue 17 on CUDA, untrained drafter: up to bf16 near-ties (vLLM's plain GDN decode may take its packed
-    recurrent kernel; the tree form makes vLLM's per-token call), one request and the batch."""
-    run_pair(*tiny_qwen3_next, tree=TINY_TREE, enable_prefix_caching=False)
+@pytest.fixture(params=sorted(HYBRIDS))
+def tiny_hybrid(request, tmp_path, monkeypatch):
+    """(target, untrained drafter): a random bf16 hybrid of one family, served under UBTREE_CUDA_HYBRIDS=1."""
+    monkeypatch.setenv("UBTREE_CUDA_HYBRIDS", "1")
+    target = HYBRIDS[request.param](tmp_path / request.param)
+    return target, save_untrained_drafter(target, tmp_path / f"{request.param}-drafter")
 
 
-def test_gdn_hybrid_copying_oracle_commits_long_paths_tiny_qwen3_next(tiny_qwen3_next):
+def test_greedy_equality_hybrid_target(tiny_hybrid):
+    """Untrained drafter: up to bf16 near-ties (vLLM's plain decoding may take other kernels than its one-token calls
+    the tree forms make, e.g. the packed GDN recurrence), one request and the batch."""
+    run_pair(*tiny_hybrid, tree=TINY_TREE, enable_prefix_caching=False)
+
+
+def test_hybrid_copying_oracle_commits_long_paths(tiny_hybrid):
     """The copying oracle puts plain decoding's continuation on a second branch cut at random depths, so accepted
-    paths run off their depth and every GDN layer's commit moves state slots and conv columns; greedy output equals
-    plain decoding's up to bf16 near-ties, with tau > 2."""
-    target, drafter = tiny_qwen3_next
+    paths run off their depth and every recurrent layer's commit moves state slots and conv columns; greedy output
+    equals plain decoding's up to bf16 near-ties, with tau > 2."""
+    target, drafter = tiny_hybrid
     plain = engine(target, logprobs_mode="raw_logits", enable_prefix_caching=False)
     vocab = plain.llm_engine.model_config.get_vocab_size()
     prompt_ids = prompts_for(vocab)
@@ -206,16 +211,19 @@ def test_gdn_hybrid_copying_oracle_commits_long_paths_tiny_qwen3_next(tiny_qwen3
     assert_greedy_equal_up_to_near_ties(spec, reference, "copying oracle")
 
 
-def test_t1_gdn_hybrid_samples_follow_plain_decodings_distribution(tmp_path, monkeypatch):
-    """Issue 17 on CUDA at T = 1: a vocabulary-8 Qwen3-Next under UBTREE_CUDA_GDN=1, 3000 continuations of 4 tokens
-    from UBTree (untrained drafter, K = 6 of 8, so trees are often partly accepted) against 3000 from the same engine
-    without speculation, a two-sample test per position and adjacent pair."""
+# Falcon-H1 runs NemotronH's Mamba2 tree form, and at vocabulary 8 its untrained drafter's trees were accepted too
+# rarely on the CPU for the test's precondition (tests/vllm/test_vllm_cpu_families.py)
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_t1_hybrid_samples_follow_plain_decodings_distribution(family, tmp_path, monkeypatch):
+    """At T = 1 on a vocabulary-8 hybrid: 3000 continuations of 4 tokens from UBTree (untrained drafter, K = 6 of 8,
+    so trees are often partly accepted) against 3000 from the same engine without speculation, a two-sample test
+    per position and adjacent pair."""
     import torch
     from exact_distribution import two_sample_pvalues  # scipy, imported only by this test
 
-    monkeypatch.setenv("UBTREE_CUDA_GDN", "1")
-    target = save_tiny_qwen3_next(tmp_path / "vocab8-qwen3-next", vocab_size=8, seed=3)
-    drafter = save_untrained_drafter(target, tmp_path / "vocab8-qwen3-next-drafter", block_size=3, top_k=6, seed=1)
+    monkeypatch.setenv("UBTREE_CUDA_HYBRIDS", "1")
+    target = HYBRIDS[family](tmp_path / f"vocab8-{family}", vocab_size=8, seed=3)
+    drafter = save_untrained_drafter(target, tmp_path / f"vocab8-{family}-drafter", block_size=3, top_k=6, seed=1)
     small = dict(max_model_len=64, max_num_seqs=64, enable_prefix_caching=False)
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=[1, 2, 3])] * 3000

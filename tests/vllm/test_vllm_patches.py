@@ -26,7 +26,7 @@ cpu_platform_only = pytest.mark.skipif(not on_cpu(), reason="exercises the CPU p
 
 TESTED_PATCHES = {"engine_args_speculative_config", "sampling_params_spec_decode", "scheduler_tree_drafts",
                   "structured_output_tree", "cpu_worker_model_runner", "attention_backends", "cpu_gdn_tree_forward",
-                  "cpu_gdn_native_conv", "cpu_mamba2_tree_decode", "engine_core_hybrid_budget",
+                  "cpu_gdn_native_conv", "mamba2_tree_decode", "engine_core_hybrid_budget",
                   "cpu_rope_multihead", "falcon_h1_hidden_states", "cuda_gdn_tree_forward"}
 
 
@@ -555,15 +555,15 @@ def test_cuda_gdn_forward_core_runs_the_tree_forms_only_for_a_ubtree_steps_specu
             restore_attr(owner, name)
 
 
-def test_a_gdn_target_on_cuda_is_opt_in_and_runs_the_v1_runner_with_piecewise_graphs(monkeypatch, tmp_path,
-                                                                                    vllm_models_dir):
-    """Faked CUDA, rewrite only: refused without UBTREE_CUDA_GDN=1 (the error names it); with it, the V1 form and
-    PIECEWISE graphs, a FULL mode or UBTREE_VLLM_RUNNER=mrv2 refused by name."""
+def test_a_hybrid_target_on_cuda_is_opt_in_and_runs_the_v1_runner_with_piecewise_graphs(monkeypatch, tmp_path,
+                                                                                       vllm_models_dir):
+    """Faked CUDA, rewrite only: refused without UBTREE_CUDA_HYBRIDS=1 (the error names it); with it, the V1 form and
+    PIECEWISE graphs, a FULL mode or UBTREE_VLLM_RUNNER=mrv2 refused by name; a Mamba2 target refuses ReplaySSM."""
     import vllm.envs as vllm_envs
     from vllm.config.compilation import CUDAGraphMode
     from vllm.platforms import current_platform
 
-    from vllm_models import save_tiny_qwen3_next, save_untrained_drafter
+    from vllm_models import save_tiny_nemotron_h, save_tiny_qwen3_next, save_untrained_drafter
 
     target = save_tiny_qwen3_next(vllm_models_dir / "cuda-opt-in-qwen3-next")
     drafter = save_untrained_drafter(target, vllm_models_dir / "cuda-opt-in-qwen3-next-drafter")
@@ -574,17 +574,17 @@ def test_a_gdn_target_on_cuda_is_opt_in_and_runs_the_v1_runner_with_piecewise_gr
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     monkeypatch.setattr(vllm_envs, "VLLM_USE_V2_MODEL_RUNNER", None, raising=False)
 
-    def rewritten(**engine_kwargs):
-        args = EngineArgs(model=str(target), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512,
-                          enable_prefix_caching=False, speculative_config=ubtree_spec(drafter), **engine_kwargs)
+    def rewritten(model=target, draft=drafter, **engine_kwargs):
+        args = EngineArgs(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512,
+                          enable_prefix_caching=False, speculative_config=ubtree_spec(draft), **engine_kwargs)
         rewrite._rewrite_to_vllm(args, args.create_model_config())
         return args
 
-    monkeypatch.delenv("UBTREE_CUDA_GDN", raising=False)
+    monkeypatch.delenv("UBTREE_CUDA_HYBRIDS", raising=False)
     with pytest.raises(ValueError, match=r"'Qwen3NextForCausalLM' is served by method 'ubtree' on the CPU only.*"
-                                         r"UBTREE_CUDA_GDN=1"):
+                                         r"UBTREE_CUDA_HYBRIDS=1"):
         rewritten()
-    monkeypatch.setenv("UBTREE_CUDA_GDN", "1")
+    monkeypatch.setenv("UBTREE_CUDA_HYBRIDS", "1")
     args = rewritten()
     assert args.speculative_config["method"] == VLLM_METHOD
     assert args.additional_config[ADDITIONAL_CONFIG_KEY].get("runner", "v1") == "v1"
@@ -596,26 +596,30 @@ def test_a_gdn_target_on_cuda_is_opt_in_and_runs_the_v1_runner_with_piecewise_gr
         rewritten(compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
     with pytest.raises(ValueError, match=r"tensor_parallel_size must be 1"):
         rewritten(tensor_parallel_size=2)
+    nemotron = save_tiny_nemotron_h(vllm_models_dir / "cuda-opt-in-nemotron-h")
+    nemotron_drafter = save_untrained_drafter(nemotron, vllm_models_dir / "cuda-opt-in-nemotron-h-drafter")
+    assert rewritten(nemotron, nemotron_drafter).compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    with pytest.raises(ValueError, match=r"use_replayssm must be False"):
+        rewritten(nemotron, nemotron_drafter, use_replayssm=True)
     monkeypatch.setenv("UBTREE_VLLM_RUNNER", "mrv2")
     with pytest.raises(ValueError, match=r"UBTREE_VLLM_RUNNER=mrv2 cannot serve a hybrid target"):
         rewritten()
 
 
-# --- cpu_mamba2_tree_decode ------------------------------------------------------------------
+# --- mamba2_tree_decode -------------------------------------------------------------------------
 
 
-@cpu_platform_only
-def test_cpu_mamba2_decode_calls_run_the_tree_forms_only_inside_a_ubtree_step(monkeypatch):
+def test_mamba2_decode_calls_run_the_tree_forms_only_inside_a_ubtree_step(monkeypatch):
     import vllm.model_executor.layers.mamba.mamba_mixer2 as mixer
 
     import ubtree_vllm.vllm.mamba2_tree as mamba2_tree
     from ubtree_vllm.vllm.attention.state import tree_forward_state
 
-    module = importlib.import_module("ubtree_vllm.patches.worker.patch_cpu_mamba2_tree_decode")
+    module = importlib.import_module("ubtree_vllm.patches.worker.patch_mamba2_tree_decode")
     module.apply()
     module.apply()  # idempotent
     assert getattr(mixer.causal_conv1d_update, MARK) == getattr(mixer.selective_state_update, MARK) == \
-        "cpu_mamba2_tree_decode"
+        "mamba2_tree_decode"
     calls = []
     monkeypatch.setattr(mixer, original_attr_name("causal_conv1d_update"),
                         lambda *args, **kwargs: calls.append(("vllm conv", args, kwargs)) or "chain conv")

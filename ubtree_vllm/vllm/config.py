@@ -58,14 +58,17 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
                            "DeepseekV3ForCausalLM")
 # Hybrid families whose recurrent layers verify trees on the CPU only: Qwen3-Next's Gated DeltaNet and
 # NemotronH's Mamba2 run their tree forms through vLLM's CPU kernels (ubtree_vllm.vllm.gdn_tree,
-# ubtree_vllm.vllm.mamba2_tree, docs/design/hybrid.md); on CUDA only Gated DeltaNet, opt-in (CUDA_GDN_HYBRIDS).
+# ubtree_vllm.vllm.mamba2_tree, docs/design/hybrid.md); on CUDA opt-in (CUDA_HYBRIDS).
 # Checked with the engine arguments (check_hybrid_engine).
 CPU_ONLY_HYBRIDS = {"Qwen3NextForCausalLM": "QwenGatedDeltaNetAttention (Gated DeltaNet)",
                     "NemotronHForCausalLM": "MambaMixer2 (Mamba2)",
                     "FalconH1ForCausalLM": "MambaMixer2 (Mamba2)"}
-# Of those, the Gated DeltaNet targets whose tree form also runs on CUDA (ubtree_vllm.vllm.gdn_tree_cuda: vLLM's
-# CUDA GDN calls per node, V1 runner, PIECEWISE graphs), opt-in with UBTREE_CUDA_GDN=1 until its H200 test passes.
-CUDA_GDN_HYBRIDS = ("Qwen3NextForCausalLM",)
+# Of those, the targets whose recurrent layers' tree forms also run on CUDA (vLLM's one-token CUDA calls per node:
+# ubtree_vllm.vllm.gdn_tree_cuda for Gated DeltaNet, ubtree_vllm.vllm.mamba2_tree for Mamba2; V1 runner, PIECEWISE
+# graphs), opt-in with UBTREE_CUDA_HYBRIDS=1 until their H200 tests pass.
+CUDA_HYBRIDS = ("Qwen3NextForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM")
+# Of those, the Mamba2 ones (vLLM's MambaMixer2; its ReplaySSM decode calls have no tree form).
+HYBRID_MAMBA2 = ("NemotronHForCausalLM", "FalconH1ForCausalLM")
 # Multi-head latent attention targets verify trees through vLLM's CPU MLA backend only (ubtree_vllm.vllm.attention.
 # cpu_mla; the CUDA MLA backends are not wired). Checked with the engine arguments (check_hybrid_engine).
 CPU_ONLY_MLA = {"DeepseekV2ForCausalLM": "DeepseekV2MLAAttention (multi-head latent attention)",
@@ -327,13 +330,13 @@ def _tree_attention_mode(value: Any, field: str) -> str:
 
 
 def check_hybrid_engine(target: TargetInfo, on_cpu: bool, tensor_parallel_size: int,
-                        enable_prefix_caching: bool, cuda_gdn: bool = False) -> None:
+                        enable_prefix_caching: bool, cuda_hybrids: bool = False) -> None:
     """Engine settings a hybrid or MLA target (:data:`CPU_ONLY_HYBRIDS`, :data:`CPU_ONLY_MLA`) is served with;
     ValueError names the setting.
 
-    The tree form of its recurrent or latent-attention layers runs on the CPU, on one rank; Gated DeltaNet targets
-    (:data:`CUDA_GDN_HYBRIDS`) run on CUDA too when ``cuda_gdn`` (``UBTREE_CUDA_GDN=1``, opt-in until its H200 test
-    passes). vLLM's prefix caching of recurrent states (``mamba_cache_mode`` 'align') copies a chain's per-token
+    The tree form of its recurrent or latent-attention layers runs on the CPU, on one rank; the recurrent hybrids of
+    :data:`CUDA_HYBRIDS` run on CUDA too when ``cuda_hybrids`` (``UBTREE_CUDA_HYBRIDS=1``, opt-in until their H200
+    tests pass). vLLM's prefix caching of recurrent states (``mamba_cache_mode`` 'align') copies a chain's per-token
     state slots after each step (and launches a Triton kernel the CPU build lacks); vLLM's CPU platform turns
     prefix caching off for MLA.
     """
@@ -342,9 +345,9 @@ def check_hybrid_engine(target: TargetInfo, on_cpu: bool, tensor_parallel_size: 
     if not hybrid:
         return
     arch, layers = hybrid[0]
-    if not on_cpu and not (cuda_gdn and arch in CUDA_GDN_HYBRIDS):
-        opt_in = (" (the CUDA GDN tree form is opt-in until its H200 engine test passes: UBTREE_CUDA_GDN=1)"
-                  if arch in CUDA_GDN_HYBRIDS else "")
+    if not on_cpu and not (cuda_hybrids and arch in CUDA_HYBRIDS):
+        opt_in = (" (its CUDA tree form is opt-in until its H200 engine tests pass: UBTREE_CUDA_HYBRIDS=1)"
+                  if arch in CUDA_HYBRIDS else "")
         raise ValueError(f"target architecture {arch!r} is served by method {METHOD!r} on the CPU only: the tree form "
                          f"of its {layers} layers runs through vLLM's CPU kernels; vLLM's CUDA path is not wired "
                          f"yet{opt_in}")

@@ -1,4 +1,4 @@
-"""Serve the decode tokens of vLLM's CPU Mamba2 mixer as the UBTree step's trees.
+"""Serve the decode tokens of vLLM's Mamba2 mixer as the UBTree step's trees (CPU, and CUDA for opted-in targets).
 
 ``vllm.model_executor.layers.mamba.mamba_mixer2`` runs the decode requests of every ``MambaMixer2`` layer
 through its module-level ``causal_conv1d_update`` and ``selective_state_update``, which treat each request's
@@ -8,7 +8,9 @@ forms of :mod:`ubtree_vllm.vllm.mamba2_tree` while a UBTree step's target forwar
 record, the SSM call that follows it completes the record for the runner's commit. Every other call (other
 engines, dummy and profile runs) gets vLLM's functions unchanged.
 
-CPU platform only: Mamba2 targets are refused on CUDA at engine configuration.
+On CUDA the same two names are vLLM's Triton conv and SSM update (the tree forms index on the device and read no
+device tensor back); Mamba2 targets run there only with ``UBTREE_CUDA_HYBRIDS=1``, PIECEWISE graphs (the mixer op is
+one of vLLM's splitting ops) and without ReplaySSM, whose decode calls are others (engine configuration).
 """
 from __future__ import annotations
 
@@ -16,13 +18,13 @@ from typing import Any
 
 from ubtree_vllm.patches._patching import original_attr_name, replace_attr
 
-NAME = "cpu_mamba2_tree_decode"
+NAME = "mamba2_tree_decode"
 
 
 def apply() -> None:
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
+    if not (current_platform.is_cpu() or current_platform.is_cuda()):
         return
     import vllm.model_executor.layers.mamba.mamba_mixer2 as mixer
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
@@ -43,7 +45,7 @@ def apply() -> None:
         out, record = tree_conv_update(
             state.step_plan, original, x, conv_state, weight, bias, activation,
             conv_state_indices=kwargs["conv_state_indices"], num_accepted_tokens=kwargs["num_accepted_tokens"],
-            query_start_loc=kwargs["query_start_loc"], dim_first=is_conv_state_dim_first())
+            dim_first=is_conv_state_dim_first())
         pending[:] = [record]
         return out
 
