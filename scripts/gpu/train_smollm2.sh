@@ -57,6 +57,9 @@
 #            INTERLEAVE=K (bench, sweep, options) starts every engine at once (one process each) and runs each cell's prompts in K
 #            chunks, the engines in turn (bench/interleave.py: machine drift falls on every method alike); their
 #            memory shares add up, so set GPU_MEM (default 0.25 per engine) to about 0.85 / engines
+#   hybridbench  `ubtree bench random-hybrid` (HYBRID_FAMILY: qwen3-next or nemotron-h), then `bench e2e` of it under
+#            UBTREE_CUDA_HYBRIDS=1: ar, ngram, ubtree and ubtree-lookup (V1 runner) at B = HYBRID_BUDGETS (default 16),
+#            HYBRID_CONCURRENCY (default 1,8), HYBRID_PROMPTS mt_bench prompts (default 8): round time and tau of forking
 #   sweep    `ubtree bench e2e` concurrency SWEEP_CONCURRENCY (default 1,4,16,32) on SWEEP_DATASETS (default mt_bench;
 #            SWEEP_PROMPTS per set, default 64) at SWEEP_TEMPS (default 0);
 #            SWEEP_METHODS (default ar,ngram,ubtree-mrv2) and SWEEP_BUDGETS (default 64) select the runs;
@@ -248,6 +251,14 @@ for phase in "$@"; do
         --max-new-tokens 256 --methods "${METHODS:-ar,ngram,dflash-chain,ubtree-mrv2,ubtree}" \
         --tree-budgets "${BUDGETS:-16,32,64}" ${TREE_ATTENTION:+--tree-attention "$TREE_ATTENTION"} \
         --beam-width 12 --top-k 64 --concurrency 1 ;;
+    hybridbench)  # issue 17: the cost of forking recurrent states per node, on a random hybrid (bench/random_hybrid.py)
+      FAM="${HYBRID_FAMILY:-qwen3-next}"
+      ubtree bench random-hybrid --out /tmp/hybrid --family "$FAM"
+      UBTREE_CUDA_HYBRIDS=1 ubtree bench e2e --target "/tmp/hybrid/random-$FAM" --drafter "/tmp/hybrid/random-$FAM-drafter" \
+        --data-dir .gpudata --records "$RECORDS" --no-report --gpu-memory-utilization "${GPU_MEM:-0.25}" \
+        --datasets "${HYBRID_DATASETS:-mt_bench}" --temperatures 0 --num-prompts "${HYBRID_PROMPTS:-8}" \
+        --max-new-tokens 256 --methods "${HYBRID_METHODS:-ar,ngram,ubtree,ubtree-lookup}" \
+        --tree-budgets "${HYBRID_BUDGETS:-16}" --beam-width 4 --top-k 16 --concurrency "${HYBRID_CONCURRENCY:-1,8}" ;;
     sweep)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization "${GPU_MEM:-0.25}" ${INTERLEAVE:+--interleave "$INTERLEAVE"} \

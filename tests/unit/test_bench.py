@@ -538,3 +538,33 @@ def test_interleave_flag_is_checked():
         settings_from_args(e2e_args(methods="ar", interleave=0))
     with pytest.raises(BenchArgumentError, match="--profile and --stage-timing time one engine at a time"):
         settings_from_args(e2e_args(methods="ar", interleave=2, stage_timing=True))
+
+
+def test_random_hybrid_writes_a_chat_ready_target_and_its_drafter(default_target_dir, tmp_path, monkeypatch):
+    """`bench random-hybrid` (shrunk here): a random bf16 hybrid in its family's HF class with the default target's
+    tokenizer and vocabulary, an untrained drafter for it, and bench e2e sees a recurrent hybrid (prefix caching off
+    for all its engines)."""
+    import json
+
+    from transformers import AutoConfig
+
+    from ubtree_vllm.bench import random_hybrid
+    from ubtree_vllm.bench.e2e import is_recurrent_hybrid
+    from ubtree_vllm.cli import main
+
+    config_name, model_name, fields = random_hybrid.SHAPES["qwen3-next"]
+    small = dict(fields, hidden_size=64, intermediate_size=64, num_hidden_layers=2, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"], num_experts=2)
+    monkeypatch.setitem(random_hybrid.SHAPES, "qwen3-next", (config_name, model_name, small))
+    assert main(["bench", "random-hybrid", "--out", str(tmp_path), "--family", "qwen3-next",
+                 "--tokenizer-from", str(default_target_dir)]) == 0
+    target, drafter = tmp_path / "random-qwen3-next", tmp_path / "random-qwen3-next-drafter"
+    config = AutoConfig.from_pretrained(target)
+    assert config.architectures == ["Qwen3NextForCausalLM"] and config.dtype == torch.bfloat16
+    assert config.vocab_size == AutoConfig.from_pretrained(default_target_dir).vocab_size
+    assert (target / "tokenizer.json").is_file() and is_recurrent_hybrid(target)
+    drafter_config = json.loads((drafter / "config.json").read_text())
+    assert drafter_config["vocab_size"] == config.vocab_size and drafter_config["hidden_size"] == 64
+    assert not is_recurrent_hybrid(default_target_dir)
+    with pytest.raises(SystemExit):
+        main(["bench", "random-hybrid", "--out", str(tmp_path), "--family", "kimi-linear"])

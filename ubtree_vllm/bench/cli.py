@@ -130,6 +130,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     _add_microbench_args(sub.add_parser(
         "microbench", help="time UBTree's draft post-processing, tree attention vs FlashAttention, and the "
                            "tree vs chain verification forward; appends microbench records"))
+    from ubtree_vllm.bench import random_hybrid  # argparse only; the module imports torch lazily
+
+    random_hybrid.add_args(sub.add_parser(
+        "random-hybrid", help="write a random-weight hybrid target (Qwen3-Next or NemotronH shapes) with the default "
+                              "target's tokenizer and an untrained drafter, for bench e2e of the cost of forking"))
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -138,6 +143,8 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         if args.bench_command == "e2e":
             from ubtree_vllm.bench.e2e import run_cli
+        elif args.bench_command == "random-hybrid":
+            from ubtree_vllm.bench.random_hybrid import run_cli
         else:
             from ubtree_vllm.bench.microbench import run_cli
         return run_cli(args)

@@ -59,6 +59,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 Log = Callable[[str], None]
 
 
+def is_recurrent_hybrid(target_path: str | Path) -> bool:
+    """Whether the target's architecture has recurrent layers UBTree forks per node (Gated DeltaNet, Mamba2): its
+    engines run without prefix caching, which UBTree refuses for them."""
+    import json
+
+    from ubtree_vllm.vllm.config import CPU_ONLY_HYBRIDS
+
+    config = Path(target_path) / "config.json"
+    architectures = (json.loads(config.read_text()).get("architectures") or []) if config.is_file() else []
+    return any(a in CPU_ONLY_HYBRIDS for a in architectures)
+
+
 def has_tokenizer(target_path: str | Path) -> bool:
     return any((Path(target_path) / name).is_file() for name in TOKENIZER_FILES)
 
@@ -430,6 +442,8 @@ def run_cli(args: argparse.Namespace) -> int:
         engine_kwargs["max_model_len"] = args.max_model_len
     if getattr(args, "distributed_executor_backend", None):
         engine_kwargs["distributed_executor_backend"] = args.distributed_executor_backend
+    if is_recurrent_hybrid(target_path):  # UBTree refuses vLLM's prefix caching of recurrent states; all alike
+        engine_kwargs["enable_prefix_caching"] = False
     records_path = None if args.no_record or settings.profile_dir is not None else args.records
     rows = run_e2e(settings, prompt_sets, target_path, engine_kwargs, records_path)
     if settings.profile_dir is not None:
