@@ -60,6 +60,8 @@ def install() -> None:
             seqs = gdn_tree_cuda.spec_sequences(state.step_plan, metadata.get(self.prefix), self.conv1d.weight.shape[-1])
         if seqs is None:
             return original(self, mixed_qkv, b, a, core_attn_out)
+        if self.enable_packed_recurrent_decode:  # plain decoding's kernel for one-token decodes on this layer
+            seqs.packed_decode = gdn.fused_recurrent_gated_delta_rule_packed_decode
         current[:] = [seqs]
         try:
             result = original(self, mixed_qkv, b, a, core_attn_out)

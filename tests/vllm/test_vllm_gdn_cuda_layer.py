@@ -1,14 +1,16 @@
 """The CUDA Gated DeltaNet tree form (patch cuda_gdn_tree_forward) with vLLM's own CUDA kernels.
 
 vLLM's ``_forward_core`` runs a tree step's speculative rows with the patch installed; every node's output and state
-equal, bit for bit, what vLLM's one-token decode calls (the non-speculative rows' calls of ``_forward_core``) compute
-along the node's root path; after the commit of accepted paths off their depth, a next step resumes from them.
+equal, bit for bit, what vLLM's decode of one token per request computes along the node's root path, in both of
+vLLM's decode paths: the packed kernel of ``_forward_core_decode_non_spec`` (``enable_packed_recurrent_decode``,
+vLLM's default) and ``fused_sigmoid_gating_delta_rule_update`` (the decode part of mixed batches); after the commit of
+accepted paths off their depth, a next step resumes from them.
 
-On CUDA both calls are vLLM's Triton kernels. On the CPU (CI) the recurrence is vLLM's CUDA kernel
-(``fused_sigmoid_gating_delta_rule_update``) run by the Triton interpreter, so its calling conventions are checked
-(state layout [HV, V, K], one state index per sequence, index 0 skipped, in place); the conv is vLLM's CPU conv given
-the CUDA conv's contract (its output written over its input): the interpreter cannot run vLLM's conv kernel
-("mask has unsupported dtype"). The engine-level tests are in test_vllm_gpu.py.
+On CUDA these are vLLM's Triton kernels. On the CPU (CI) both recurrence kernels are vLLM's CUDA kernels run by the
+Triton interpreter, so their calling conventions are checked (state layout [HV, V, K], one state index per sequence,
+index 0 skipped, in place, the packed q | k | v rows); the conv is vLLM's CPU conv given the CUDA conv's contract (its
+output written over its input): the interpreter cannot run vLLM's conv kernel ("mask has unsupported dtype"). The
+engine-level tests are in test_vllm_gpu.py.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ def gdn(monkeypatch):
 
     importlib.import_module("ubtree_vllm.patches.worker.patch_cuda_gdn_tree_forward").install()
     if not CUDA:
+        import vllm.third_party.flash_linear_attention.ops.fused_recurrent as fused_recurrent
         import vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating as fused_sigmoid_gating
 
         from vllm_triton_kernels import interpreted
@@ -49,6 +52,10 @@ def gdn(monkeypatch):
         monkeypatch.setattr(module, original_attr_name("causal_conv1d_update"), conv_over_its_input)
         monkeypatch.setattr(module, original_attr_name("fused_sigmoid_gating_delta_rule_update"),
                             interpreted(fused_sigmoid_gating).fused_sigmoid_gating_delta_rule_update)
+        packed = interpreted(fused_recurrent, substitutions={
+            "from .op import exp, log": "from vllm_triton_kernels import fla_exp as exp, fla_log as log"})
+        monkeypatch.setattr(module, "fused_recurrent_gated_delta_rule_packed_decode",
+                            packed.fused_recurrent_gated_delta_rule_packed_decode)
     yield module
     monkeypatch.undo()  # the originals first, then the patched names back to them
     cls = module.QwenGatedDeltaNetAttention
@@ -57,8 +64,9 @@ def gdn(monkeypatch):
         restore_attr(owner, name)
 
 
-def make_layer(gdn, gen, num_slots):
-    """What _forward_core reads of a layer, with caches [num_slots] in vLLM's CUDA layouts."""
+def make_layer(gdn, gen, num_slots, packed):
+    """What _forward_core reads of a layer, with caches [num_slots] in vLLM's CUDA layouts; ``packed``: its decode
+    takes the packed kernel."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     def rand(*shape, scale=1.0):
@@ -70,7 +78,7 @@ def make_layer(gdn, gen, num_slots):
         conv1d=types.SimpleNamespace(weight=rand(DIM, 1, WIDTH, scale=0.5), bias=rand(DIM, scale=0.1)),
         activation="silu", A_log=rand(HEADS), dt_bias=rand(HEADS), key_dim=HEADS * HEAD_DIM,
         value_dim=HEADS * HEAD_DIM, tp_size=1, head_k_dim=HEAD_DIM, head_v_dim=HEAD_DIM,
-        prefix="model.layers.0.linear_attn", enable_packed_recurrent_decode=False,
+        prefix="model.layers.0.linear_attn", enable_packed_recurrent_decode=packed,
         kv_cache=(raw_conv, rand(num_slots, HEADS, HEAD_DIM, HEAD_DIM, scale=0.1)))
     layer.rearrange_mixed_qkv = types.MethodType(gdn.QwenGatedDeltaNetAttention.rearrange_mixed_qkv, layer)
     layer.conv_state = raw_conv if dim_first else raw_conv.transpose(-1, -2)  # [slots, dim, state_len]
@@ -110,8 +118,9 @@ def tree_step(gdn, monkeypatch, layer, trees, num_accepted, slots, gen):
 
 
 def plain_decode(gdn, layer, window, state, tokens):
-    """vLLM's one-token CUDA decode calls (``_forward_core``'s non-speculative rows) over ``tokens`` [(x, b, a)] from
-    ``window`` [dim, width - 1] and ``state`` [H, V, K]; returns ([n, H, Dv] outputs, final state)."""
+    """vLLM's decode of one token per request over ``tokens`` [(x, b, a)] from ``window`` [dim, width - 1] and
+    ``state`` [H, V, K], the calls of ``_forward_core_decode_non_spec`` (packed layers) or of the decode part of
+    ``_forward_core`` (the others); returns ([n, H, Dv] outputs, final state)."""
     conv = getattr(gdn, original_attr_name("causal_conv1d_update"))
     recurrence = getattr(gdn, original_attr_name("fused_sigmoid_gating_delta_rule_update"))
     conv_state = window[None].expand(2, -1, -1).clone()  # slot 1 (0 is vLLM's null block)
@@ -122,6 +131,13 @@ def plain_decode(gdn, layer, window, state, tokens):
     for x, b, a in tokens:
         mixed = conv(x[None].clone(), conv_state, weight, layer.conv1d.bias, "silu", conv_state_indices=one,
                      validate_data=True)
+        if layer.enable_packed_recurrent_decode:
+            o = torch.empty(1, 1, HEADS, HEAD_DIM, dtype=BF16, device=DEVICE)
+            gdn.fused_recurrent_gated_delta_rule_packed_decode(
+                mixed_qkv=mixed, a=a[None], b=b[None], A_log=layer.A_log, dt_bias=layer.dt_bias,
+                scale=HEAD_DIM ** -0.5, initial_state=ssm, out=o, ssm_state_indices=one, use_qk_l2norm_in_kernel=True)
+            outs.append(o.reshape(HEADS, HEAD_DIM))
+            continue
         q, k, v = layer.rearrange_mixed_qkv(mixed)
         o, _ = recurrence(A_log=layer.A_log, a=a[None], b=b[None], dt_bias=layer.dt_bias, q=q, k=k, v=v,
                           initial_state=ssm, inplace_final_state=True,
@@ -131,12 +147,13 @@ def plain_decode(gdn, layer, window, state, tokens):
     return torch.stack(outs), ssm[1]
 
 
-def test_tree_nodes_equal_plain_decoding_of_their_paths_and_the_commit_resumes_them(gdn, monkeypatch):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed_decode", "fused_sigmoid"])
+def test_tree_nodes_equal_plain_decoding_of_their_paths_and_the_commit_resumes_them(gdn, monkeypatch, packed):
     from ubtree_vllm.vllm.hybrid_state import commit_accepted_states
 
     gen, rng = torch.Generator().manual_seed(0), random.Random(0)
     slots = torch.arange(1, 3 * (SPEC + 1) + 1).view(3, SPEC + 1)
-    layer = make_layer(gdn, gen, 3 * (SPEC + 1) + 1)
+    layer = make_layer(gdn, gen, 3 * (SPEC + 1) + 1, packed)
     trees = [random_tree(SPEC + 1, rng), (np.array([-1, 0, 0, 0, 1, 1, 2]), np.array([0, 1, 1, 1, 2, 2, 2])),
              (np.array([-1]), np.array([0]))]
     num_accepted = [3, 1, 6]

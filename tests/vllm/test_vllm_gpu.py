@@ -179,8 +179,8 @@ def tiny_hybrid(request, tmp_path, monkeypatch):
 
 
 def test_greedy_equality_hybrid_target(tiny_hybrid):
-    """Untrained drafter: up to bf16 near-ties (vLLM's plain decoding may take other kernels than its one-token calls
-    the tree forms make, e.g. the packed GDN recurrence), one request and the batch."""
+    """Untrained drafter: up to bf16 near-ties (the recurrent layers make plain decoding's one-token calls per node,
+    but a tree forward's GEMMs and attention are not plain decoding's), one request and the batch."""
     run_pair(*tiny_hybrid, tree=TINY_TREE, enable_prefix_caching=False)
 
 

@@ -532,7 +532,7 @@ def test_cuda_gdn_forward_core_runs_the_tree_forms_only_for_a_ubtree_steps_specu
                             gdn_tree_cuda.SpecSequences(index=None, req=None, slots=None, num_accepted=None))
         monkeypatch.setattr(gdn_tree_cuda, "tree_conv", lambda seqs, conv, *args, **kwargs: "tree conv")
         monkeypatch.setattr(gdn_tree_cuda, "tree_recurrence", tree_recurrence)
-        layer = types.SimpleNamespace(prefix="model.layers.0.linear_attn",
+        layer = types.SimpleNamespace(prefix="model.layers.0.linear_attn", enable_packed_recurrent_decode=False,
                                       conv1d=types.SimpleNamespace(weight=torch.zeros(8, 1, 4)))
         state = tree_forward_state()
         monkeypatch.setattr(gdn, "get_forward_context",

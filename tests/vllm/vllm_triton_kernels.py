@@ -9,13 +9,36 @@ from __future__ import annotations
 import types
 from pathlib import Path
 
+import triton
+import triton.language as tl
 
-def interpreted(module: types.ModuleType, stop_at: str | None = None) -> types.ModuleType:
+
+# FLA's math helpers (``vllm.third_party.flash_linear_attention.ops.op``: tl.exp / tl.log unless FLA_USE_FAST_OPS),
+# as jit functions in a file of their own: the interpreter rewrites a kernel from its source file, so a substitution
+# must keep every line of the module where it was (see :func:`interpreted`).
+@triton.jit
+def fla_exp(x):
+    return tl.exp(x)
+
+
+@triton.jit
+def fla_log(x):
+    return tl.log(x)
+
+
+def interpreted(module: types.ModuleType, stop_at: str | None = None,
+                substitutions: dict[str, str] | None = None) -> types.ModuleType:
     """A copy of ``module`` whose ``triton`` / ``tl`` are the real ones; ``stop_at``: the source line from which on
-    the rest is left out (e.g. a platform block that rebinds the module's functions to CPU ops)."""
+    the rest is left out (e.g. a platform block that rebinds the module's functions to CPU ops); ``substitutions``:
+    source lines replaced, each by one line (the interpreter reads a kernel's source from the file at its line
+    numbers), e.g. an import of Triton helpers from a sibling module, which would bring vLLM's placeholders."""
     source = Path(module.__file__).read_text()
     if stop_at is not None:
         source = source[:source.index(stop_at)]
+    for old, new in (substitutions or {}).items():
+        if old not in source or "\n" in new:
+            raise RuntimeError(f"{module.__name__}: substitute the line {old!r} by one line, got {new!r}")
+        source = source.replace(old, new)
     vllm_import = "from vllm.triton_utils import tl, triton"
     if vllm_import not in source:
         raise RuntimeError(f"{module.__name__} does not import triton as expected ({vllm_import!r})")

@@ -9,17 +9,19 @@ root, parents first; :func:`spec_sequences`), and:
 
 * **conv** (:func:`tree_conv`): node j's window is the ``width - 1`` inputs before it on its root path, reaching
   into the committed window for shallow nodes (:func:`~ubtree_vllm.vllm.linear_tree.node_windows`), through the
-  conv vLLM's plain decoding calls (``causal_conv1d_update``, one token per window); the conv buffer is then
-  rolled as on the CPU (:func:`~ubtree_vllm.vllm.linear_tree.roll_conv_buffers`);
+  conv vLLM's plain decoding calls (``causal_conv1d_update``, one token per window); the conv buffer is
+  rolled as on the CPU (:func:`~ubtree_vllm.vllm.linear_tree.roll_conv_buffers`), before the conv, which on CUDA
+  writes its output over its input;
 * **recurrence** (:func:`tree_recurrence`): per depth, each node's state slot j gets a copy of its parent's state
-  (the root's: slot ``num_accepted - 1``) and the call plain decoding makes for one token per sequence
-  (``cu_seqlens = arange``, one state index per sequence, in place) advances it.
+  (the root's: slot ``num_accepted - 1``) and the kernel plain decoding runs for a step of one-token decodes
+  advances it in place: ``fused_recurrent_gated_delta_rule_packed_decode`` on the packed conv output where the
+  layer takes vLLM's packed decode path (``enable_packed_recurrent_decode``, vLLM's default,
+  ``_forward_core_decode_non_spec``), else ``fused_sigmoid_gating_delta_rule_update`` with ``cu_seqlens = arange``
+  and one state index per sequence (the decode part of vLLM's mixed batches).
 
-So every node computes what plain decoding's Triton path computes for that token after its root path.
+So every node computes what plain decoding computes for that token after its root path, with the same kernels.
 The trees' index tensors are built once per step and shared by its GDN layers
-(:func:`~ubtree_vllm.vllm.linear_tree.tree_index`). (vLLM's
-plain decoding takes its packed recurrent kernel instead when ``VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE`` is on:
-another kernel, so equal up to bf16 near-ties there.) The conv and state moves are index operations on the
+(:func:`~ubtree_vllm.vllm.linear_tree.tree_index`). The conv and state moves are index operations on the
 device; the bookkeeping is host numpy from the step plan and the metadata's host mask. The accepted path is
 committed by :func:`~ubtree_vllm.vllm.hybrid_state.commit_accepted_states`, as on the CPU.
 """
@@ -45,6 +47,8 @@ class SpecSequences:
     req: np.ndarray  # [Q] plan request index of each speculative sequence
     slots: torch.Tensor  # [Q, 1 + S] int64 state slot of node j (column 0 also holds the conv buffer), device
     num_accepted: torch.Tensor  # [Q] int64 the previous step's accepted count (drafts + 1), device
+    # vLLM's fused_recurrent_gated_delta_rule_packed_decode where the layer decodes with it (else None)
+    packed_decode: Callable[..., Any] | None = None
     conv_buf: torch.Tensor | None = None  # [num_slots, dim, state_len], set by the conv call for the commit record
     record: LinearStepLayer | None = None  # the layer's commit record, set by the recurrence call
 
@@ -103,6 +107,14 @@ def tree_recurrence(seqs: SpecSequences, recurrence: Callable[..., Any], *, A_lo
         kwargs.pop(chain_only, None)
     out = torch.empty_like(v)  # [1, T, HV, V]
     for rows, dst in fork_states_by_depth(initial_state, seqs.slots, seqs.num_accepted, seqs.index):  # [n] each
+        if seqs.packed_decode is not None:  # the conv output packed again: [n, q | k | v], as rearrange split it
+            mixed = torch.cat([t[0, rows].flatten(1) for t in (q, k, v)], dim=-1)
+            node_out = out.new_empty(len(rows), 1, *out.shape[2:])  # [n, 1, HV, V]
+            seqs.packed_decode(mixed_qkv=mixed, a=a[rows], b=b[rows], A_log=A_log, dt_bias=dt_bias,
+                               scale=k.shape[-1] ** -0.5, initial_state=initial_state, out=node_out,
+                               ssm_state_indices=dst.to(torch.int32), use_qk_l2norm_in_kernel=True)
+            out[0, rows] = node_out[:, 0]
+            continue
         node_out, _ = recurrence(
             A_log=A_log, a=a[rows], b=b[rows], dt_bias=dt_bias, q=q[:, rows], k=k[:, rows], v=v[:, rows],
             initial_state=initial_state, inplace_final_state=True,
