@@ -168,6 +168,8 @@ def test_float32_greedy_is_token_identical_smollm2(runner, default_target_dir, t
 # Hybrid targets on CUDA (issue 17), opt-in with UBTREE_CUDA_HYBRIDS=1 (the V1 runner, PIECEWISE graphs): Qwen3-Next
 # (Gated DeltaNet, ubtree_vllm/vllm/gdn_tree_cuda.py), NemotronH and Falcon-H1 (Mamba2, ubtree_vllm/vllm/mamba2_tree.py)
 HYBRIDS = {"qwen3_next": save_tiny_qwen3_next, "nemotron_h": save_tiny_nemotron_h, "falcon_h1": save_tiny_falcon_h1}
+# their engines: no prefix caching (UBTree refuses it for recurrent states), the tiny models' 1024 positions
+HYBRID_ENGINE = dict(enable_prefix_caching=False, max_model_len=1024)
 
 
 @pytest.fixture(params=sorted(HYBRIDS))
@@ -181,7 +183,7 @@ def tiny_hybrid(request, tmp_path, monkeypatch):
 def test_greedy_equality_hybrid_target(tiny_hybrid):
     """Untrained drafter: up to bf16 near-ties (the recurrent layers make plain decoding's one-token calls per node,
     but a tree forward's GEMMs and attention are not plain decoding's), one request and the batch."""
-    run_pair(*tiny_hybrid, tree=TINY_TREE, enable_prefix_caching=False)
+    run_pair(*tiny_hybrid, tree=TINY_TREE, **HYBRID_ENGINE)
 
 
 def test_hybrid_copying_oracle_commits_long_paths(tiny_hybrid):
@@ -189,7 +191,7 @@ def test_hybrid_copying_oracle_commits_long_paths(tiny_hybrid):
     paths run off their depth and every recurrent layer's commit moves state slots and conv columns; greedy output
     equals plain decoding's up to bf16 near-ties, with tau > 2."""
     target, drafter = tiny_hybrid
-    plain = engine(target, logprobs_mode="raw_logits", enable_prefix_caching=False)
+    plain = engine(target, logprobs_mode="raw_logits", **HYBRID_ENGINE)
     vocab = plain.llm_engine.model_config.get_vocab_size()
     prompt_ids = prompts_for(vocab)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
@@ -197,7 +199,7 @@ def test_hybrid_copying_oracle_commits_long_paths(tiny_hybrid):
                                                        detokenize=False, logprobs=2), use_tqdm=False)
     del plain
     gc.collect()
-    ubtree = engine(target, {"method": "ubtree", "model": str(drafter), **TINY_TREE}, enable_prefix_caching=False)
+    ubtree = engine(target, {"method": "ubtree", "model": str(drafter), **TINY_TREE}, **HYBRID_ENGINE)
     oracle = ReferenceOracle(prompt_ids, [list(o.outputs[0].token_ids) for o in reference],
                              engine_runner(ubtree).drafter.config.tree, vocab_size=vocab)
     install_oracle(ubtree, oracle)
