@@ -91,15 +91,15 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
     from vllm.platforms import current_platform
 
     from ubtree_vllm import envs
-    from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, CPU_ONLY_MLA, CUDA_HYBRIDS, HYBRID_MAMBA2,
-                                         PROPOSER_CLASS_PATH, VLLM_METHOD, TargetInfo, check_hybrid_engine,
+    from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, CPU_ONLY_MLA, HYBRID_MAMBA2, PROPOSER_CLASS_PATH,
+                                         RECURRENT_HYBRIDS, VLLM_METHOD, TargetInfo, check_hybrid_engine,
                                          default_budget_schedule, parse_speculative_config)
 
     target = TargetInfo.from_model_config(target_model_config)
     spec = parse_speculative_config(_merged_user_spec(args), target)
     check_hybrid_engine(target, current_platform.is_cpu(), args.tensor_parallel_size, bool(args.enable_prefix_caching),
                         cuda_hybrids=envs.UBTREE_CUDA_HYBRIDS)
-    cuda_hybrid = current_platform.is_cuda() and any(a in CUDA_HYBRIDS for a in target.architectures)
+    cuda_hybrid = current_platform.is_cuda() and any(a in RECURRENT_HYBRIDS for a in target.architectures)
     if spec.tree_attention != "triton" and not current_platform.is_cuda():
         raise ValueError(f"speculative_config.tree_attention {spec.tree_attention!r} runs on CUDA only (FlashAttention "
                          f"attends the context); on {current_platform.device_name!r} use 'triton' (the default)")
@@ -180,10 +180,11 @@ def _runs_on_mrv2(runner: str, spec: Any, tensor_parallel_size: int = 1, hybrid:
     ``auto`` takes Model Runner V2 unless it cannot serve the engine -- a tree budget below the
     drafter's block size (vLLM reserves B lookahead KV slots, the drafter writes gamma) or
     ``VLLM_USE_V2_MODEL_RUNNER=0`` or tensor parallelism (V1 only so far) or a hybrid target (``hybrid``: the
-    recurrent layers' tree forms are wired on the V1 runner; vLLM's MRV2 refuses hybrids) -- and then the V1 runner,
-    saying why; ``mrv2`` with a hybrid target is a ValueError. ``prompt_lookup`` runs on either (MRV2's
-    branch passed its H200 greedy test on 2026-12-01), and so does a budget schedule (MRV2's load-adaptive greedy test with B = gamma passed on
-    the H200 on 2026-12-03, after the draft graph fix of ``mrv2/speculator.py:draft_graph_config``)."""
+    recurrent layers' tree forms are wired on the V1 runner; vLLM's MRV2 refuses hybrids) -- and then the V1
+    runner, saying why; ``mrv2`` with a hybrid target is a ValueError. ``prompt_lookup`` runs on either (MRV2's
+    branch passed its H200 greedy test on 2026-12-01), and so does a budget schedule (MRV2's load-adaptive greedy
+    test with B = gamma passed on the H200 on 2026-12-03, after the draft graph fix of
+    ``mrv2/speculator.py:draft_graph_config``)."""
     if hybrid and runner == "mrv2":
         raise ValueError("UBTREE_VLLM_RUNNER=mrv2 cannot serve a hybrid target with speculative method 'ubtree' (the "
                          "tree forms of its recurrent layers run on the V1 runner): use auto or v1")

@@ -57,7 +57,8 @@ def install() -> None:
         metadata = gdn.get_forward_context().attn_metadata
         seqs = None
         if state.step_plan is not None and isinstance(metadata, dict):
-            seqs = gdn_tree_cuda.spec_sequences(state.step_plan, metadata.get(self.prefix), self.conv1d.weight.shape[-1])
+            seqs = gdn_tree_cuda.spec_sequences(state.step_plan, metadata.get(self.prefix),
+                                                self.conv1d.weight.shape[-1])
         if seqs is None:
             return original(self, mixed_qkv, b, a, core_attn_out)
         if self.enable_packed_recurrent_decode:  # plain decoding's kernel for one-token decodes on this layer

@@ -45,7 +45,7 @@ def apply() -> None:
         out, record = tree_conv_update(
             state.step_plan, original, x, conv_state, weight, bias, activation,
             conv_state_indices=kwargs["conv_state_indices"], num_accepted_tokens=kwargs["num_accepted_tokens"],
-            dim_first=is_conv_state_dim_first())
+            query_start_loc=kwargs["query_start_loc"], dim_first=is_conv_state_dim_first())
         pending[:] = [record]
         return out
 

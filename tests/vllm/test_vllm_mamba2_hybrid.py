@@ -48,6 +48,7 @@ class Step:
             num_nodes=num_nodes,
             parents=np.stack([np.pad(p, (0, width - len(p)), constant_values=-2) for p, _ in trees]),
             depth=np.stack([np.pad(d, (0, width - len(d))) for _, d in trees]))
+        self.qsl = torch.tensor(np.concatenate([[0], np.cumsum(num_nodes)]), dtype=torch.int32)
         total = int(num_nodes.sum())
         self.x = torch.randn(total, DIM, generator=gen).to(BF16)  # conv inputs
         self.xs = torch.randn(total, HEADS, HEAD_DIM, generator=gen).to(BF16)  # SSM inputs
@@ -70,7 +71,7 @@ class Step:
         conv_out, pending = tree_conv_update(
             self.plan, conv_over_its_input, self.x.clone(), self.conv_buf, self.weight, self.bias, "silu",
             conv_state_indices=self.slots.to(torch.int32),
-            num_accepted_tokens=torch.tensor(self.num_accepted, dtype=torch.int32),
+            num_accepted_tokens=torch.tensor(self.num_accepted, dtype=torch.int32), query_start_loc=self.qsl,
             dim_first=False)
         A, dt, D, dt_bias = self.mixer_args()
         out = torch.empty_like(self.xs)
@@ -160,7 +161,11 @@ def test_after_the_commit_the_next_step_resumes_from_the_accepted_path(mamba2_st
 
 def test_sequences_that_are_not_the_steps_trees_are_refused(mamba2_step):
     s = mamba2_step
+    s.qsl = torch.tensor([0, 9, 15, 17], dtype=torch.int32)  # 9 + 6 + 2 tokens for trees of 9, 7 and 1 nodes
+    with pytest.raises(RuntimeError, match="Mamba2 speculative sequences .* are not the step's trees"):
+        s.run()
+    s.qsl = torch.tensor([0, 9, 16, 17], dtype=torch.int32)
     s.x = s.x[:-1]  # 16 decode tokens for trees of 9, 7 and 1 nodes
-    with pytest.raises(RuntimeError, match=r"the Mamba2 layer's 16 decode tokens are not the step's trees \(\[9, 7, 1\] "
-                                           r"nodes\)"):
+    with pytest.raises(RuntimeError, match=r"the Mamba2 layer's 16 decode tokens are not the step's trees "
+                                           r"\(\[9, 7, 1\] nodes\)"):
         s.run()

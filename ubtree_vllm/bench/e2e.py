@@ -64,11 +64,11 @@ def is_recurrent_hybrid(target_path: str | Path) -> bool:
     engines run without prefix caching, which UBTree refuses for them."""
     import json
 
-    from ubtree_vllm.vllm.config import CPU_ONLY_HYBRIDS
+    from ubtree_vllm.vllm.config import RECURRENT_HYBRIDS
 
     config = Path(target_path) / "config.json"
     architectures = (json.loads(config.read_text()).get("architectures") or []) if config.is_file() else []
-    return any(a in CPU_ONLY_HYBRIDS for a in architectures)
+    return any(a in RECURRENT_HYBRIDS for a in architectures)
 
 
 def has_tokenizer(target_path: str | Path) -> bool:

@@ -56,17 +56,13 @@ GPU_WORKER_CLASS_PATH = "ubtree_vllm.vllm.gpu_worker.UBTreeGPUWorker"
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3NextForCausalLM",
                            "NemotronHForCausalLM", "FalconH1ForCausalLM", "DeepseekV2ForCausalLM",
                            "DeepseekV3ForCausalLM")
-# Hybrid families whose recurrent layers verify trees on the CPU only: Qwen3-Next's Gated DeltaNet and
-# NemotronH's Mamba2 run their tree forms through vLLM's CPU kernels (ubtree_vllm.vllm.gdn_tree,
-# ubtree_vllm.vllm.mamba2_tree, docs/design/hybrid.md); on CUDA opt-in (CUDA_HYBRIDS).
-# Checked with the engine arguments (check_hybrid_engine).
-CPU_ONLY_HYBRIDS = {"Qwen3NextForCausalLM": "QwenGatedDeltaNetAttention (Gated DeltaNet)",
-                    "NemotronHForCausalLM": "MambaMixer2 (Mamba2)",
-                    "FalconH1ForCausalLM": "MambaMixer2 (Mamba2)"}
-# Of those, the targets whose recurrent layers' tree forms also run on CUDA (vLLM's one-token CUDA calls per node:
-# ubtree_vllm.vllm.gdn_tree_cuda for Gated DeltaNet, ubtree_vllm.vllm.mamba2_tree for Mamba2; V1 runner, PIECEWISE
-# graphs), opt-in with UBTREE_CUDA_HYBRIDS=1 until their H200 tests pass.
-CUDA_HYBRIDS = ("Qwen3NextForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM")
+# Hybrid families whose recurrent layers verify trees: Qwen3-Next's Gated DeltaNet and NemotronH's / Falcon-H1's
+# Mamba2 run their tree forms through vLLM's one-token kernels (ubtree_vllm.vllm.gdn_tree, mamba2_tree,
+# docs/design/hybrid.md) on the CPU, and on CUDA (gdn_tree_cuda, mamba2_tree; V1 runner, PIECEWISE graphs) only
+# with UBTREE_CUDA_HYBRIDS=1 until their H200 tests pass. Checked with the engine arguments (check_hybrid_engine).
+RECURRENT_HYBRIDS = {"Qwen3NextForCausalLM": "QwenGatedDeltaNetAttention (Gated DeltaNet)",
+                     "NemotronHForCausalLM": "MambaMixer2 (Mamba2)",
+                     "FalconH1ForCausalLM": "MambaMixer2 (Mamba2)"}
 # Of those, the Mamba2 ones (vLLM's MambaMixer2; its ReplaySSM decode calls have no tree form).
 HYBRID_MAMBA2 = ("NemotronHForCausalLM", "FalconH1ForCausalLM")
 # Multi-head latent attention targets verify trees through vLLM's CPU MLA backend only (ubtree_vllm.vllm.attention.
@@ -331,23 +327,23 @@ def _tree_attention_mode(value: Any, field: str) -> str:
 
 def check_hybrid_engine(target: TargetInfo, on_cpu: bool, tensor_parallel_size: int,
                         enable_prefix_caching: bool, cuda_hybrids: bool = False) -> None:
-    """Engine settings a hybrid or MLA target (:data:`CPU_ONLY_HYBRIDS`, :data:`CPU_ONLY_MLA`) is served with;
+    """Engine settings a hybrid or MLA target (:data:`RECURRENT_HYBRIDS`, :data:`CPU_ONLY_MLA`) is served with;
     ValueError names the setting.
 
     The tree form of its recurrent or latent-attention layers runs on the CPU, on one rank; the recurrent hybrids of
-    :data:`CUDA_HYBRIDS` run on CUDA too when ``cuda_hybrids`` (``UBTREE_CUDA_HYBRIDS=1``, opt-in until their H200
+    :data:`RECURRENT_HYBRIDS` run on CUDA too when ``cuda_hybrids`` (``UBTREE_CUDA_HYBRIDS=1``, opt-in until their H200
     tests pass). vLLM's prefix caching of recurrent states (``mamba_cache_mode`` 'align') copies a chain's per-token
     state slots after each step (and launches a Triton kernel the CPU build lacks); vLLM's CPU platform turns
     prefix caching off for MLA.
     """
-    cpu_only = {**CPU_ONLY_HYBRIDS, **CPU_ONLY_MLA}
+    cpu_only = {**RECURRENT_HYBRIDS, **CPU_ONLY_MLA}
     hybrid = [(a, cpu_only[a]) for a in target.architectures if a in cpu_only]
     if not hybrid:
         return
     arch, layers = hybrid[0]
-    if not on_cpu and not (cuda_hybrids and arch in CUDA_HYBRIDS):
+    if not on_cpu and not (cuda_hybrids and arch in RECURRENT_HYBRIDS):
         opt_in = (" (its CUDA tree form is opt-in until its H200 engine tests pass: UBTREE_CUDA_HYBRIDS=1)"
-                  if arch in CUDA_HYBRIDS else "")
+                  if arch in RECURRENT_HYBRIDS else "")
         raise ValueError(f"target architecture {arch!r} is served by method {METHOD!r} on the CPU only: the tree form "
                          f"of its {layers} layers runs through vLLM's CPU kernels; vLLM's CUDA path is not wired "
                          f"yet{opt_in}")
@@ -355,7 +351,7 @@ def check_hybrid_engine(target: TargetInfo, on_cpu: bool, tensor_parallel_size: 
         raise ValueError(f"tensor_parallel_size must be 1 with method {METHOD!r} for target architecture {arch!r} "
                          f"(the tree form of its {layers} layers has not run with tensor parallelism), "
                          f"got {tensor_parallel_size}")
-    if enable_prefix_caching and arch in CPU_ONLY_HYBRIDS:
+    if enable_prefix_caching and arch in RECURRENT_HYBRIDS:
         raise ValueError(f"enable_prefix_caching must be False with method {METHOD!r} for target architecture "
                          f"{arch!r}: vLLM's prefix caching of its {layers} states (mamba_cache_mode 'align') "
                          "commits a chain's per-token state slots, not a tree's accepted path")

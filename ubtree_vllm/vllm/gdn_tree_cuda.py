@@ -56,9 +56,9 @@ class SpecSequences:
 def spec_sequences(plan: TreeStepPlan, attn_metadata: Any, width: int) -> SpecSequences | None:
     """The layer's speculative sequences as the step's trees; None when the step has none.
 
-    attn_metadata: the layer's ``GDNAttentionMetadata``; width: the layer's conv width. Sequence i is the i-th request of the batch whose
-    ``spec_sequence_masks_cpu`` entry is set (vLLM selects the speculative tokens in that order); RuntimeError when
-    the metadata's token count is not the plan's (never computes on a wrong layout)."""
+    attn_metadata: the layer's ``GDNAttentionMetadata``; width: the layer's conv width. Sequence i is the i-th
+    request of the batch whose ``spec_sequence_masks_cpu`` entry is set (vLLM selects the speculative tokens in that
+    order); RuntimeError when the metadata's token count is not the plan's (never computes on a wrong layout)."""
     if attn_metadata is None or attn_metadata.spec_sequence_masks is None:
         return None
     num_seqs = attn_metadata.num_spec_decodes
@@ -78,12 +78,11 @@ def tree_conv(seqs: SpecSequences, conv_update: Callable[..., torch.Tensor], x: 
               dim_first: bool) -> torch.Tensor:
     """[T, dim] conv output of every node; rolls the conv buffers (mutated) and records them in ``seqs``.
 
-    x [T, dim] the speculative tokens (vLLM's CUDA conv overwrites them with the output); conv_state [num_slots, dim, width - 1 + S] (vLLM's view of the layer's
-    conv cache); weight [dim, width]; conv_update: vLLM's ``causal_conv1d_update``, called as plain decoding
+    x [T, dim] the speculative tokens (vLLM's CUDA conv overwrites them with the output); conv_state [num_slots, dim,
+    width - 1 + S] (vLLM's view of the layer's conv cache); weight [dim, width], the width ``seqs.index`` was built
+    for; conv_update: vLLM's ``causal_conv1d_update``, called as plain decoding
     calls it (one single-token sequence per node, each on its own window in a scratch buffer whose row 0 is
     never read: index 0 is vLLM's null block)."""
-    if weight.shape[-1] != seqs.index.width:
-        raise RuntimeError(f"ubtree: GDN conv width {weight.shape[-1]} is not the tree index's {seqs.index.width}")
     windows = node_windows(x, conv_state, seqs.slots, seqs.num_accepted, seqs.index, dim_first)
     # the roll reads the inputs before the conv: vLLM's CUDA conv writes its output over x
     roll_conv_buffers(x, conv_state, seqs.slots, seqs.num_accepted, seqs.index)

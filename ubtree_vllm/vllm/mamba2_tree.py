@@ -47,16 +47,19 @@ class PendingConv:
 def tree_conv_update(plan: TreeStepPlan, conv_update: Callable[..., torch.Tensor], x: torch.Tensor,
                      conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: Any,
                      conv_state_indices: torch.Tensor, num_accepted_tokens: torch.Tensor,
-                     dim_first: bool) -> tuple[torch.Tensor, PendingConv]:
+                     query_start_loc: torch.Tensor, dim_first: bool) -> tuple[torch.Tensor, PendingConv]:
     """[T, dim] conv output of every node of the decode requests' trees, and the layer's pending record.
 
     x [T, dim] the decode tokens; conv_state [num_slots, dim, width - 1 + S] (mutated: the roll);
-    weight [dim, width]; conv_state_indices [Q, 1 + S]; num_accepted_tokens [Q];
+    weight [dim, width]; conv_state_indices [Q, 1 + S]; num_accepted_tokens [Q]; query_start_loc [Q + 1];
     conv_update: vLLM's conv as plain decoding calls it (one token per window)."""
     num_seqs = conv_state_indices.shape[0]
     slots = conv_state_indices.long()
     num_accepted = num_accepted_tokens[:num_seqs].long()
-    seq_lens = plan.num_nodes[:num_seqs]  # host; the layout is checked against the tokens the layer got
+    # each sequence's tokens, checked against the plan's trees (tree_index) where reading them is free (the CPU);
+    # on CUDA that would be a host read per layer, so there only their total is checked
+    seq_lens = (query_start_loc[:num_seqs + 1].diff().numpy() if query_start_loc.is_cpu
+                else plan.num_nodes[:num_seqs])
     if int(seq_lens.sum()) != x.shape[0]:
         raise RuntimeError(f"ubtree: the Mamba2 layer's {x.shape[0]} decode tokens are not the step's trees "
                            f"({seq_lens.tolist()} nodes)")
@@ -79,12 +82,14 @@ def tree_state_update(pending: PendingConv, state_update: Callable[..., Any], st
     through one token each, as plain decoding calls it."""
     slots = pending.slots
     z = kwargs.pop("z", None)
-    for rows, dst in fork_states_by_depth(state, slots, pending.num_accepted, pending.index):  # [n] tokens of a depth, slots
+    # [n] tokens of a depth, their slots
+    for rows, dst in fork_states_by_depth(state, slots, pending.num_accepted, pending.index):
         node_out = torch.empty_like(out[rows])  # [n, H, head_dim]
         indices = dst.to(index_dtype)[:, None]  # [n, 1]: one token per node, as in plain decoding
         state_update(state, x[rows], dt[rows], A, B[rows], C[rows], z=None if z is None else z[rows],
                      state_batch_indices=indices, dst_state_batch_indices=indices, out=node_out, **kwargs)
         out[rows] = node_out
     return LinearStepLayer(conv_buf=pending.conv_buf, ssm_state=state,
-                           req=torch.arange(slots.shape[0], dtype=torch.int64, device=slots.device), slots=slots.clone(),
+                           req=torch.arange(slots.shape[0], dtype=torch.int64, device=slots.device),
+                           slots=slots.clone(),
                            node0_col=pending.index.width - 2)
