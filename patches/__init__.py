@@ -222,6 +222,21 @@ MANIFEST: tuple[PatchSpec, ...] = (
         stage="worker",
     ),
     PatchSpec(
+        name="cuda_kda_tree_forward",
+        vllm_symbol="vllm.model_executor.models.bailing_moe_v3.BailingMoeV3KimiDeltaAttention._forward",
+        why=("vLLM's CUDA Kimi Delta Attention (Ling-3.0) serves a request's speculative tokens as one chain "
+             "(three causal_conv1d_update calls and fused_recurrent_kda_fwd with num_accepted_tokens); a tree node "
+             "needs its parent's state and its ancestors' conv inputs, and vLLM has no hook for a draft topology."),
+        how=("Wraps _forward (the layer's trees from the step plan before vLLM's code, the commit record after) and "
+             "rebinds the two module-level names it calls: their speculative calls run as the step's trees through "
+             "vLLM's one-token calls (the Gated DeltaNet conv form; ubtree_vllm.vllm.kda_tree_cuda through "
+             "fused_recurrent_kda, plain decoding's call), every other call runs vLLM's function. CUDA only; "
+             "BailingMoeV3 targets stay refused at configuration until their MLA layers verify trees on CUDA."),
+        removal_condition=("vLLM's linear-attention backends take a draft topology (tree speculative decoding "
+                           "upstream) or expose a per-node state hook."),
+        stage="worker",
+    ),
+    PatchSpec(
         name="falcon_h1_hidden_states",
         vllm_symbol="vllm.model_executor.models.falcon_h1.FalconH1Model.forward",
         why=("The drafter conditions on the hidden states entering chosen target layers, which vLLM's runners "

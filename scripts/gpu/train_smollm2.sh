@@ -31,8 +31,8 @@
 #   install  install this checkout (non-editable, like a user) into /tmp/ub-site; every later
 #            phase imports the installed package (PYTHONSAFEPATH keeps the source tree off sys.path)
 #   gputest  tests/vllm/test_vllm_gpu.py with the shipped drafter (greedy equality + tok/s record) and the CUDA GDN
-#            layer check (test_vllm_gdn_cuda_layer.py); GPUTEST_K selects tests (pytest -k), e.g. smollm2 or
-#            "hybrid or gdn" (the hybrid targets' tree forms, UBTREE_CUDA_HYBRIDS)
+#            and KDA layer checks (test_vllm_gdn_cuda_layer.py, test_vllm_kda_cuda_layer.py); GPUTEST_K selects tests
+#            (pytest -k), e.g. smollm2 or "hybrid or gdn or kda" (the hybrid targets' tree forms, UBTREE_CUDA_HYBRIDS)
 #   ablations  the recipe's ablations (ablation_args): one dataset (runs/ablations/data: gen-data alone for
 #            ABL_GEN_MINUTES, default 1.5, the recipe's greedy + T = 1 mix, seed ABL_SEED), then a fresh drafter per
 #            ablation (ABLATIONS, default all six; ABL_LAYERS layers, default 2; batch ABL_BATCH, default 8), the
@@ -228,7 +228,8 @@ for phase in "$@"; do
       R=$PWD
       ( cd /tmp && GPU_TEST_DRAFTER="$R/$DRAFTER" GPU_TEST_RECORDS="$R/$RECORDS" python3 -m pytest -q -s -rfE \
           -p no:cacheprovider --rootdir "$R" -k "${GPUTEST_K:-}" "$R/tests/vllm/test_vllm_gpu.py" \
-          "$R/tests/vllm/test_vllm_gdn_cuda_layer.py" "$R/tests/vllm/test_vllm_patches.py" ) ;;
+          "$R/tests/vllm/test_vllm_gdn_cuda_layer.py" "$R/tests/vllm/test_vllm_kda_cuda_layer.py" \
+          "$R/tests/vllm/test_vllm_patches.py" ) ;;
     mrv2test)
       R=$PWD
       ( cd /tmp && GPU_TEST_DRAFTER="$R/$DRAFTER" python3 -m pytest -q -s -rfE -p no:cacheprovider --rootdir "$R" \

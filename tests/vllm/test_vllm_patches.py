@@ -27,7 +27,8 @@ cpu_platform_only = pytest.mark.skipif(not on_cpu(), reason="exercises the CPU p
 TESTED_PATCHES = {"engine_args_speculative_config", "sampling_params_spec_decode", "scheduler_tree_drafts",
                   "structured_output_tree", "cpu_worker_model_runner", "attention_backends", "cpu_gdn_tree_forward",
                   "cpu_gdn_native_conv", "mamba2_tree_decode", "engine_core_hybrid_budget",
-                  "cpu_rope_multihead", "falcon_h1_hidden_states", "cuda_gdn_tree_forward"}
+                  "cpu_rope_multihead", "falcon_h1_hidden_states", "cuda_gdn_tree_forward",
+                  "cuda_kda_tree_forward"}
 
 
 def test_every_manifest_patch_has_a_module_and_a_test_here():
@@ -552,6 +553,78 @@ def test_cuda_gdn_forward_core_runs_the_tree_forms_only_for_a_ubtree_steps_specu
         monkeypatch.undo()  # the originals first, then the patched names back to them
         for owner, name in ((layer_cls, "__init__"), (layer_cls, "_forward_core"), (gdn, "causal_conv1d_update"),
                             (gdn, "fused_sigmoid_gating_delta_rule_update")):
+            restore_attr(owner, name)
+
+
+# --- cuda_kda_tree_forward --------------------------------------------------------------------
+
+
+def test_cuda_kda_forward_runs_the_tree_forms_only_for_a_ubtree_steps_speculative_calls(monkeypatch):
+    """Installed here on any platform (apply() installs it on CUDA only): outside a tree step _forward and both calls
+    are vLLM's; in one, the speculative calls (num_accepted_tokens) go to the tree forms -- the recurrence through the
+    module's fused_recurrent_kda (plain decoding's call) with the layer's whole conv buffer -- and the layer's record
+    reaches the stash; a tree step whose speculative rows skip the tree form fails. The layer-level arithmetic:
+    tests/vllm/test_vllm_kda_cuda_layer.py."""
+    import vllm.model_executor.models.bailing_moe_v3 as bailing
+
+    import ubtree_vllm.vllm.gdn_tree_cuda as gdn_tree_cuda
+    import ubtree_vllm.vllm.kda_tree_cuda as kda_tree_cuda
+    from ubtree_vllm.patches._patching import restore_attr
+    from ubtree_vllm.vllm.attention.state import tree_forward_state
+
+    module = importlib.import_module("ubtree_vllm.patches.worker.patch_cuda_kda_tree_forward")
+    layer_cls = bailing.BailingMoeV3KimiDeltaAttention
+    module.install()
+    module.install()  # idempotent
+    try:
+        assert {getattr(f, MARK) for f in (layer_cls._forward, bailing.causal_conv1d_update,
+                                           bailing.fused_recurrent_kda_fwd)} == {"cuda_kda_tree_forward"}
+        calls = []
+
+        def vllm_forward(self, **kwargs):  # vLLM's order: a plain conv, then the spec conv and recurrence
+            calls.append(("forward", bailing.causal_conv1d_update("x", "conv", "w", conv_state_indices="i"),
+                          bailing.causal_conv1d_update("x", "conv", "w", None, "silu", num_accepted_tokens="n"),
+                          bailing.fused_recurrent_kda_fwd(initial_state="h", num_accepted_tokens="n")))
+
+        monkeypatch.setattr(layer_cls, original_attr_name("_forward"), vllm_forward)
+        monkeypatch.setattr(bailing, original_attr_name("causal_conv1d_update"), lambda *args, **kwargs: "vllm conv")
+        monkeypatch.setattr(bailing, original_attr_name("fused_recurrent_kda_fwd"),
+                            lambda **kwargs: ("vllm out", "vllm state"))
+        widths = []
+
+        def spec_sequences(plan, md, width, family):
+            widths.append((width, family))
+            return None if md is None else gdn_tree_cuda.SpecSequences(index=None, req=None, slots=None,
+                                                                       num_accepted=None)
+
+        def tree_recurrence(seqs, decode, conv_buf, **kwargs):
+            assert decode is bailing.fused_recurrent_kda and conv_buf.data_ptr() == layer.kv_cache[0].data_ptr()
+            seqs.record = "record"
+            return "tree out"
+
+        monkeypatch.setattr(gdn_tree_cuda, "spec_sequences", spec_sequences)
+        monkeypatch.setattr(gdn_tree_cuda, "tree_conv", lambda seqs, conv, *args, **kwargs: "tree conv")
+        monkeypatch.setattr(kda_tree_cuda, "tree_recurrence", tree_recurrence)
+        layer = types.SimpleNamespace(prefix="model.layers.1.attention", conv_size=4,
+                                      kv_cache=(torch.zeros(3, 24, 5), "ssm"))
+        state = tree_forward_state()
+        monkeypatch.setattr(bailing, "get_forward_context",
+                            lambda: types.SimpleNamespace(attn_metadata={layer.prefix: "metadata"}))
+        monkeypatch.setattr(state, "linear_stash", {})
+        monkeypatch.setattr(state, "step_plan", None)  # other engines, dummy runs
+        layer_cls._forward(layer, q_proj_states="q")
+        assert calls.pop() == ("forward", "vllm conv", "vllm conv", ("vllm out", "vllm state"))
+        monkeypatch.setattr(state, "step_plan", "plan")
+        layer_cls._forward(layer, q_proj_states="q")
+        assert calls.pop() == ("forward", "vllm conv", "tree conv", ("tree out", "h"))
+        assert state.linear_stash == {layer.prefix: "record"} and widths == [(4, "KDA")]
+        monkeypatch.setattr(kda_tree_cuda, "tree_recurrence", lambda seqs, decode, conv_buf, **kwargs: "no record")
+        with pytest.raises(RuntimeError, match="did not reach the tree form"):
+            layer_cls._forward(layer, q_proj_states="q")
+    finally:
+        monkeypatch.undo()  # the originals first, then the patched names back to them
+        for owner, name in ((layer_cls, "_forward"), (bailing, "causal_conv1d_update"),
+                            (bailing, "fused_recurrent_kda_fwd")):
             restore_attr(owner, name)
 
 

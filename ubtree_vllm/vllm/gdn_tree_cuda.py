@@ -50,13 +50,15 @@ class SpecSequences:
     # vLLM's fused_recurrent_gated_delta_rule_packed_decode where the layer decodes with it (else None)
     packed_decode: Callable[..., Any] | None = None
     conv_buf: torch.Tensor | None = None  # [num_slots, dim, state_len], set by the conv call for the commit record
+    conv_calls: int = 0  # conv calls served so far (one per GDN layer; q, k and v for a KDA layer)
     record: LinearStepLayer | None = None  # the layer's commit record, set by the recurrence call
 
 
-def spec_sequences(plan: TreeStepPlan, attn_metadata: Any, width: int) -> SpecSequences | None:
+def spec_sequences(plan: TreeStepPlan, attn_metadata: Any, width: int, family: str = "GDN") -> SpecSequences | None:
     """The layer's speculative sequences as the step's trees; None when the step has none.
 
-    attn_metadata: the layer's ``GDNAttentionMetadata``; width: the layer's conv width. Sequence i is the i-th
+    attn_metadata: the layer's ``GDNAttentionMetadata`` (Gated DeltaNet, and Kimi Delta Attention: ``family`` "KDA");
+    width: the layer's conv width. Sequence i is the i-th
     request of the batch whose ``spec_sequence_masks_cpu`` entry is set (vLLM selects the speculative tokens in that
     order); RuntimeError when the metadata's token count is not the plan's (never computes on a wrong layout)."""
     if attn_metadata is None or attn_metadata.spec_sequence_masks is None:
@@ -65,11 +67,11 @@ def spec_sequences(plan: TreeStepPlan, attn_metadata: Any, width: int) -> SpecSe
     req = attn_metadata.spec_sequence_masks_cpu.nonzero()[:num_seqs, 0].numpy()  # [Q]
     seq_lens = plan.num_nodes[req]  # [Q]
     if int(seq_lens.sum()) != attn_metadata.num_spec_decode_tokens:
-        raise RuntimeError(f"ubtree: the GDN layer's {attn_metadata.num_spec_decode_tokens} speculative tokens are "
-                           f"not the step's trees ({seq_lens.tolist()} nodes)")
+        raise RuntimeError(f"ubtree: the {family} layer's {attn_metadata.num_spec_decode_tokens} speculative tokens "
+                           f"are not the step's trees ({seq_lens.tolist()} nodes)")
     slots = attn_metadata.spec_state_indices_tensor[:num_seqs].long()  # [Q, 1 + S]
     num_accepted = attn_metadata.num_accepted_tokens[:num_seqs].long()  # [Q]
-    return SpecSequences(index=tree_index(plan, req, seq_lens, "GDN", width, slots.device), req=req, slots=slots,
+    return SpecSequences(index=tree_index(plan, req, seq_lens, family, width, slots.device), req=req, slots=slots,
                          num_accepted=num_accepted)
 
 
@@ -87,6 +89,7 @@ def tree_conv(seqs: SpecSequences, conv_update: Callable[..., torch.Tensor], x: 
     # the roll reads the inputs before the conv: vLLM's CUDA conv writes its output over x
     roll_conv_buffers(x, conv_state, seqs.slots, seqs.num_accepted, seqs.index)
     seqs.conv_buf = conv_state
+    seqs.conv_calls += 1
     indices = torch.arange(1, len(seqs.index.tokens.seq) + 1, dtype=torch.int32, device=x.device)  # [T]
     return conv_update(x, windows, weight, bias, activation, conv_state_indices=indices, validate_data=False)
 
