@@ -45,7 +45,7 @@ def _merged_user_spec(args: Any) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in merged.items()}
 
 
-def _check_engine_args(args: Any, mrv2: bool = False) -> None:
+def _check_engine_args(args: Any, mrv2: bool = False, mla: bool = False) -> None:
     """Engine options the UBTree path does not support yet; ValueError names each."""
     from vllm.platforms import current_platform
 
@@ -80,10 +80,11 @@ def _check_engine_args(args: Any, mrv2: bool = False) -> None:
         raise ValueError("async_scheduling must be off with speculative method 'ubtree' "
                          "(the tree commit runs synchronously in the V1 model runner)")
     if current_platform.is_cuda():
-        name = _chosen_attention_backend(args)
-        if name not in (None, "auto", *TREE_BACKENDS_CUDA):
-            raise ValueError(f"attention_backend must be one of {list(TREE_BACKENDS_CUDA)} (or unset) with "
-                             f"speculative method 'ubtree' on CUDA, got {name!r}")
+        name, allowed = _chosen_attention_backend(args), TREE_BACKENDS_CUDA_MLA if mla else TREE_BACKENDS_CUDA
+        if name not in (None, "auto", *allowed):
+            target = " for a multi-head latent attention target" if mla else ""
+            raise ValueError(f"attention_backend must be one of {list(allowed)} (or unset) with speculative method "
+                             f"'ubtree' on CUDA{target}, got {name!r}")
 
 
 def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
@@ -91,7 +92,7 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
     from vllm.platforms import current_platform
 
     from ubtree_vllm import envs
-    from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, CPU_ONLY_MLA, HYBRID_MAMBA2, PROPOSER_CLASS_PATH,
+    from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, HYBRID_MAMBA2, MLA_TARGETS, PROPOSER_CLASS_PATH,
                                          RECURRENT_HYBRIDS, VLLM_METHOD, TargetInfo, check_hybrid_engine,
                                          default_budget_schedule, parse_speculative_config)
 
@@ -99,18 +100,20 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
     spec = parse_speculative_config(_merged_user_spec(args), target)
     check_hybrid_engine(target, current_platform.is_cpu(), args.tensor_parallel_size, bool(args.enable_prefix_caching),
                         cuda_hybrids=envs.UBTREE_CUDA_HYBRIDS)
-    cuda_hybrid = current_platform.is_cuda() and any(a in RECURRENT_HYBRIDS for a in target.architectures)
+    mla = any(a in MLA_TARGETS for a in target.architectures)
+    # the target's recurrent or latent-attention layers run a CUDA tree form: V1 runner, PIECEWISE graphs
+    cuda_tree_form = current_platform.is_cuda() and (mla or any(a in RECURRENT_HYBRIDS for a in target.architectures))
     if spec.tree_attention != "triton" and not current_platform.is_cuda():
         raise ValueError(f"speculative_config.tree_attention {spec.tree_attention!r} runs on CUDA only (FlashAttention "
                          f"attends the context); on {current_platform.device_name!r} use 'triton' (the default)")
     mrv2 = current_platform.is_cuda() and _runs_on_mrv2(envs.UBTREE_VLLM_RUNNER, spec, args.tensor_parallel_size,
-                                                        hybrid=cuda_hybrid)
+                                                        hybrid=cuda_tree_form)
     if spec.tree_attention == "triton_stock_roots" and not mrv2:
         raise ValueError("speculative_config.tree_attention 'triton_stock_roots' runs on Model Runner V2 only (the "
                          "default CUDA runner; it lays out uniform decode steps for it); this engine runs the V1 runner: "
                          "use 'triton' or 'flash_merge'")
-    _check_engine_args(args, mrv2)
-    if cuda_hybrid:
+    _check_engine_args(args, mrv2, mla=mla)
+    if cuda_tree_form:
         _piecewise_graphs(args)
     if getattr(args, "use_replayssm", False) and any(a in HYBRID_MAMBA2 for a in target.architectures):
         raise ValueError("use_replayssm must be False with speculative method 'ubtree' (ReplaySSM's Mamba2 decode "
@@ -129,9 +132,11 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
         args.speculative_config["num_speculative_tokens_per_batch_size"] = [list(e) for e in spec.budget_schedule]
     args.spec_method = args.spec_model = args.spec_tokens = None
     args.additional_config = {**(args.additional_config or {}), ADDITIONAL_CONFIG_KEY: spec.to_additional_config()}
-    if current_platform.is_cuda() and _chosen_attention_backend(args) is None:
+    if current_platform.is_cuda() and mla:
+        _pin_cuda_mla(args, target_model_config.dtype)
+    elif current_platform.is_cuda() and _chosen_attention_backend(args) is None:
         args.attention_backend = cuda_tree_backend(target_model_config.dtype)
-    if current_platform.is_cpu() and any(a in CPU_ONLY_MLA for a in target.architectures):
+    if current_platform.is_cpu() and mla:
         _pin_cpu_mla(args)
 
 
@@ -153,8 +158,23 @@ def _pin_cpu_mla(args: Any) -> None:
         args.attention_backend = "CPU_MLA"
 
 
-# CUDA attention backends with a tree-aware subclass (ubtree_vllm/vllm/attention/flash.py, triton_attn.py)
+def _pin_cuda_mla(args: Any, dtype: Any) -> None:
+    """An MLA target on CUDA runs FLASH_ATTN_MLA, the MLA backend with a tree-aware subclass (vLLM's first choice on
+    sm90); ValueError for a float32 target (FlashAttention MLA runs bfloat16 and float16 only)."""
+    import torch
+
+    if dtype == torch.float32:
+        raise ValueError("dtype must be bfloat16 or float16 with speculative method 'ubtree' for a multi-head latent "
+                         "attention target on CUDA (its tree form runs on FLASH_ATTN_MLA, which has no float32 "
+                         "kernel), got float32")
+    if _chosen_attention_backend(args) is None:
+        args.attention_backend = "FLASH_ATTN_MLA"
+
+
+# CUDA attention backends with a tree-aware subclass (ubtree_vllm/vllm/attention/flash.py, triton_attn.py; for
+# multi-head latent attention flash_mla.py)
 TREE_BACKENDS_CUDA = ("FLASH_ATTN", "TRITON_ATTN")
+TREE_BACKENDS_CUDA_MLA = ("FLASH_ATTN_MLA",)
 
 
 def cuda_tree_backend(dtype: Any) -> str:
@@ -179,15 +199,16 @@ def _runs_on_mrv2(runner: str, spec: Any, tensor_parallel_size: int = 1, hybrid:
 
     ``auto`` takes Model Runner V2 unless it cannot serve the engine -- a tree budget below the
     drafter's block size (vLLM reserves B lookahead KV slots, the drafter writes gamma) or
-    ``VLLM_USE_V2_MODEL_RUNNER=0`` or tensor parallelism (V1 only so far) or a hybrid target (``hybrid``: the
-    recurrent layers' tree forms are wired on the V1 runner; vLLM's MRV2 refuses hybrids) -- and then the V1
-    runner, saying why; ``mrv2`` with a hybrid target is a ValueError. ``prompt_lookup`` runs on either (MRV2's
-    branch passed its H200 greedy test on 2026-12-01), and so does a budget schedule (MRV2's load-adaptive greedy
+    ``VLLM_USE_V2_MODEL_RUNNER=0`` or tensor parallelism (V1 only so far) or a hybrid or MLA target (``hybrid``: the
+    recurrent or latent-attention layers' tree forms are wired on the V1 runner; vLLM's MRV2 refuses hybrids) -- and
+    then the V1 runner, saying why; ``mrv2`` with such a target is a ValueError. ``prompt_lookup`` runs on either
+    (MRV2's branch passed its H200 greedy test on 2026-12-01), and so does a budget schedule (MRV2's load-adaptive greedy
     test with B = gamma passed on the H200 on 2026-12-03, after the draft graph fix of
     ``mrv2/speculator.py:draft_graph_config``)."""
     if hybrid and runner == "mrv2":
-        raise ValueError("UBTREE_VLLM_RUNNER=mrv2 cannot serve a hybrid target with speculative method 'ubtree' (the "
-                         "tree forms of its recurrent layers run on the V1 runner): use auto or v1")
+        raise ValueError("UBTREE_VLLM_RUNNER=mrv2 cannot serve a hybrid or multi-head latent attention target with "
+                         "speculative method 'ubtree' (the tree forms of its recurrent or latent-attention layers run "
+                         "on the V1 runner): use auto or v1")
     if runner != "auto":
         return runner == "mrv2"
     from vllm import envs as vllm_envs
@@ -198,16 +219,19 @@ def _runs_on_mrv2(runner: str, spec: Any, tensor_parallel_size: int = 1, hybrid:
               f"num_speculative_tokens ({budget}) < the drafter's block size ({gamma})" if budget < gamma else
               f"tensor_parallel_size {tensor_parallel_size} (tensor parallelism is served on the V1 runner)"
               if tensor_parallel_size > 1 else
-              "a hybrid target (the tree forms of its recurrent layers run on the V1 runner)" if hybrid else None)
+              "a hybrid or MLA target (the tree forms of its recurrent or latent-attention layers run on the V1 runner)"
+              if hybrid else None)
     if reason:
         init_logger(__name__).info("ubtree runs on the V1 model runner: %s (Model Runner V2 needs neither)", reason)
     return reason is None
 
 
 def _piecewise_graphs(args: Any) -> None:
-    """A hybrid target on CUDA runs PIECEWISE CUDA graphs: its recurrent layers' ops (``qwen_gdn_attention_core``,
-    ``mamba_mixer2``: vLLM's splitting ops) then run eagerly, as their tree forms' per-step host work needs
-    (ubtree_vllm/vllm/gdn_tree_cuda.py, mamba2_tree.py); ValueError if the user chose a mode with FULL graphs."""
+    """A hybrid or MLA target on CUDA runs PIECEWISE CUDA graphs: its recurrent layers' ops
+    (``qwen_gdn_attention_core``, ``mamba_mixer2``, ``bailing_v3_kda_attention``: vLLM's splitting ops) then run
+    eagerly, as their tree forms' per-step host work needs (ubtree_vllm/vllm/gdn_tree_cuda.py, mamba2_tree.py), and so
+    does MLA attention (FULL graphs of its tree form wait for its H200 tests); ValueError if the user chose a mode
+    with FULL graphs."""
     from vllm.config import CompilationConfig
     from vllm.config.compilation import CUDAGraphMode
 
@@ -218,7 +242,8 @@ def _piecewise_graphs(args: Any) -> None:
         args.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
     elif CUDAGraphMode(mode) not in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE):
         raise ValueError(f"compilation_config.cudagraph_mode must be PIECEWISE or NONE (or unset) with speculative "
-                         f"method 'ubtree' for a hybrid target on CUDA (its tree forms run outside CUDA graphs), "
+                         f"method 'ubtree' for a hybrid or MLA target on CUDA (its tree forms run outside CUDA "
+                         f"graphs), "
                          f"got {CUDAGraphMode(mode).name}")
 
 

@@ -137,14 +137,15 @@ def test_qwen3_5_is_refused_saying_its_gdn_layers_run_for_qwen3_next_only(tiny_d
 
 @pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM"])
 def test_cpu_hybrids_are_served_on_the_cpu_on_one_rank_without_prefix_caching(tiny_drafter, arch):
-    """Qwen3-Next (GDN), NemotronH and Falcon-H1 (Mamba2) parse; their engine settings are checked: CPU only, one rank, no
-    recurrent-state caching."""
+    """Qwen3-Next (GDN), NemotronH and Falcon-H1 (Mamba2) parse; their engine settings are checked: CPU only unless
+    opted in, one rank, no recurrent-state caching."""
     target = TargetInfo((arch,), 512, 64, 4)
     assert parse_speculative_config(spec(tiny_drafter), target).tree.tree_budget == 8
     check_hybrid_engine(target, on_cpu=True, tensor_parallel_size=1, enable_prefix_caching=False)
     check_hybrid_engine(TINY, on_cpu=False, tensor_parallel_size=2, enable_prefix_caching=True)  # not a hybrid
     for kwargs, pattern in [
-            (dict(on_cpu=False), rf"'{arch}' is served by method 'ubtree' on the CPU only"),
+            (dict(on_cpu=False), rf"'{arch}' is served by method 'ubtree' on the CPU only by default: .* is opt-in "
+                                 r"until its H200 engine tests pass \(UBTREE_CUDA_HYBRIDS=1\)"),
             (dict(tensor_parallel_size=2), rf"tensor_parallel_size must be 1 .* '{arch}'"),
             (dict(enable_prefix_caching=True), rf"enable_prefix_caching must be False .* '{arch}'")]:
         with pytest.raises(ValueError, match=pattern):
@@ -154,14 +155,15 @@ def test_cpu_hybrids_are_served_on_the_cpu_on_one_rank_without_prefix_caching(ti
 
 @pytest.mark.parametrize("arch", ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"])
 def test_mla_targets_are_served_on_the_cpu_on_one_rank(tiny_drafter, arch):
-    """DeepSeek-V2/V3 (multi-head latent attention) parse; CPU only (CPU_MLA's tree form), one rank; prefix caching
-    is vLLM's to turn off (its CPU platform does for MLA)."""
+    """DeepSeek-V2/V3 (multi-head latent attention) parse; CPU only (CPU_MLA's tree form) unless opted in to the CUDA
+    form (FLASH_ATTN_MLA's), one rank; prefix caching is vLLM's to turn off (its CPU platform does for MLA)."""
     target = TargetInfo((arch,), 512, 64, 4)
     assert parse_speculative_config(spec(tiny_drafter), target).tree.tree_budget == 8
     check_hybrid_engine(target, on_cpu=True, tensor_parallel_size=1, enable_prefix_caching=True)
+    check_hybrid_engine(target, on_cpu=False, tensor_parallel_size=1, enable_prefix_caching=True, cuda_hybrids=True)
     for kwargs, pattern in [
-            (dict(on_cpu=False), rf"'{arch}' is served by method 'ubtree' on the CPU only: the tree form of its "
-                                 r"DeepseekV2MLAAttention \(multi-head latent attention\) layers"),
+            (dict(on_cpu=False), rf"'{arch}' is served by method 'ubtree' on the CPU only by default: the CUDA tree "
+                                 r"form of its DeepseekV2MLAAttention \(multi-head latent attention\) layers"),
             (dict(tensor_parallel_size=2), rf"tensor_parallel_size must be 1 .* '{arch}'")]:
         with pytest.raises(ValueError, match=pattern):
             check_hybrid_engine(target, **{**dict(on_cpu=True, tensor_parallel_size=1,

@@ -228,3 +228,44 @@ def test_flash_merge_context_lengths_once_per_forward(monkeypatch):
     TreeFlashAttentionImpl._context_part(impl, query, cache, cache, metadata([12, 3]))  # the next forward
     assert seen[-1] is not seen[0] and seen[-1].tolist() == [8, 1]
     assert committed_context_lens(first.query_start_loc, first.seq_lens).tolist() == [5, 0]
+
+
+def test_latent_tree_rows_on_the_mla_cache(monkeypatch):
+    """FLASH_ATTN_MLA's tree path (attend_latent_tree_rows; the Triton tree MLA kernel, interpreted on CPU) over vLLM's
+    latent cache [num_blocks, block_size, L + R] with strided blocks (a hybrid's page alignment): every non-root tree
+    row equals absorbed MLA attention over its request's committed context plus its root -> self path, the fresh rows
+    read from the cache at the slot mapping; every other row keeps the stock kernel's output."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors need the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 "
+                    "for CPU-only torch builds)")
+    from ubtree_vllm.vllm.attention.tree_rows import attend_latent_tree_rows
+
+    latent, rope, heads, scale = 32, 16, 4, 0.2
+    torch.manual_seed(0)
+    batch = make_batch()
+    plan = batch.plan
+    padded = torch.randn(NUM_BLOCKS, BLOCK_SIZE + 3, latent + rope)  # 3 padding slots per block
+    kv_cache = padded[:, :BLOCK_SIZE]  # [num_blocks, block_size, L + R], block stride > block_size * (L + R)
+    rows = batch.slot_mapping.shape[0]
+    for slots in batch.context_slots + [batch.slot_mapping]:  # contexts, then the fresh rows vLLM writes first
+        kv_cache[slots // BLOCK_SIZE, slots % BLOCK_SIZE] = torch.randn(len(slots), latent + rope)
+    q_latent, q_rope = torch.randn(rows, heads, latent), torch.randn(rows, heads, rope)
+    state, buffers = TreeForwardState(), RowBuffers.empty(max_tokens=32, path_width=5, device=torch.device("cpu"))
+    state.begin(plan, torch.device("cpu"), buffers)
+    out = torch.full((rows, heads, latent), float("nan"))  # the stock call's output, here never computed
+    attend_latent_tree_rows((q_latent, q_rope), kv_cache, batch.slot_mapping, BLOCK_TABLE, out, buffers, latent,
+                            scale)
+    for req_id, req, root in (("r0", 0, 0), ("r2", 2, 11)):
+        context = kv_cache[batch.context_slots[req] // BLOCK_SIZE, batch.context_slots[req] % BLOCK_SIZE]
+        for node in range(1, len(PARENTS[req_id])):
+            path = batch.slot_mapping[[root + a for a in ancestors(PARENTS[req_id], node)]]
+            keys = torch.cat([context, kv_cache[path // BLOCK_SIZE, path % BLOCK_SIZE]])  # [n, L + R]
+            scores = (q_latent[root + node] @ keys[:, :latent].T + q_rope[root + node] @ keys[:, latent:].T) * scale
+            expected = scores.softmax(dim=-1) @ keys[:, :latent]  # [H, L]
+            torch.testing.assert_close(out[root + node], expected, atol=1e-5, rtol=1e-4)
+    assert torch.isnan(out[[0, 6, 7, 8, 9, 10, 11]]).all()  # roots and the prefill rows: the stock kernel's
+    # the same rows through the concatenated query form FlashAttention MLA may be handed
+    joined = torch.full_like(out, float("nan"))
+    attend_latent_tree_rows(torch.cat([q_latent, q_rope], dim=-1), kv_cache, batch.slot_mapping, BLOCK_TABLE, joined,
+                            buffers, latent, scale)
+    torch.testing.assert_close(joined, out, equal_nan=True)

@@ -30,8 +30,8 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from vllm_engines import TINY_TREE, spec_counts
-from vllm_models import (save_tiny_falcon_h1, save_tiny_llama, save_tiny_nemotron_h, save_tiny_qwen3_next,
-                         save_untrained_drafter)
+from vllm_models import (save_tiny_deepseek_v2, save_tiny_falcon_h1, save_tiny_llama, save_tiny_nemotron_h,
+                         save_tiny_qwen3_next, save_untrained_drafter)
 from vllm_oracle import ReferenceOracle, engine_runner, install_oracle
 from ubtree_vllm.config import SamplingConfig
 
@@ -165,16 +165,20 @@ def test_float32_greedy_is_token_identical_smollm2(runner, default_target_dir, t
         assert tau > 1.5, tau
 
 
-# Hybrid targets on CUDA (issue 17), opt-in with UBTREE_CUDA_HYBRIDS=1 (the V1 runner, PIECEWISE graphs): Qwen3-Next
-# (Gated DeltaNet, ubtree_vllm/vllm/gdn_tree_cuda.py), NemotronH and Falcon-H1 (Mamba2, ubtree_vllm/vllm/mamba2_tree.py)
-HYBRIDS = {"qwen3_next": save_tiny_qwen3_next, "nemotron_h": save_tiny_nemotron_h, "falcon_h1": save_tiny_falcon_h1}
+# Hybrid and MLA targets on CUDA (issue 17), opt-in with UBTREE_CUDA_HYBRIDS=1 (the V1 runner, PIECEWISE graphs):
+# Qwen3-Next (Gated DeltaNet, ubtree_vllm/vllm/gdn_tree_cuda.py), NemotronH and Falcon-H1 (Mamba2,
+# ubtree_vllm/vllm/mamba2_tree.py), DeepSeek-V2 (multi-head latent attention on FLASH_ATTN_MLA,
+# ubtree_vllm/vllm/attention/flash_mla.py; loaded in bf16)
+HYBRIDS = {"qwen3_next": save_tiny_qwen3_next, "nemotron_h": save_tiny_nemotron_h, "falcon_h1": save_tiny_falcon_h1,
+           "deepseek_v2": save_tiny_deepseek_v2}
 # their engines: no prefix caching (UBTree refuses it for recurrent states), the tiny models' 1024 positions
 HYBRID_ENGINE = dict(enable_prefix_caching=False, max_model_len=1024)
 
 
 @pytest.fixture(params=sorted(HYBRIDS))
 def tiny_hybrid(request, tmp_path, monkeypatch):
-    """(target, untrained drafter): a random bf16 hybrid of one family, served under UBTREE_CUDA_HYBRIDS=1."""
+    """(target, untrained drafter): a random hybrid (or MLA target) of one family, served in bf16 under
+    UBTREE_CUDA_HYBRIDS=1."""
     monkeypatch.setenv("UBTREE_CUDA_HYBRIDS", "1")
     target = HYBRIDS[request.param](tmp_path / request.param)
     return target, save_untrained_drafter(target, tmp_path / f"{request.param}-drafter")
@@ -188,8 +192,8 @@ def test_greedy_equality_hybrid_target(tiny_hybrid):
 
 def test_hybrid_copying_oracle_commits_long_paths(tiny_hybrid):
     """The copying oracle puts plain decoding's continuation on a second branch cut at random depths, so accepted
-    paths run off their depth and every recurrent layer's commit moves state slots and conv columns; greedy output
-    equals plain decoding's up to bf16 near-ties, with tau > 2."""
+    paths run off their depth and every recurrent layer's commit moves state slots and conv columns (an MLA target's:
+    latent rows in its cache); greedy output equals plain decoding's up to bf16 near-ties, with tau > 2."""
     target, drafter = tiny_hybrid
     plain = engine(target, logprobs_mode="raw_logits", **HYBRID_ENGINE)
     vocab = plain.llm_engine.model_config.get_vocab_size()

@@ -456,6 +456,11 @@ def test_flash_attention_resolves_to_the_tree_backend_on_cuda():
     importlib.import_module("ubtree_vllm.patches.worker.patch_attention_backends").apply()
     assert AttentionBackendEnum.FLASH_ATTN.get_class() is TreeFlashAttentionBackend
     assert AttentionBackendEnum.TRITON_ATTN.get_class() is TreeTritonAttentionBackend  # float32 targets
+    from ubtree_vllm.vllm.attention.flash_mla import TreeFlashAttnMLABackend, TreeFlashAttnMLAImpl
+
+    backend = AttentionBackendEnum.FLASH_ATTN_MLA.get_class()  # multi-head latent attention targets
+    assert backend is TreeFlashAttnMLABackend and backend.get_name() == "FLASH_ATTN_MLA"
+    assert backend.get_impl_cls() is TreeFlashAttnMLAImpl and TreeFlashAttnMLAImpl.ubtree_tree_aware
 
 
 # --- cpu_gdn_tree_forward --------------------------------------------------------------------
@@ -654,8 +659,8 @@ def test_a_hybrid_target_on_cuda_is_opt_in_and_runs_the_v1_runner_with_piecewise
         return args
 
     monkeypatch.delenv("UBTREE_CUDA_HYBRIDS", raising=False)
-    with pytest.raises(ValueError, match=r"'Qwen3NextForCausalLM' is served by method 'ubtree' on the CPU only.*"
-                                         r"UBTREE_CUDA_HYBRIDS=1"):
+    with pytest.raises(ValueError, match=r"'Qwen3NextForCausalLM' is served by method 'ubtree' on the CPU only by "
+                                         r"default.*UBTREE_CUDA_HYBRIDS=1"):
         rewritten()
     monkeypatch.setenv("UBTREE_CUDA_HYBRIDS", "1")
     args = rewritten()
@@ -675,7 +680,53 @@ def test_a_hybrid_target_on_cuda_is_opt_in_and_runs_the_v1_runner_with_piecewise
     with pytest.raises(ValueError, match=r"use_replayssm must be False"):
         rewritten(nemotron, nemotron_drafter, use_replayssm=True)
     monkeypatch.setenv("UBTREE_VLLM_RUNNER", "mrv2")
-    with pytest.raises(ValueError, match=r"UBTREE_VLLM_RUNNER=mrv2 cannot serve a hybrid target"):
+    with pytest.raises(ValueError, match=r"UBTREE_VLLM_RUNNER=mrv2 cannot serve a hybrid or"):
+        rewritten()
+
+
+def test_an_mla_target_on_cuda_is_opt_in_and_pins_flash_attention_mla(monkeypatch, tmp_path, vllm_models_dir):
+    """Faked CUDA, rewrite only: a DeepSeek-V2 target is refused without UBTREE_CUDA_HYBRIDS=1; with it, the V1 runner,
+    PIECEWISE graphs and FLASH_ATTN_MLA (the MLA backend with a tree form); another backend, a float32 target and
+    UBTREE_VLLM_RUNNER=mrv2 are refused by name."""
+    import vllm.envs as vllm_envs
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    from vllm_models import save_tiny_deepseek_v2, save_untrained_drafter
+
+    target = save_tiny_deepseek_v2(vllm_models_dir / "cuda-opt-in-deepseek-v2")
+    drafter = save_untrained_drafter(target, vllm_models_dir / "cuda-opt-in-deepseek-v2-drafter")
+    rewrite = importlib.import_module("ubtree_vllm.patches.engine.patch_engine_args_speculative_config")
+    monkeypatch.setenv("UBTREE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("UBTREE_VLLM_RUNNER", raising=False)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(vllm_envs, "VLLM_USE_V2_MODEL_RUNNER", None, raising=False)
+
+    def rewritten(dtype="bfloat16", **engine_kwargs):
+        args = EngineArgs(model=str(target), skip_tokenizer_init=True, dtype=dtype, max_model_len=512,
+                          enable_prefix_caching=False, speculative_config=ubtree_spec(drafter), **engine_kwargs)
+        rewrite._rewrite_to_vllm(args, args.create_model_config())
+        return args
+
+    monkeypatch.delenv("UBTREE_CUDA_HYBRIDS", raising=False)
+    with pytest.raises(ValueError, match=r"'DeepseekV2ForCausalLM' is served by method 'ubtree' on the CPU only by "
+                                         r"default.*UBTREE_CUDA_HYBRIDS=1"):
+        rewritten()
+    monkeypatch.setenv("UBTREE_CUDA_HYBRIDS", "1")
+    args = rewritten()
+    assert args.speculative_config["method"] == VLLM_METHOD
+    assert args.additional_config[ADDITIONAL_CONFIG_KEY].get("runner", "v1") == "v1"
+    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    assert args.attention_backend == "FLASH_ATTN_MLA"
+    assert rewritten(attention_backend="FLASH_ATTN_MLA").attention_backend == "FLASH_ATTN_MLA"
+    with pytest.raises(ValueError, match=r"attention_backend must be one of \['FLASH_ATTN_MLA'\] .* multi-head "
+                                         r"latent attention target, got 'FLASHMLA'"):
+        rewritten(attention_backend="FLASHMLA")
+    with pytest.raises(ValueError, match=r"dtype must be bfloat16 or float16 .* FLASH_ATTN_MLA.*got float32"):
+        rewritten(dtype="float32")
+    monkeypatch.setenv("UBTREE_VLLM_RUNNER", "mrv2")
+    with pytest.raises(ValueError, match=r"UBTREE_VLLM_RUNNER=mrv2 cannot serve a hybrid or multi-head latent"):
         rewritten()
 
 

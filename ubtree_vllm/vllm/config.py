@@ -65,9 +65,10 @@ RECURRENT_HYBRIDS = {"Qwen3NextForCausalLM": "QwenGatedDeltaNetAttention (Gated 
                      "FalconH1ForCausalLM": "MambaMixer2 (Mamba2)"}
 # Of those, the Mamba2 ones (vLLM's MambaMixer2; its ReplaySSM decode calls have no tree form).
 HYBRID_MAMBA2 = ("NemotronHForCausalLM", "FalconH1ForCausalLM")
-# Multi-head latent attention targets verify trees through vLLM's CPU MLA backend only (ubtree_vllm.vllm.attention.
-# cpu_mla; the CUDA MLA backends are not wired). Checked with the engine arguments (check_hybrid_engine).
-CPU_ONLY_MLA = {"DeepseekV2ForCausalLM": "DeepseekV2MLAAttention (multi-head latent attention)",
+# Multi-head latent attention targets verify trees through vLLM's CPU MLA backend (ubtree_vllm.vllm.attention.cpu_mla)
+# and, on CUDA, FLASH_ATTN_MLA (attention.flash_mla; V1 runner, PIECEWISE graphs) only with UBTREE_CUDA_HYBRIDS=1 until
+# their H200 tests pass. Checked with the engine arguments (check_hybrid_engine).
+MLA_TARGETS = {"DeepseekV2ForCausalLM": "DeepseekV2MLAAttention (multi-head latent attention)",
                 "DeepseekV3ForCausalLM": "DeepseekV2MLAAttention (multi-head latent attention)"}
 # Hybrid families vLLM 0.32 serves, and the vLLM layer classes whose recurrent state a tree would have to fork
 # per node and does not yet (docs: README "hybrid targets"); their targets are refused naming these layers.
@@ -327,26 +328,23 @@ def _tree_attention_mode(value: Any, field: str) -> str:
 
 def check_hybrid_engine(target: TargetInfo, on_cpu: bool, tensor_parallel_size: int,
                         enable_prefix_caching: bool, cuda_hybrids: bool = False) -> None:
-    """Engine settings a hybrid or MLA target (:data:`RECURRENT_HYBRIDS`, :data:`CPU_ONLY_MLA`) is served with;
+    """Engine settings a hybrid or MLA target (:data:`RECURRENT_HYBRIDS`, :data:`MLA_TARGETS`) is served with;
     ValueError names the setting.
 
-    The tree form of its recurrent or latent-attention layers runs on the CPU, on one rank; the recurrent hybrids of
-    :data:`RECURRENT_HYBRIDS` run on CUDA too when ``cuda_hybrids`` (``UBTREE_CUDA_HYBRIDS=1``, opt-in until their H200
-    tests pass). vLLM's prefix caching of recurrent states (``mamba_cache_mode`` 'align') copies a chain's per-token
-    state slots after each step (and launches a Triton kernel the CPU build lacks); vLLM's CPU platform turns
-    prefix caching off for MLA.
+    The tree form of its recurrent or latent-attention layers runs on the CPU, on one rank, and on CUDA too when
+    ``cuda_hybrids`` (``UBTREE_CUDA_HYBRIDS=1``, opt-in until their H200 tests pass). vLLM's prefix caching of
+    recurrent states (``mamba_cache_mode`` 'align') copies a chain's per-token state slots after each step (and
+    launches a Triton kernel the CPU build lacks); vLLM's CPU platform turns prefix caching off for MLA.
     """
-    cpu_only = {**RECURRENT_HYBRIDS, **CPU_ONLY_MLA}
-    hybrid = [(a, cpu_only[a]) for a in target.architectures if a in cpu_only]
+    tree_forms = {**RECURRENT_HYBRIDS, **MLA_TARGETS}
+    hybrid = [(a, tree_forms[a]) for a in target.architectures if a in tree_forms]
     if not hybrid:
         return
     arch, layers = hybrid[0]
-    if not on_cpu and not (cuda_hybrids and arch in RECURRENT_HYBRIDS):
-        opt_in = (" (its CUDA tree form is opt-in until its H200 engine tests pass: UBTREE_CUDA_HYBRIDS=1)"
-                  if arch in RECURRENT_HYBRIDS else "")
-        raise ValueError(f"target architecture {arch!r} is served by method {METHOD!r} on the CPU only: the tree form "
-                         f"of its {layers} layers runs through vLLM's CPU kernels; vLLM's CUDA path is not wired "
-                         f"yet{opt_in}")
+    if not on_cpu and not cuda_hybrids:
+        raise ValueError(f"target architecture {arch!r} is served by method {METHOD!r} on the CPU only by default: "
+                         f"the CUDA tree form of its {layers} layers is opt-in until its H200 engine tests pass "
+                         "(UBTREE_CUDA_HYBRIDS=1)")
     if tensor_parallel_size != 1:
         raise ValueError(f"tensor_parallel_size must be 1 with method {METHOD!r} for target architecture {arch!r} "
                          f"(the tree form of its {layers} layers has not run with tensor parallelism), "

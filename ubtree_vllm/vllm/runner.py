@@ -180,13 +180,14 @@ class UBTreeRunnerMixin:
         if not self._commit_in_cache:  # CPU_ATTN: replay the stashed K/V
             commit_accepted_paths(self._tree_state, plan, accept.accepted_path, accept.num_accepted)
         elif len(plan.stash_rows):
-            # FLASH_ATTN: this step's KV slot of every stash row, from vLLM's slot-mapping buffer.
+            # FLASH_ATTN (FLASH_ATTN_MLA): this step's KV slot of every stash row, from vLLM's slot-mapping buffer.
             slot_mapping = self.input_batch.block_table[self._tree_attention_group()].slot_mapping.gpu
             stash_slots = slot_mapping[plan.to_device(self.device).stash_rows].long()
             caches = [layer.kv_cache for layer in self._tree_attention_layers]
             if self._kv_cache_ptrs is None:  # once: the caches are allocated before the first step and never move
                 self._kv_cache_ptrs = kv_cache_pointers(caches)
-            commit_accepted_paths_in_cache(self._kv_cache_ptrs, caches[0], stash_slots, plan, accept.accepted_path,
+            like = caches[0] if caches[0].dim() == 4 else caches[0].unsqueeze(1)  # MLA: [blocks, 1 head, slot, L + R]
+            commit_accepted_paths_in_cache(self._kv_cache_ptrs, like, stash_slots, plan, accept.accepted_path,
                                            accept.num_accepted)
 
     def _tree_attention_group(self) -> int:

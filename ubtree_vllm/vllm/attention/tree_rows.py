@@ -1,5 +1,8 @@
 """What every CUDA tree-aware backend does around its stock kernel: compute the tree rows.
 
+(Multi-head latent attention, FLASH_ATTN_MLA: :func:`attend_latent_tree_rows`, the same row buffers over the latent
+cache; ``attention/flash_mla.py``.)
+
 The stock impl (FLASH_ATTN, TRITON_ATTN) computes every row causally; :func:`attend_tree_rows` then
 overwrites the rows of non-root tree nodes with :func:`ubtree_vllm.triton_ops.tree_attention`, one
 launch per layer over the runner's fixed-size :class:`~ubtree_vllm.vllm.attention.state.RowBuffers`
@@ -24,6 +27,7 @@ import torch
 from vllm.v1.attention.backend import AttentionType
 
 from ubtree_vllm.triton_ops import tree_attention
+from ubtree_vllm.triton_ops.tree_mla_attention import tree_mla_attention
 from ubtree_vllm.vllm.attention.state import RowBuffers, tree_forward_state
 
 
@@ -130,3 +134,20 @@ def attend_tree_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                    buffers.row_context_len[:num_tokens], buffers.row_path[:num_tokens],
                    scale, output,  # output: mutable
                    context_out=context_out, context_lse=context_lse)
+
+
+def attend_latent_tree_rows(q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+                            slot_mapping: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
+                            buffers: RowBuffers, latent: int, scale: float) -> None:
+    """Overwrite ``out``'s tree rows; one launch over the T decode rows' buffer entries.
+
+    q: (q_latent [T, H, L], q_rope [T, H, R]) or [T, H, L + R] (the forward's first T rows: decodes come first);
+    kv_cache [num_blocks, block_size, L + R] holding this forward's fresh rows at ``slot_mapping`` [>= T];
+    block_table [num_decodes, max_blocks] int32; out [T, H, L] (mutable)."""
+    q_latent, q_rope = q if isinstance(q, tuple) else q.split([latent, q.shape[-1] - latent], dim=-1)
+    num_tokens = q_latent.shape[0]
+    slots = slot_mapping[:num_tokens].long()  # [T]; the cache's blocks may be strided (hybrid page alignment)
+    fresh = kv_cache[slots // kv_cache.shape[1], slots % kv_cache.shape[1]]  # [T, L + R]
+    tree_mla_attention(q_latent, q_rope, fresh[:, :latent], fresh[:, latent:], kv_cache, block_table,
+                       buffers.row_index[:num_tokens], buffers.row_req[:num_tokens],
+                       buffers.row_context_len[:num_tokens], buffers.row_path[:num_tokens], scale, out)
