@@ -7,9 +7,9 @@ decodes (``query_len_support`` VARLEN), so a UBTree step's root and drafts reach
 already holds this forward's fresh rows (vLLM writes them before attention), causally among a request's rows.
 
 :meth:`TreeFlashAttnMLAImpl.forward_mqa` keeps that call and then overwrites the rows of non-root tree nodes with
-:func:`~ubtree_vllm.vllm.attention.tree_rows.attend_latent_tree_rows` (the Triton tree MLA kernel): each such row attends to its request's committed context, read
-through the block table, plus its ancestors-or-self among the fresh rows, gathered from the cache at the forward's
-slot mapping. The launch reads the runner's fixed-size :class:`~ubtree_vllm.vllm.attention.state.RowBuffers` (entries
+:func:`~ubtree_vllm.vllm.attention.tree_rows.attend_latent_tree_rows` (the Triton tree MLA kernel): each such row
+attends to its request's committed context, read through the block table, plus its ancestors-or-self among the fresh
+rows, gathered from the cache at the forward's slot mapping. The launch reads the runner's fixed-size :class:`~ubtree_vllm.vllm.attention.state.RowBuffers` (entries
 -1 skipped) and no device value on the host, so it is captured in CUDA graphs like the stock call. Roots keep the
 stock kernel's arithmetic: they are plain decoding's rows.
 
