@@ -249,6 +249,18 @@ MANIFEST: tuple[PatchSpec, ...] = (
         stage="worker",
     ),
     PatchSpec(
+        name="bailing_moe_v3_hidden_states",
+        vllm_symbol="vllm.model_executor.models.bailing_moe_v3.BailingMoeV3Model.forward",
+        why=("The drafter conditions on the hidden states entering chosen target layers, which vLLM's runners "
+             "request through SupportsEagle3; vLLM 0.32's BailingMoeV3ForCausalLM (Ling-3.0) does not implement it, "
+             "so a UBTree engine on Ling-3.0 would fail at start."),
+        how=("Replaces BailingMoeV3Model.forward with vLLM's layer loop plus the taps (hidden_states + residual "
+             "entering each tapped layer, and after the last when tapped; returns (hidden, aux)) and adds the "
+             "SupportsEagle3 members to BailingMoeV3ForCausalLM; without taps vLLM's forward runs unchanged."),
+        removal_condition="vLLM's BailingMoeV3ForCausalLM implements SupportsEagle3 (EagleModelMixin).",
+        stage="worker",
+    ),
+    PatchSpec(
         name="cpu_gdn_native_conv",
         vllm_symbol="vllm.model_executor.layers.mamba.ops.cpu.gdn_attention.is_arm_bf16",
         why=("vLLM 0.32 packs GDN conv weights for its C++ conv on every ARM-bf16 or AVX-512 BF16 CPU and "

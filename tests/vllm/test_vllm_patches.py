@@ -28,7 +28,7 @@ TESTED_PATCHES = {"engine_args_speculative_config", "sampling_params_spec_decode
                   "structured_output_tree", "cpu_worker_model_runner", "attention_backends", "cpu_gdn_tree_forward",
                   "cpu_gdn_native_conv", "mamba2_tree_decode", "engine_core_hybrid_budget",
                   "cpu_rope_multihead", "falcon_h1_hidden_states", "cuda_gdn_tree_forward",
-                  "cuda_kda_tree_forward"}
+                  "cuda_kda_tree_forward", "bailing_moe_v3_hidden_states"}
 
 
 def test_every_manifest_patch_has_a_module_and_a_test_here():
@@ -659,8 +659,8 @@ def test_a_hybrid_target_on_cuda_is_opt_in_and_runs_the_v1_runner_with_piecewise
         return args
 
     monkeypatch.delenv("UBTREE_CUDA_HYBRIDS", raising=False)
-    with pytest.raises(ValueError, match=r"'Qwen3NextForCausalLM' is served by method 'ubtree' on the CPU only by "
-                                         r"default.*UBTREE_CUDA_HYBRIDS=1"):
+    with pytest.raises(ValueError, match=r"'Qwen3NextForCausalLM' needs UBTREE_CUDA_HYBRIDS=1 with method "
+                                         r"'ubtree' on CUDA"):
         rewritten()
     monkeypatch.setenv("UBTREE_CUDA_HYBRIDS", "1")
     args = rewritten()
@@ -687,12 +687,12 @@ def test_a_hybrid_target_on_cuda_is_opt_in_and_runs_the_v1_runner_with_piecewise
 def test_an_mla_target_on_cuda_is_opt_in_and_pins_flash_attention_mla(monkeypatch, tmp_path, vllm_models_dir):
     """Faked CUDA, rewrite only: a DeepSeek-V2 target is refused without UBTREE_CUDA_HYBRIDS=1; with it, the V1 runner,
     PIECEWISE graphs and FLASH_ATTN_MLA (the MLA backend with a tree form); another backend, a float32 target and
-    UBTREE_VLLM_RUNNER=mrv2 are refused by name."""
+    UBTREE_VLLM_RUNNER=mrv2 are refused by name. Ling-3.0 (KDA and MLA) gets the same settings."""
     import vllm.envs as vllm_envs
     from vllm.config.compilation import CUDAGraphMode
     from vllm.platforms import current_platform
 
-    from vllm_models import save_tiny_deepseek_v2, save_untrained_drafter
+    from vllm_models import save_tiny_deepseek_v2, save_tiny_ling, save_untrained_drafter
 
     target = save_tiny_deepseek_v2(vllm_models_dir / "cuda-opt-in-deepseek-v2")
     drafter = save_untrained_drafter(target, vllm_models_dir / "cuda-opt-in-deepseek-v2-drafter")
@@ -703,15 +703,15 @@ def test_an_mla_target_on_cuda_is_opt_in_and_pins_flash_attention_mla(monkeypatc
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     monkeypatch.setattr(vllm_envs, "VLLM_USE_V2_MODEL_RUNNER", None, raising=False)
 
-    def rewritten(dtype="bfloat16", **engine_kwargs):
-        args = EngineArgs(model=str(target), skip_tokenizer_init=True, dtype=dtype, max_model_len=512,
-                          enable_prefix_caching=False, speculative_config=ubtree_spec(drafter), **engine_kwargs)
+    def rewritten(dtype="bfloat16", target_dir=target, draft=drafter, **engine_kwargs):
+        args = EngineArgs(model=str(target_dir), skip_tokenizer_init=True, dtype=dtype, max_model_len=512,
+                          enable_prefix_caching=False, speculative_config=ubtree_spec(draft), **engine_kwargs)
         rewrite._rewrite_to_vllm(args, args.create_model_config())
         return args
 
     monkeypatch.delenv("UBTREE_CUDA_HYBRIDS", raising=False)
-    with pytest.raises(ValueError, match=r"'DeepseekV2ForCausalLM' is served by method 'ubtree' on the CPU only by "
-                                         r"default.*UBTREE_CUDA_HYBRIDS=1"):
+    with pytest.raises(ValueError, match=r"'DeepseekV2ForCausalLM' needs UBTREE_CUDA_HYBRIDS=1 with method "
+                                         r"'ubtree' on CUDA"):
         rewritten()
     monkeypatch.setenv("UBTREE_CUDA_HYBRIDS", "1")
     args = rewritten()
@@ -725,6 +725,11 @@ def test_an_mla_target_on_cuda_is_opt_in_and_pins_flash_attention_mla(monkeypatc
         rewritten(attention_backend="FLASHMLA")
     with pytest.raises(ValueError, match=r"dtype must be bfloat16 or float16 .* FLASH_ATTN_MLA.*got float32"):
         rewritten(dtype="float32")
+    ling = save_tiny_ling(vllm_models_dir / "cuda-opt-in-ling")  # Ling-3.0: KDA and MLA, the same settings
+    args = rewritten(load_format="dummy", target_dir=ling,
+                     draft=save_untrained_drafter(ling, vllm_models_dir / "cuda-opt-in-ling-drafter"))
+    assert args.attention_backend == "FLASH_ATTN_MLA"
+    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
     monkeypatch.setenv("UBTREE_VLLM_RUNNER", "mrv2")
     with pytest.raises(ValueError, match=r"UBTREE_VLLM_RUNNER=mrv2 cannot serve a hybrid or multi-head latent"):
         rewritten()
@@ -791,6 +796,42 @@ def test_falcon_h1_gets_the_eagle3_interface_and_a_tapping_forward():
     falcon_h1.FalconH1ForCausalLM.set_aux_hidden_state_layers(model, (5, 1, 5))
     assert model.model.ubtree_aux_layers == (1, 5)
     assert falcon_h1.FalconH1ForCausalLM.get_eagle3_default_aux_hidden_state_layers(model) == (2, 6, 9)
+
+
+def test_bailing_moe_v3_gets_the_eagle3_interface_and_taps_the_residual_stream(monkeypatch):
+    """Ling-3.0's model returns (hidden, taps): the residual stream entering each tapped layer (hidden + residual; the
+    embedding at the first) and after the last; without taps vLLM's forward runs."""
+    from vllm.model_executor.models import bailing_moe_v3 as bailing
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    module = importlib.import_module("ubtree_vllm.patches.worker.patch_bailing_moe_v3_hidden_states")
+    module.apply()
+    module.apply()  # idempotent
+    model_cls, lm_cls = bailing.BailingMoeV3Model, bailing.BailingMoeV3ForCausalLM
+    assert getattr(model_cls.forward, MARK) == "bailing_moe_v3_hidden_states"
+    assert supports_eagle3(lm_cls) and model_cls.ubtree_aux_layers == ()
+    lm = types.SimpleNamespace(model=types.SimpleNamespace(layers=[None] * 12))
+    lm_cls.set_aux_hidden_state_layers(lm, (5, 1, 5))
+    assert lm.model.ubtree_aux_layers == (1, 5)
+    assert lm_cls.get_eagle3_default_aux_hidden_state_layers(lm) == (2, 6, 9)
+
+    def layer(scale):  # vLLM's decoder layer contract: (hidden, positions, residual) -> (hidden, residual)
+        return lambda hidden, positions, residual: (hidden * scale, hidden if residual is None else hidden + residual)
+
+    model = types.SimpleNamespace(word_embeddings=lambda ids: ids.float()[:, None].repeat(1, 2), start_layer=0,
+                                  end_layer=3, layers=[layer(2.0), layer(3.0), layer(5.0)],
+                                  norm=lambda hidden, residual=None: (hidden + (0 if residual is None else residual),
+                                                                      None))
+    monkeypatch.setattr(bailing, "get_pp_group", lambda: types.SimpleNamespace(world_size=1))
+    monkeypatch.setattr(model_cls, original_attr_name("forward"), lambda self, *args: "vllm forward")
+    ids, positions = torch.tensor([1, 2]), torch.tensor([0, 1])
+    model.ubtree_aux_layers = ()
+    assert model_cls.forward(model, ids, positions) == "vllm forward"
+    model.ubtree_aux_layers = (0, 1, 3)
+    hidden, taps = model_cls.forward(model, ids, positions)
+    e = ids.float()[:, None].repeat(1, 2)  # h0 = e; h1 = 2e, r1 = e; h2 = 6e, r2 = 3e; h3 = 30e, r3 = 9e
+    assert [t.tolist() for t in taps] == [e.tolist(), (3 * e).tolist(), (39 * e).tolist()]
+    assert hidden.tolist() == (39 * e).tolist()
 
 
 @cpu_platform_only

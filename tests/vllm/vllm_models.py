@@ -149,6 +149,37 @@ def save_tiny_falcon_h1(path: Path, *, vocab_size: int = 512, seed: int = 0) -> 
     return Path(path)
 
 
+def save_tiny_ling(path: Path, *, vocab_size: int = 512) -> Path:
+    """A tiny Ling-3.0 (``BailingMoeV3ForCausalLM``: Kimi Delta Attention and MLA layers alternating, MoE), config only:
+    vLLM has no HF modeling class to write a checkpoint from, so its engines load it with ``load_format="dummy"``
+    (vLLM's seeded random weights: every engine of a test gets the same). Hidden 128, 4 layers (KDA / MLA twice),
+    2 heads of 64 (KDA), MLA kv_lora_rank 512 + RoPE 64 (FlashAttention MLA's latent width), 4 experts (top 2).
+    Registers its config class (model type ``bailing_hybrid``) with transformers' AutoConfig in this process."""
+    from vllm.transformers_utils.configs.bailing_moe_v3_vl import BailingMoeV3TextConfig
+
+    register_ling_config()
+    BailingMoeV3TextConfig(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, num_experts=4, num_shared_experts=1,
+        num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=64,
+        moe_shared_expert_intermediate_size=64, first_k_dense_replace=1, layer_group_size=2, kv_lora_rank=512,
+        q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=64, qk_nope_head_dim=64, no_kda_lora=True,
+        kda_safe_gate=True, kda_lower_bound=-5.0, short_conv_kernel_size=4, pad_token_id=0,
+        eos_token_id=1).save_pretrained(path)
+    return Path(path)
+
+
+def register_ling_config() -> None:
+    """Ling-3.0's text config class under its model type (its checkpoints ship it as remote code)."""
+    from transformers import AutoConfig
+    from vllm.transformers_utils.configs.bailing_moe_v3_vl import BailingMoeV3TextConfig
+
+    try:
+        AutoConfig.register("bailing_hybrid", BailingMoeV3TextConfig)
+    except ValueError:  # registered already in this process
+        pass
+
+
 def copy_permutation(vocab_size: int) -> list[int]:
     """The copy target's next-token map t -> (5t + 3) mod V (a bijection for even V)."""
     return [(5 * t + 3) % vocab_size for t in range(vocab_size)]

