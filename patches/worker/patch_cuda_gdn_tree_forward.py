@@ -63,15 +63,8 @@ def install() -> None:
             return original(self, mixed_qkv, b, a, core_attn_out)
         if self.enable_packed_recurrent_decode:  # plain decoding's kernel for one-token decodes on this layer
             seqs.packed_decode = gdn.fused_recurrent_gated_delta_rule_packed_decode
-        current[:] = [seqs]
-        try:
-            result = original(self, mixed_qkv, b, a, core_attn_out)
-        finally:
-            current.clear()
-        if seqs.record is None:
-            raise RuntimeError(f"ubtree: the speculative rows of GDN layer {self.prefix} did not reach the tree form")
-        state.linear_stash[self.prefix] = seqs.record
-        return result
+        return gdn_tree_cuda.forward_as_trees(lambda: original(self, mixed_qkv, b, a, core_attn_out), current, seqs,
+                                              seqs, "GDN", self.prefix)
 
     def causal_conv1d_update(x: Any, conv_state: Any, weight: Any, bias: Any = None, activation: Any = None,
                              **kwargs: Any) -> Any:

@@ -60,15 +60,8 @@ def install() -> None:
             seqs = gdn_tree_cuda.spec_sequences(state.step_plan, metadata.get(self.prefix), self.conv_size, "KDA")
         if seqs is None:
             return original(self, *args, **kwargs)
-        current[:] = [(self, seqs)]
-        try:
-            result = original(self, *args, **kwargs)
-        finally:
-            current.clear()
-        if seqs.record is None:
-            raise RuntimeError(f"ubtree: the speculative rows of KDA layer {self.prefix} did not reach the tree form")
-        state.linear_stash[self.prefix] = seqs.record
-        return result
+        return gdn_tree_cuda.forward_as_trees(lambda: original(self, *args, **kwargs), current, (self, seqs), seqs,
+                                              "KDA", self.prefix)
 
     def causal_conv1d_update(x: Any, conv_state: Any, weight: Any, bias: Any = None, activation: Any = None,
                              **kwargs: Any) -> Any:

@@ -15,22 +15,17 @@ from __future__ import annotations
 from itertools import islice
 from typing import Any
 
+from ubtree_vllm.patches._eagle3 import add_eagle3_interface, check_not_obsolete
 from ubtree_vllm.patches._patching import original_attr_name, replace_attr
 
 NAME = "falcon_h1_hidden_states"
-# The EAGLE-3 interface members the class gets (vLLM's runtime-checkable SupportsEagle3 protocol).
-ADDED = ("supports_eagle3", "has_own_lm_head", "has_own_embed_tokens", "set_aux_hidden_state_layers",
-         "get_eagle3_default_aux_hidden_state_layers")
 
 
 def apply() -> None:
     from vllm.model_executor.models import falcon_h1
 
     model_cls, lm_cls = falcon_h1.FalconH1Model, falcon_h1.FalconH1ForCausalLM
-    present = [name for name in ADDED if name in vars(lm_cls)]
-    if present and not getattr(lm_cls, "_ubtree_hidden_state_taps", False):
-        raise AttributeError(f"patch {NAME}: vLLM's FalconH1ForCausalLM already defines {present}; the patch is "
-                             "obsolete (see ubtree_vllm.patches.MANIFEST)")
+    check_not_obsolete(lm_cls, NAME)
 
     def forward(self: Any, input_ids: Any, positions: Any, intermediate_tensors: Any = None,
                 inputs_embeds: Any = None) -> Any:
@@ -55,18 +50,4 @@ def apply() -> None:
 
     if not replace_attr(model_cls, "forward", forward, NAME):
         return
-    model_cls.ubtree_aux_layers = ()
-
-    def set_aux_hidden_state_layers(self: Any, layers: tuple[int, ...]) -> None:
-        self.model.ubtree_aux_layers = tuple(sorted(set(layers)))
-
-    def get_eagle3_default_aux_hidden_state_layers(self: Any) -> tuple[int, ...]:
-        num_layers = len(self.model.layers)
-        return (2, num_layers // 2, num_layers - 3)  # vLLM's SupportsEagle3 default
-
-    lm_cls.supports_eagle3 = True
-    lm_cls.has_own_lm_head = False
-    lm_cls.has_own_embed_tokens = False
-    lm_cls.set_aux_hidden_state_layers = set_aux_hidden_state_layers
-    lm_cls.get_eagle3_default_aux_hidden_state_layers = get_eagle3_default_aux_hidden_state_layers
-    lm_cls._ubtree_hidden_state_taps = True
+    add_eagle3_interface(model_cls, lm_cls)

@@ -25,6 +25,34 @@ def random_tree(num_nodes: int, rng: random.Random) -> tuple[np.ndarray, np.ndar
     return parents, depth
 
 
+def spec_step(trees: list[tuple[np.ndarray, np.ndarray]], num_accepted: list[int], slots: Any,
+              device: Any) -> tuple[Any, Any]:
+    """(step plan, GDNAttentionMetadata) of a step whose requests verify ``trees`` [(parents, depth)] as their
+    speculative sequences (all rows speculative), resuming from ``num_accepted``, with state ``slots`` [Q, 1 + S]:
+    what a linear layer's forward reads during a UBTree step (Gated DeltaNet and KDA layers share the metadata)."""
+    import types
+
+    import torch
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    num_nodes = np.array([len(p) for p, _ in trees])
+    width = int(num_nodes.max())
+    plan = types.SimpleNamespace(
+        num_nodes=num_nodes, parents=np.stack([np.pad(p, (0, width - len(p)), constant_values=-2) for p, _ in trees]),
+        depth=np.stack([np.pad(d, (0, width - len(d))) for _, d in trees]))
+    total = int(num_nodes.sum())
+    masks = torch.ones(len(trees), dtype=torch.bool)
+    metadata = GDNAttentionMetadata(
+        num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0, num_spec_decodes=len(trees),
+        num_spec_decode_tokens=total, num_actual_tokens=total,
+        spec_query_start_loc=torch.tensor(np.concatenate([[0], np.cumsum(num_nodes)]), dtype=torch.int32).to(device),
+        spec_state_indices_tensor=slots.to(torch.int32).to(device), spec_sequence_masks=masks.to(device),
+        spec_sequence_masks_cpu=masks, spec_token_indx=torch.arange(total, device=device),
+        non_spec_token_indx=torch.empty(0, dtype=torch.int64, device=device),
+        num_accepted_tokens=torch.tensor(num_accepted, dtype=torch.int32).to(device))
+    return plan, metadata
+
+
 def path_to(parents: np.ndarray, node: int) -> list[int]:
     """Root-first nodes of the root -> ``node`` path."""
     path = []

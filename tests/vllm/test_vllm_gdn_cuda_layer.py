@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid_checks import path_to, random_tree
+from hybrid_checks import path_to, random_tree, spec_step
 from ubtree_vllm.patches._patching import original_attr_name, restore_attr
 
 CUDA = torch.cuda.is_available()
@@ -39,23 +39,15 @@ def gdn(monkeypatch):
 
     importlib.import_module("ubtree_vllm.patches.worker.patch_cuda_gdn_tree_forward").install()
     if not CUDA:
-        import vllm.third_party.flash_linear_attention.ops.fused_recurrent as fused_recurrent
         import vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating as fused_sigmoid_gating
 
-        from vllm_triton_kernels import interpreted
+        from vllm_triton_kernels import give_cpu_conv_the_cuda_contract, interpreted, interpreted_fused_recurrent
 
-        cpu_conv = getattr(module, original_attr_name("causal_conv1d_update"))
-
-        def conv_over_its_input(x, *args, validate_data=False, **kwargs):
-            return x.copy_(cpu_conv(x, *args, **kwargs))
-
-        monkeypatch.setattr(module, original_attr_name("causal_conv1d_update"), conv_over_its_input)
+        give_cpu_conv_the_cuda_contract(module, original_attr_name("causal_conv1d_update"), monkeypatch)
         monkeypatch.setattr(module, original_attr_name("fused_sigmoid_gating_delta_rule_update"),
                             interpreted(fused_sigmoid_gating).fused_sigmoid_gating_delta_rule_update)
-        packed = interpreted(fused_recurrent, substitutions={
-            "from .op import exp, log": "from vllm_triton_kernels import fla_exp as exp, fla_log as log"})
         monkeypatch.setattr(module, "fused_recurrent_gated_delta_rule_packed_decode",
-                            packed.fused_recurrent_gated_delta_rule_packed_decode)
+                            interpreted_fused_recurrent().fused_recurrent_gated_delta_rule_packed_decode)
     yield module
     monkeypatch.undo()  # the originals first, then the patched names back to them
     cls = module.QwenGatedDeltaNetAttention
@@ -87,23 +79,10 @@ def make_layer(gdn, gen, num_slots, packed):
 
 def tree_step(gdn, monkeypatch, layer, trees, num_accepted, slots, gen):
     """Run one step whose requests verify ``trees``; returns (inputs x / b / a, [T, H, Dv] output, commit record)."""
-    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
-
     from ubtree_vllm.vllm.attention.state import tree_forward_state
 
-    num_nodes = np.array([len(p) for p, _ in trees])
-    width = int(num_nodes.max())
-    plan = types.SimpleNamespace(
-        num_nodes=num_nodes, parents=np.stack([np.pad(p, (0, width - len(p)), constant_values=-2) for p, _ in trees]),
-        depth=np.stack([np.pad(d, (0, width - len(d))) for _, d in trees]))
-    total = int(num_nodes.sum())
-    masks = torch.ones(len(trees), dtype=torch.bool)
-    metadata = GDNAttentionMetadata(
-        num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0, num_spec_decodes=len(trees),
-        num_spec_decode_tokens=total, num_actual_tokens=total,
-        spec_query_start_loc=torch.tensor(np.concatenate([[0], np.cumsum(num_nodes)]), dtype=torch.int32).to(DEVICE),
-        spec_state_indices_tensor=slots.to(torch.int32).to(DEVICE), spec_sequence_masks=masks.to(DEVICE),
-        spec_sequence_masks_cpu=masks, num_accepted_tokens=torch.tensor(num_accepted, dtype=torch.int32).to(DEVICE))
+    plan, metadata = spec_step(trees, num_accepted, slots, DEVICE)
+    total = int(plan.num_nodes.sum())
     x = torch.randn(total, DIM, generator=gen).to(BF16).to(DEVICE)
     b, a = (torch.randn(total, HEADS, generator=gen).to(BF16).to(DEVICE) for _ in range(2))
     state = tree_forward_state()

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid_checks import path_to, random_tree
+from hybrid_checks import path_to, random_tree, spec_step
 from ubtree_vllm.patches._patching import original_attr_name, restore_attr
 
 CUDA = torch.cuda.is_available()
@@ -37,21 +37,13 @@ def kda(monkeypatch):
 
     importlib.import_module("ubtree_vllm.patches.worker.patch_cuda_kda_tree_forward").install()
     if not CUDA:
-        import vllm.third_party.flash_linear_attention.ops.fused_recurrent as fused_recurrent
         import vllm.third_party.flash_linear_attention.ops.kda as kda_ops
 
-        from vllm_triton_kernels import interpreted
+        from vllm_triton_kernels import give_cpu_conv_the_cuda_contract, interpreted_fused_recurrent
 
-        cpu_conv = getattr(module, original_attr_name("causal_conv1d_update"))
-
-        def conv_over_its_input(x, *args, validate_data=False, **kwargs):
-            return x.copy_(cpu_conv(x, *args, **kwargs))
-
-        monkeypatch.setattr(module, original_attr_name("causal_conv1d_update"), conv_over_its_input)
-        kernels = interpreted(fused_recurrent, substitutions={
-            "from .op import exp, log": "from vllm_triton_kernels import fla_exp as exp, fla_log as log"})
+        give_cpu_conv_the_cuda_contract(module, original_attr_name("causal_conv1d_update"), monkeypatch)
         monkeypatch.setattr(kda_ops, "fused_recurrent_gated_delta_rule_fwd_kernel",
-                            kernels.fused_recurrent_gated_delta_rule_fwd_kernel)
+                            interpreted_fused_recurrent().fused_recurrent_gated_delta_rule_fwd_kernel)
     yield module
     monkeypatch.undo()  # the originals first, then the patched names back to them
     cls = module.BailingMoeV3KimiDeltaAttention
@@ -99,25 +91,10 @@ def run_forward(kda, monkeypatch, layer, metadata, inputs):
 
 def tree_step(kda, monkeypatch, layer, trees, num_accepted, slots, gen):
     """Run one step whose requests verify ``trees``; returns (inputs, [T, H, D] output, commit record)."""
-    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
-
     from ubtree_vllm.vllm.attention.state import tree_forward_state
 
-    num_nodes = np.array([len(p) for p, _ in trees])
-    width = int(num_nodes.max())
-    plan = types.SimpleNamespace(
-        num_nodes=num_nodes, parents=np.stack([np.pad(p, (0, width - len(p)), constant_values=-2) for p, _ in trees]),
-        depth=np.stack([np.pad(d, (0, width - len(d))) for _, d in trees]))
-    total = int(num_nodes.sum())
-    masks = torch.ones(len(trees), dtype=torch.bool)
-    metadata = GDNAttentionMetadata(
-        num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0, num_spec_decodes=len(trees),
-        num_spec_decode_tokens=total, num_actual_tokens=total,
-        spec_query_start_loc=torch.tensor(np.concatenate([[0], np.cumsum(num_nodes)]), dtype=torch.int32).to(DEVICE),
-        spec_state_indices_tensor=slots.to(torch.int32).to(DEVICE), spec_sequence_masks=masks.to(DEVICE),
-        spec_sequence_masks_cpu=masks, spec_token_indx=torch.arange(total, device=DEVICE),
-        non_spec_token_indx=torch.empty(0, dtype=torch.int64, device=DEVICE),
-        num_accepted_tokens=torch.tensor(num_accepted, dtype=torch.int32).to(DEVICE))
+    plan, metadata = spec_step(trees, num_accepted, slots, DEVICE)
+    total = int(plan.num_nodes.sum())
     inputs = random_inputs(total, gen)
     state = tree_forward_state()
     monkeypatch.setattr(state, "step_plan", plan)

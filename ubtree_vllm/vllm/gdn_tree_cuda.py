@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ubtree_vllm.vllm.attention.state import tree_forward_state
 from ubtree_vllm.vllm.hybrid_state import LinearStepLayer
 from ubtree_vllm.vllm.linear_tree import TreeIndex, fork_states_by_depth, node_windows, roll_conv_buffers, tree_index
 from ubtree_vllm.vllm.tree_plan import TreeStepPlan
@@ -73,6 +74,22 @@ def spec_sequences(plan: TreeStepPlan, attn_metadata: Any, width: int, family: s
     num_accepted = attn_metadata.num_accepted_tokens[:num_seqs].long()  # [Q]
     return SpecSequences(index=tree_index(plan, req, seq_lens, family, width, slots.device), req=req, slots=slots,
                          num_accepted=num_accepted)
+
+
+def forward_as_trees(run: Callable[[], Any], current: list[Any], entry: Any, seqs: SpecSequences, family: str,
+                     layer_name: str) -> Any:
+    """``run()`` (vLLM's layer forward) with ``entry`` as the ``current`` layer, whose speculative calls the patch's
+    rebound names serve as ``seqs``' trees; then the layer's commit record into the step's linear stash. RuntimeError
+    when the speculative rows did not reach the tree form (the record is missing)."""
+    current[:] = [entry]
+    try:
+        result = run()
+    finally:
+        current.clear()
+    if seqs.record is None:
+        raise RuntimeError(f"ubtree: the speculative rows of {family} layer {layer_name} did not reach the tree form")
+    tree_forward_state().linear_stash[layer_name] = seqs.record
+    return result
 
 
 def tree_conv(seqs: SpecSequences, conv_update: Callable[..., torch.Tensor], x: torch.Tensor,
