@@ -10,7 +10,8 @@ calls there that pass ``num_accepted_tokens``, treating each request's tokens as
   the runner's commit; RuntimeError if the speculative rows did not reach the tree form;
 * rebinds the two names, where ``_forward`` looks them up, to wrappers that run the tree forms
   (:func:`ubtree_vllm.vllm.gdn_tree_cuda.tree_conv`, :func:`ubtree_vllm.vllm.kda_tree_cuda.tree_recurrence`, the
-  latter through the module's ``fused_recurrent_kda``, plain decoding's call) for the speculative calls of such a
+  latter through the module's ``fused_recurrent_kda``, plain decoding's call, and vLLM's chain call) for the
+  speculative calls of such a
   layer, and vLLM's functions for every other call (prefill and plain decode rows, other engines, dummy and profile
   runs), so vLLM still splits mixed batches.
 
@@ -76,7 +77,7 @@ def install() -> None:
         if args or not current or kwargs.get("num_accepted_tokens") is None:
             return original(*args, **kwargs)  # _forward's speculative call passes keywords only
         layer, seqs = current[0]
-        out = kda_tree_cuda.tree_recurrence(seqs, bailing.fused_recurrent_kda,
+        out = kda_tree_cuda.tree_recurrence(seqs, bailing.fused_recurrent_kda, original,
                                             conv_buffer(layer, is_conv_state_dim_first()), **kwargs)
         return out, kwargs["initial_state"]
 

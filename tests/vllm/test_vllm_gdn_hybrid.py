@@ -276,6 +276,24 @@ def test_a_steps_tree_index_is_built_once_and_shared_by_its_layers(monkeypatch):
         tree_index(plan, req, np.array([3, 1]), "GDN", WIDTH, cpu)
 
 
+def test_tree_paths_are_the_root_to_leaf_chains_below_the_roots(monkeypatch):
+    """KDA's chain launch (kda_tree_cuda.chain_below_roots): one path per leaf, nodes from depth 1 down, the root in the
+    last column of each node row; each token below a root read from its first occurrence; a root-only tree adds none."""
+    from ubtree_vllm.vllm.linear_tree import tree_index
+
+    monkeypatch.setattr(tree_forward_state(), "step_cache", {})
+    # tree 0: 0 -> {1, 2}, 1 -> {3, 4}, 3 -> 5 (leaves 2, 4, 5); tree 1: the root alone; tree 2: 0 -> 1
+    parents = np.array([[-1, 0, 0, 1, 1, 3], [-1, -2, -2, -2, -2, -2], [-1, 0, -2, -2, -2, -2]])
+    depth = np.array([[0, 1, 1, 2, 2, 3], [0, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0]])
+    plan = types.SimpleNamespace(num_nodes=np.array([6, 1, 2]), parents=parents, depth=depth)
+    paths = tree_index(plan, np.arange(3), np.array([6, 1, 2]), "KDA", WIDTH, torch.device("cpu")).paths
+    # token rows: tree 0 at 0..5, tree 1 at 6, tree 2 at 7..8
+    assert paths.rows.tolist() == [2, 1, 4, 1, 3, 5, 8] and paths.cu_seqlens.tolist() == [0, 1, 3, 6, 7]
+    assert paths.seq.tolist() == [0, 0, 0, 2]
+    assert paths.nodes.tolist() == [[2, -1, -1, 0], [1, 4, -1, 0], [1, 3, 5, 0], [1, -1, -1, 0]]
+    assert paths.below.tolist() == [1, 2, 3, 4, 5, 8] and paths.below_at.tolist() == [1, 0, 4, 2, 5, 6]
+
+
 # --- engine settings: greedy equality runs in test_vllm_cpu_families.py --------------------------------
 
 

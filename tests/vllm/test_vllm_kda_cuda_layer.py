@@ -51,8 +51,9 @@ def kda(monkeypatch):
         restore_attr(owner, name)
 
 
-def make_layer(gen, num_slots):
-    """What _forward reads of a layer, with caches [num_slots] in vLLM's layouts (conv bf16, states fp32)."""
+def make_layer(gen, num_slots, state_dtype):
+    """What _forward reads of a layer, with caches [num_slots] in vLLM's layouts (conv bf16, states
+    ``state_dtype``)."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     def rand(*shape, scale=1.0, dtype=BF16):
@@ -65,7 +66,7 @@ def make_layer(gen, num_slots):
     layer = types.SimpleNamespace(prefix="model.layers.0.attention", head_dim=HEAD_DIM, conv_size=WIDTH,
                                   safe_gate=True, lower_bound=-5.0, **convs,
                                   kv_cache=(raw_conv, rand(num_slots, HEADS, HEAD_DIM, HEAD_DIM, scale=0.1,
-                                                           dtype=torch.float32)))
+                                                           dtype=state_dtype)))
     layer.conv_state = raw_conv if dim_first else raw_conv.transpose(-1, -2)  # [slots, 3 * dim, state_len]
     return layer
 
@@ -129,12 +130,15 @@ def plain_decode(kda, monkeypatch, layer, window, state, inputs, tokens):
     return torch.stack(outs), plain.kv_cache[1][1]
 
 
-def test_tree_nodes_equal_plain_decoding_of_their_paths_and_the_commit_resumes_them(kda, monkeypatch):
+# fp32 states (vLLM's default for KDA): roots, then one chain launch over the root -> leaf paths; bf16 states
+# (mamba_ssm_cache_dtype bfloat16): depth by depth
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32_paths", "bf16_by_depth"])
+def test_tree_nodes_equal_plain_decoding_of_their_paths_and_the_commit_resumes_them(kda, monkeypatch, state_dtype):
     from ubtree_vllm.vllm.hybrid_state import commit_accepted_states
 
     gen, rng = torch.Generator().manual_seed(0), random.Random(0)
     slots = torch.arange(1, 3 * (SPEC + 1) + 1).view(3, SPEC + 1)
-    layer = make_layer(gen, 3 * (SPEC + 1) + 1)
+    layer = make_layer(gen, 3 * (SPEC + 1) + 1, state_dtype)
     trees = [random_tree(SPEC + 1, rng), (np.array([-1, 0, 0, 0, 1, 1, 2]), np.array([0, 1, 1, 1, 2, 2, 2])),
              (np.array([-1]), np.array([0]))]
     num_accepted = [3, 1, 6]
@@ -175,4 +179,4 @@ def test_a_recurrence_without_the_layers_three_convs_is_refused(kda):
                          num_accepted=torch.ones(1, dtype=torch.int64), conv_calls=2)
     x = torch.zeros(1, 1, HEADS, HEAD_DIM)
     with pytest.raises(RuntimeError, match="after 2 of its layer's 3 conv calls"):
-        kda_tree_cuda.tree_recurrence(seqs, None, None, q=x, k=x, v=x, g=x, beta=x[..., 0], initial_state=x)
+        kda_tree_cuda.tree_recurrence(seqs, None, None, None, q=x, k=x, v=x, g=x, beta=x[..., 0], initial_state=x)

@@ -602,8 +602,9 @@ def test_cuda_kda_forward_runs_the_tree_forms_only_for_a_ubtree_steps_speculativ
             return None if md is None else gdn_tree_cuda.SpecSequences(index=None, req=None, slots=None,
                                                                        num_accepted=None)
 
-        def tree_recurrence(seqs, decode, conv_buf, **kwargs):
-            assert decode is bailing.fused_recurrent_kda and conv_buf.data_ptr() == layer.kv_cache[0].data_ptr()
+        def tree_recurrence(seqs, decode, chain, conv_buf, **kwargs):
+            assert decode is bailing.fused_recurrent_kda and chain() == ("vllm out", "vllm state")
+            assert conv_buf.data_ptr() == layer.kv_cache[0].data_ptr()
             seqs.record = "record"
             return "tree out"
 
@@ -623,7 +624,8 @@ def test_cuda_kda_forward_runs_the_tree_forms_only_for_a_ubtree_steps_speculativ
         layer_cls._forward(layer, q_proj_states="q")
         assert calls.pop() == ("forward", "vllm conv", "tree conv", ("tree out", "h"))
         assert state.linear_stash == {layer.prefix: "record"} and widths == [(4, "KDA")]
-        monkeypatch.setattr(kda_tree_cuda, "tree_recurrence", lambda seqs, decode, conv_buf, **kwargs: "no record")
+        monkeypatch.setattr(kda_tree_cuda, "tree_recurrence",
+                            lambda seqs, decode, chain, conv_buf, **kwargs: "no record")
         with pytest.raises(RuntimeError, match="did not reach the tree form"):
             layer_cls._forward(layer, q_proj_states="q")
     finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,6 +65,24 @@ class TreeIndex:
     window_rows: torch.Tensor
     # per depth, shallowest first: (rows, seq, node, parent) [n] int64 of that depth's tokens
     depths: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], ...]
+    # every root -> leaf path of every tree below its root, as sequences (:func:`chain_paths`)
+    paths: "TreePaths"
+
+
+@dataclass(frozen=True)
+class TreePaths:
+    """The step's trees as chains: one sequence per leaf, its nodes from depth 1 down to the leaf (a tree of the root
+    alone has none). Shared ancestors appear in every path through them."""
+
+    rows: torch.Tensor  # [P_tokens] int64 token row of each path token, path after path
+    cu_seqlens: torch.Tensor  # [P + 1] int32 path offsets into rows
+    seq: torch.Tensor  # [P] int64 sequence of each path
+    # [P, max_len + 1] int64 node of each path token (columns 0 .. len - 1), then 0 (the root) in the last column;
+    # -1 elsewhere
+    nodes: torch.Tensor
+    # [n] int64 the tokens below the roots, and for each a position in rows computing it (its first occurrence)
+    below: torch.Tensor
+    below_at: torch.Tensor
 
 
 def tree_index(plan: TreeStepPlan, req: np.ndarray, seq_lens: np.ndarray, layer_name: str, width: int,
@@ -94,9 +113,39 @@ def tree_index(plan: TreeStepPlan, req: np.ndarray, seq_lens: np.ndarray, layer_
         at = np.nonzero(depth == d)[0]  # [n]
         depths.append((on_device(at), on_device(seq[at]), on_device(tokens.node[at]), on_device(parent[at])))
     index = TreeIndex(tokens=tokens, width=width, seq=on_device(seq), node=on_device(tokens.node),
-                      window_rows=on_device(np.concatenate([rows[:1], rows])), depths=tuple(depths))
+                      window_rows=on_device(np.concatenate([rows[:1], rows])), depths=tuple(depths),
+                      paths=chain_paths(tokens, on_device))
     cache[key] = (plan, index)
     return index
+
+
+def chain_paths(tokens: TreeTokens, on_device: Any) -> TreePaths:
+    """The :class:`TreePaths` of ``tokens`` (host numpy; ``on_device`` makes the index tensors)."""
+    has_child = np.zeros(len(tokens.seq), dtype=bool)
+    below_root = tokens.parent >= 0
+    has_child[(tokens.start[tokens.seq] + tokens.parent)[below_root]] = True
+    path_rows, path_seq, path_nodes, lens = [], [], [], []
+    for leaf in np.nonzero(below_root & ~has_child)[0]:
+        chain, row = [], leaf
+        while tokens.parent[row] >= 0:  # up to, not including, the root
+            chain.append(row)
+            row = tokens.start[tokens.seq[row]] + tokens.parent[row]
+        chain.reverse()
+        path_rows.extend(chain)
+        path_seq.append(tokens.seq[leaf])
+        path_nodes.append(tokens.node[chain])
+        lens.append(len(chain))
+    width = max(lens, default=0) + 1
+    nodes = np.full((len(lens), width), -1, dtype=np.int64)
+    for i, chain_nodes in enumerate(path_nodes):
+        nodes[i, :len(chain_nodes)] = chain_nodes
+    nodes[:, -1] = 0
+    rows = np.asarray(path_rows, dtype=np.int64)
+    below, below_at = np.unique(rows, return_index=True)  # every token below a root lies on a path
+    cu_seqlens = np.concatenate([[0], np.cumsum(lens)])
+    return TreePaths(rows=on_device(rows), cu_seqlens=on_device(cu_seqlens).to(torch.int32),
+                     seq=on_device(np.asarray(path_seq, dtype=np.int64)), nodes=on_device(nodes),
+                     below=on_device(below), below_at=on_device(below_at))
 
 
 def node_windows(x: torch.Tensor, conv_buf: torch.Tensor, slots: torch.Tensor, num_accepted: torch.Tensor,
