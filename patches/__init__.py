@@ -136,7 +136,7 @@ MANIFEST: tuple[PatchSpec, ...] = (
         how=("Wraps the name EngineCore looks up: for 'ubtree' engines with linear layers it logs the "
              "per-request state cost at the configured budget and, when vLLM's check raises, re-raises naming "
              "speculative_config.num_speculative_tokens and the largest budget that fits "
-             "(ubtree_vllm.vllm.hybrid_memory); other engines call vLLM's function unchanged."),
+             "(ubtree_vllm.vllm.recurrent.memory); other engines call vLLM's function unchanged."),
         removal_condition=("vLLM sizes speculative recurrent-state slots itself and reports the largest "
                            "num_speculative_tokens that fits (no such check in 0.32)."),
     ),
@@ -182,9 +182,9 @@ MANIFEST: tuple[PatchSpec, ...] = (
              "chain, state after token t in slot t); a tree node needs its parent's state and its "
              "ancestors' conv inputs, and vLLM has no hook for a draft topology."),
         how=("Rebinds the module-level name that _cpu_gdn_attention_spec_aware calls: during a UBTree "
-             "step's target forward the tokens run as the step's trees (ubtree_vllm.vllm.gdn_tree: node j's "
+             "step's target forward the tokens run as the step's trees (ubtree_vllm.vllm.recurrent.gdn_cpu: node j's "
              "window from its root path, its state from its parent's, written to slot j) and the layer is "
-             "recorded for the runner's commit of the accepted path (ubtree_vllm.vllm.hybrid_state); "
+             "recorded for the runner's commit of the accepted path (ubtree_vllm.vllm.recurrent.commit); "
              "otherwise vLLM's function runs. CPU platform only."),
         removal_condition=("vLLM's linear-attention backends take a draft topology (tree speculative decoding "
                            "upstream, e.g. parents in the GDN metadata) or expose a per-node state hook."),
@@ -197,7 +197,7 @@ MANIFEST: tuple[PatchSpec, ...] = (
              "selective_state_update as one chain (the CPU conv even ignores num_accepted_tokens); a tree node "
              "needs its parent's state and its ancestors' conv inputs, and vLLM has no hook for a draft topology."),
         how=("Rebinds the two module-level names the mixer calls (causal_conv1d_update too): during a UBTree "
-             "step's target forward the decode tokens run as the step's trees (ubtree_vllm.vllm.mamba2_tree: "
+             "step's target forward the decode tokens run as the step's trees (ubtree_vllm.vllm.recurrent.mamba2: "
              "node j's window from its root path through vLLM's one-token conv, its state from its parent's "
              "through vLLM's one-token state update, written to slot j) and the layer is recorded for the "
              "runner's commit of the accepted path; otherwise vLLM's functions run. CPU, and CUDA for targets "
@@ -214,7 +214,7 @@ MANIFEST: tuple[PatchSpec, ...] = (
              "state and its ancestors' conv inputs, and vLLM has no hook for a draft topology."),
         how=("Wraps _forward_core (the layer's trees from the step plan before vLLM's code, the commit record "
              "after) and rebinds the two module-level names it calls: their speculative calls run as the step's "
-             "trees through vLLM's one-token calls (ubtree_vllm.vllm.gdn_tree_cuda), every other call runs vLLM's "
+             "trees through vLLM's one-token calls (ubtree_vllm.vllm.recurrent.gdn_cuda), every other call runs vLLM's "
              "function; layers are built with enable_fused_gdn_spec_decode off. CUDA only, for targets admitted by "
              "UBTREE_CUDA_HYBRIDS=1."),
         removal_condition=("vLLM's linear-attention backends take a draft topology (tree speculative decoding "
@@ -229,7 +229,7 @@ MANIFEST: tuple[PatchSpec, ...] = (
              "needs its parent's state and its ancestors' conv inputs, and vLLM has no hook for a draft topology."),
         how=("Wraps _forward (the layer's trees from the step plan before vLLM's code, the commit record after) and "
              "rebinds the two module-level names it calls: their speculative calls run as the step's trees through "
-             "vLLM's one-token calls (the Gated DeltaNet conv form; ubtree_vllm.vllm.kda_tree_cuda through "
+             "vLLM's one-token calls (the Gated DeltaNet conv form; ubtree_vllm.vllm.recurrent.kda_cuda through "
              "fused_recurrent_kda, plain decoding's call), every other call runs vLLM's function. CUDA only; "
              "BailingMoeV3 targets stay refused at configuration until their MLA layers verify trees on CUDA."),
         removal_condition=("vLLM's linear-attention backends take a draft topology (tree speculative decoding "

@@ -91,8 +91,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         parse=_flag,
         doc=(
             "1: serve hybrid targets on CUDA with the tree forms of their recurrent layers through vLLM's CUDA "
-            "calls: Gated DeltaNet (Qwen3-Next, ubtree_vllm/vllm/gdn_tree_cuda.py) and Mamba2 (NemotronH, "
-            "Falcon-H1, ubtree_vllm/vllm/mamba2_tree.py); V1 runner, PIECEWISE CUDA graphs. Opt-in until their "
+            "calls: Gated DeltaNet (Qwen3-Next, ubtree_vllm/vllm/recurrent/gdn_cuda.py) and Mamba2 (NemotronH, "
+            "Falcon-H1, ubtree_vllm/vllm/recurrent/mamba2.py); V1 runner, PIECEWISE CUDA graphs. Opt-in until their "
             "H200 tests (tests/vllm/test_vllm_gpu.py, test_vllm_gdn_cuda_layer.py) have passed; 0 (default): "
             "refused on CUDA."
         ),

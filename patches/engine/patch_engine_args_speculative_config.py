@@ -202,8 +202,8 @@ def _runs_on_mrv2(runner: str, spec: Any, tensor_parallel_size: int = 1, hybrid:
     ``VLLM_USE_V2_MODEL_RUNNER=0`` or tensor parallelism (V1 only so far) or a hybrid or MLA target (``hybrid``: the
     recurrent or latent-attention layers' tree forms are wired on the V1 runner; vLLM's MRV2 refuses hybrids) -- and
     then the V1 runner, saying why; ``mrv2`` with such a target is a ValueError. ``prompt_lookup`` runs on either
-    (MRV2's branch passed its H200 greedy test on 2026-12-01), and so does a budget schedule (MRV2's load-adaptive greedy
-    test with B = gamma passed on the H200 on 2026-12-03, after the draft graph fix of
+    (MRV2's branch passed its H200 greedy test on 2026-12-01), and so does a budget schedule (MRV2's load-adaptive
+    greedy test with B = gamma passed on the H200 on 2026-12-03, after the draft graph fix of
     ``mrv2/speculator.py:draft_graph_config``)."""
     if hybrid and runner == "mrv2":
         raise ValueError("UBTREE_VLLM_RUNNER=mrv2 cannot serve a hybrid or multi-head latent attention target with "
@@ -229,9 +229,9 @@ def _runs_on_mrv2(runner: str, spec: Any, tensor_parallel_size: int = 1, hybrid:
 def _piecewise_graphs(args: Any) -> None:
     """A hybrid or MLA target on CUDA runs PIECEWISE CUDA graphs: its recurrent layers' ops
     (``qwen_gdn_attention_core``, ``mamba_mixer2``, ``bailing_v3_kda_attention``: vLLM's splitting ops) then run
-    eagerly, as their tree forms' per-step host work needs (ubtree_vllm/vllm/gdn_tree_cuda.py, mamba2_tree.py), and so
-    does MLA attention (FULL graphs of its tree form wait for its H200 tests); ValueError if the user chose a mode
-    with FULL graphs."""
+    eagerly, as their tree forms' per-step host work needs (ubtree_vllm/vllm/recurrent/gdn_cuda.py,
+    recurrent/mamba2.py), and so does MLA attention (FULL graphs of its tree form wait for its H200 tests);
+    ValueError if the user chose a mode with FULL graphs."""
     from vllm.config import CompilationConfig
     from vllm.config.compilation import CUDAGraphMode
 

@@ -3,7 +3,7 @@
 ``EngineCore._initialize_kv_caches`` turns each worker's layer specs and profiled memory into KV cache configs
 through ``get_kv_cache_configs``, which raises a ValueError when one request of ``max_model_len`` does not fit
 (before any cache is allocated). For a ``ubtree`` engine on a hybrid target the wrapper logs the per-request
-cost of the 1 + B state slots per linear layer (vllm/hybrid_memory.py) and, when vLLM's check fails while a
+cost of the 1 + B state slots per linear layer (vllm/recurrent/memory.py) and, when vLLM's check fails while a
 smaller budget would fit, re-raises naming ``speculative_config.num_speculative_tokens`` and the largest budget
 that fits (a binary search over the same call with fewer slots). Other engines and targets are untouched.
 """
@@ -21,7 +21,7 @@ def apply() -> None:
     from vllm.logger import init_logger
 
     from ubtree_vllm.vllm.config import from_vllm_config
-    from ubtree_vllm.vllm.hybrid_memory import (explain_budget_that_does_not_fit, largest_budget,
+    from ubtree_vllm.vllm.recurrent.memory import (explain_budget_that_does_not_fit, largest_budget,
                                                  recurrent_state_cost, with_budget)
 
     logger = init_logger(f"vllm.{__name__}")  # under "vllm": the logger vLLM configures with its handlers

@@ -3,7 +3,7 @@
 ``vllm.model_executor.layers.mamba.ops.cpu.gdn_attention._cpu_gdn_attention_spec_aware`` runs the
 speculative rows of a GDN layer through the module-level ``_spec_forward``, which treats each
 request's tokens as a chain. The patch rebinds that name, where it is looked up, to a wrapper that
-runs :func:`ubtree_vllm.vllm.gdn_tree.tree_spec_forward` while a UBTree step's target forward is in
+runs :func:`ubtree_vllm.vllm.recurrent.gdn_cpu.tree_spec_forward` while a UBTree step's target forward is in
 flight (:attr:`ubtree_vllm.vllm.attention.state.TreeForwardState.step_plan`) and records the layer
 for the runner's commit; every other call (other engines, dummy and profile runs) gets vLLM's
 function unchanged.
@@ -33,7 +33,7 @@ def apply() -> None:
         state = tree_forward_state()
         if state.step_plan is None:
             return getattr(gdn_attention, original_attr_name("_spec_forward"))(layer, attn_metadata, *args)
-        from ubtree_vllm.vllm.gdn_tree import tree_spec_forward
+        from ubtree_vllm.vllm.recurrent.gdn_cpu import tree_spec_forward
 
         out, record = tree_spec_forward(state.step_plan, layer, attn_metadata, *args)
         state.linear_stash[layer.prefix] = record

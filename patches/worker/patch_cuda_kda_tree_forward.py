@@ -6,14 +6,13 @@ calls there that pass ``num_accepted_tokens``, treating each request's tokens as
 
 * wraps ``_forward``: during a UBTree step's target forward
   (:attr:`ubtree_vllm.vllm.attention.state.TreeForwardState.step_plan`) it builds the layer's trees
-  (:func:`ubtree_vllm.vllm.gdn_tree_cuda.spec_sequences`) before vLLM's code runs, and after it records the layer for
-  the runner's commit; RuntimeError if the speculative rows did not reach the tree form;
+  (:func:`ubtree_vllm.vllm.recurrent.gdn_cuda.spec_sequences`) before vLLM's code runs, and after it records the
+  layer for the runner's commit; RuntimeError if the speculative rows did not reach the tree form;
 * rebinds the two names, where ``_forward`` looks them up, to wrappers that run the tree forms
-  (:func:`ubtree_vllm.vllm.gdn_tree_cuda.tree_conv`, :func:`ubtree_vllm.vllm.kda_tree_cuda.tree_recurrence`, the
-  latter through the module's ``fused_recurrent_kda``, plain decoding's call, and vLLM's chain call) for the
-  speculative calls of such a
-  layer, and vLLM's functions for every other call (prefill and plain decode rows, other engines, dummy and profile
-  runs), so vLLM still splits mixed batches.
+  (:func:`ubtree_vllm.vllm.recurrent.gdn_cuda.tree_conv`, :func:`ubtree_vllm.vllm.recurrent.kda_cuda.tree_recurrence`;
+  the latter through the module's ``fused_recurrent_kda``, plain decoding's call, and vLLM's chain call) for the
+  speculative calls of such a layer, and vLLM's functions for every other call (prefill and plain decode rows, other
+  engines, dummy and profile runs), so vLLM still splits mixed batches.
 
 The KDA op ``bailing_v3_kda_attention`` is one of vLLM's splitting ops, so under PIECEWISE graphs its host
 bookkeeping runs eagerly between graph pieces. CUDA only.
@@ -45,12 +44,12 @@ def install() -> None:
     import vllm.model_executor.models.bailing_moe_v3 as bailing
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
-    from ubtree_vllm.vllm import gdn_tree_cuda, kda_tree_cuda
+    from ubtree_vllm.vllm.recurrent import gdn_cuda, kda_cuda
     from ubtree_vllm.vllm.attention.state import tree_forward_state
 
     layer_cls = bailing.BailingMoeV3KimiDeltaAttention
     # The layer whose _forward is running, with its speculative sequences (at most one: layers run in turn).
-    current: list[tuple[Any, gdn_tree_cuda.SpecSequences]] = []
+    current: list[tuple[Any, gdn_cuda.SpecSequences]] = []
 
     def _forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         original = getattr(layer_cls, original_attr_name("_forward"))
@@ -58,10 +57,10 @@ def install() -> None:
         metadata = bailing.get_forward_context().attn_metadata
         seqs = None
         if state.step_plan is not None and isinstance(metadata, dict):
-            seqs = gdn_tree_cuda.spec_sequences(state.step_plan, metadata.get(self.prefix), self.conv_size, "KDA")
+            seqs = gdn_cuda.spec_sequences(state.step_plan, metadata.get(self.prefix), self.conv_size, "KDA")
         if seqs is None:
             return original(self, *args, **kwargs)
-        return gdn_tree_cuda.forward_as_trees(lambda: original(self, *args, **kwargs), current, (self, seqs), seqs,
+        return gdn_cuda.forward_as_trees(lambda: original(self, *args, **kwargs), current, (self, seqs), seqs,
                                               "KDA", self.prefix)
 
     def causal_conv1d_update(x: Any, conv_state: Any, weight: Any, bias: Any = None, activation: Any = None,
@@ -69,7 +68,7 @@ def install() -> None:
         original = getattr(bailing, original_attr_name("causal_conv1d_update"))
         if not current or kwargs.get("num_accepted_tokens") is None:
             return original(x, conv_state, weight, bias, activation, **kwargs)
-        return gdn_tree_cuda.tree_conv(current[0][1], original, x, conv_state, weight, bias, activation,
+        return gdn_cuda.tree_conv(current[0][1], original, x, conv_state, weight, bias, activation,
                                        dim_first=is_conv_state_dim_first())
 
     def fused_recurrent_kda_fwd(*args: Any, **kwargs: Any) -> Any:
@@ -77,7 +76,7 @@ def install() -> None:
         if args or not current or kwargs.get("num_accepted_tokens") is None:
             return original(*args, **kwargs)  # _forward's speculative call passes keywords only
         layer, seqs = current[0]
-        out = kda_tree_cuda.tree_recurrence(seqs, bailing.fused_recurrent_kda, original,
+        out = kda_cuda.tree_recurrence(seqs, bailing.fused_recurrent_kda, original,
                                             conv_buffer(layer, is_conv_state_dim_first()), **kwargs)
         return out, kwargs["initial_state"]
 

@@ -3,7 +3,7 @@
 ``vllm.model_executor.layers.mamba.mamba_mixer2`` runs the decode requests of every ``MambaMixer2`` layer
 through its module-level ``causal_conv1d_update`` and ``selective_state_update``, which treat each request's
 tokens as a chain. The patch rebinds both names, where the mixer looks them up, to wrappers that run the tree
-forms of :mod:`ubtree_vllm.vllm.mamba2_tree` while a UBTree step's target forward is in flight
+forms of :mod:`ubtree_vllm.vllm.recurrent.mamba2` while a UBTree step's target forward is in flight
 (:attr:`ubtree_vllm.vllm.attention.state.TreeForwardState.step_plan`): the conv call leaves the layer's pending
 record, the SSM call that follows it completes the record for the runner's commit. Every other call (other
 engines, dummy and profile runs) gets vLLM's functions unchanged.
@@ -40,7 +40,7 @@ def apply() -> None:
         state = tree_forward_state()
         if state.step_plan is None:
             return original(x, conv_state, weight, bias, activation, **kwargs)
-        from ubtree_vllm.vllm.mamba2_tree import tree_conv_update
+        from ubtree_vllm.vllm.recurrent.mamba2 import tree_conv_update
 
         out, record = tree_conv_update(
             state.step_plan, original, x, conv_state, weight, bias, activation,
@@ -57,7 +57,7 @@ def apply() -> None:
             return original(ssm_state, x, dt, A, B, C, D, dt_bias, **kwargs)
         if not pending:
             raise RuntimeError("ubtree: a Mamba2 state update without its layer's conv call in a tree step")
-        from ubtree_vllm.vllm.mamba2_tree import tree_state_update
+        from ubtree_vllm.vllm.recurrent.mamba2 import tree_state_update
 
         indices = kwargs.pop("state_batch_indices")
         for chain_only in ("dst_state_batch_indices", "num_accepted_tokens", "cu_seqlens"):

@@ -128,7 +128,7 @@ def plain_decode(gdn, layer, window, state, tokens):
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed_decode", "fused_sigmoid"])
 def test_tree_nodes_equal_plain_decoding_of_their_paths_and_the_commit_resumes_them(gdn, monkeypatch, packed):
-    from ubtree_vllm.vllm.hybrid_state import commit_accepted_states
+    from ubtree_vllm.vllm.recurrent.commit import commit_accepted_states
 
     gen, rng = torch.Generator().manual_seed(0), random.Random(0)
     slots = torch.arange(1, 3 * (SPEC + 1) + 1).view(3, SPEC + 1)

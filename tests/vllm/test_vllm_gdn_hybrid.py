@@ -1,8 +1,8 @@
 """Gated DeltaNet (Qwen3-Next) targets under tree verification.
 
 Layer level (no engine), for both tree forms: the CPU one (vLLM's ``_spec_forward`` replaced,
-``gdn_tree``) and the CUDA one (vLLM's own ``_forward_core`` run through patch
-``cuda_gdn_tree_forward``, ``gdn_tree_cuda``; here on the CPU, its recurrence call served by vLLM's CPU
+``gdn_cpu``) and the CUDA one (vLLM's own ``_forward_core`` run through patch
+``cuda_gdn_tree_forward``, ``gdn_cuda``; here on the CPU, its recurrence call served by vLLM's CPU
 decode kernel behind the CUDA signature, which accepts only the calls plain decoding makes). Each computes,
 for every node, bit for bit what vLLM's non-speculative decode computes for that token after the node's
 root path (and what the torch references compute, to bf16 rounding); after the commit of an
@@ -28,9 +28,9 @@ from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d
 
 from ubtree_vllm.patches._patching import original_attr_name, restore_attr
 from ubtree_vllm.triton_ops.reference import tree_causal_conv1d_reference, tree_gated_delta_rule_reference
-from ubtree_vllm.vllm.gdn_tree import tree_spec_forward
+from ubtree_vllm.vllm.recurrent.gdn_cpu import tree_spec_forward
 from ubtree_vllm.vllm.attention.state import tree_forward_state
-from ubtree_vllm.vllm.hybrid_state import commit_accepted_states
+from ubtree_vllm.vllm.recurrent.commit import commit_accepted_states
 from hybrid_checks import path_to, random_tree
 from vllm_engines import TINY_TREE
 from vllm_models import save_tiny_qwen3_next, save_untrained_drafter
@@ -260,7 +260,7 @@ def test_a_steps_tree_index_is_built_once_and_shared_by_its_layers(monkeypatch):
     """Index tensors are built by the step's first linear layer and reused by the others (no per-layer
     host-to-device copies); another plan, conv width or set of sequences gets its own; a layout that is not the
     plan's is refused."""
-    from ubtree_vllm.vllm.linear_tree import tree_index
+    from ubtree_vllm.vllm.recurrent.nodes import tree_index
 
     monkeypatch.setattr(tree_forward_state(), "step_cache", {})
     plan = types.SimpleNamespace(num_nodes=np.array([3, 2]), parents=np.array([[-1, 0, 0], [-1, 0, -2]]),
@@ -277,9 +277,9 @@ def test_a_steps_tree_index_is_built_once_and_shared_by_its_layers(monkeypatch):
 
 
 def test_tree_paths_are_the_root_to_leaf_chains_below_the_roots(monkeypatch):
-    """KDA's chain launch (kda_tree_cuda.chain_below_roots): one path per leaf, nodes from depth 1 down, the root in the
+    """KDA's chain launch (kda_cuda.chain_below_roots): one path per leaf, nodes from depth 1 down, the root in the
     last column of each node row; each token below a root read from its first occurrence; a root-only tree adds none."""
-    from ubtree_vllm.vllm.linear_tree import tree_index
+    from ubtree_vllm.vllm.recurrent.nodes import tree_index
 
     monkeypatch.setattr(tree_forward_state(), "step_cache", {})
     # tree 0: 0 -> {1, 2}, 1 -> {3, 4}, 3 -> 5 (leaves 2, 4, 5); tree 1: the root alone; tree 2: 0 -> 1

@@ -166,10 +166,10 @@ def test_float32_greedy_is_token_identical_smollm2(runner, default_target_dir, t
 
 
 # Hybrid and MLA targets on CUDA (issue 17), opt-in with UBTREE_CUDA_HYBRIDS=1 (the V1 runner, PIECEWISE graphs):
-# Qwen3-Next (Gated DeltaNet, ubtree_vllm/vllm/gdn_tree_cuda.py), NemotronH and Falcon-H1 (Mamba2,
-# ubtree_vllm/vllm/mamba2_tree.py), DeepSeek-V2 (multi-head latent attention on FLASH_ATTN_MLA,
+# Qwen3-Next (Gated DeltaNet, ubtree_vllm/vllm/recurrent/gdn_cuda.py), NemotronH and Falcon-H1 (Mamba2,
+# ubtree_vllm/vllm/recurrent/mamba2.py), DeepSeek-V2 (multi-head latent attention on FLASH_ATTN_MLA,
 # ubtree_vllm/vllm/attention/flash_mla.py; loaded in bf16) and Ling-3.0 (Kimi Delta Attention,
-# ubtree_vllm/vllm/kda_tree_cuda.py, and MLA; vLLM's seeded dummy weights)
+# ubtree_vllm/vllm/recurrent/kda_cuda.py, and MLA; vLLM's seeded dummy weights)
 HYBRIDS = {"qwen3_next": save_tiny_qwen3_next, "nemotron_h": save_tiny_nemotron_h, "falcon_h1": save_tiny_falcon_h1,
            "deepseek_v2": save_tiny_deepseek_v2, "ling": save_tiny_ling}
 # engine settings of a family beyond HYBRID_ENGINE (a config-only target loads vLLM's dummy weights)

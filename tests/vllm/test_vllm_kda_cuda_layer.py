@@ -134,7 +134,7 @@ def plain_decode(kda, monkeypatch, layer, window, state, inputs, tokens):
 # (mamba_ssm_cache_dtype bfloat16): depth by depth
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32_paths", "bf16_by_depth"])
 def test_tree_nodes_equal_plain_decoding_of_their_paths_and_the_commit_resumes_them(kda, monkeypatch, state_dtype):
-    from ubtree_vllm.vllm.hybrid_state import commit_accepted_states
+    from ubtree_vllm.vllm.recurrent.commit import commit_accepted_states
 
     gen, rng = torch.Generator().manual_seed(0), random.Random(0)
     slots = torch.arange(1, 3 * (SPEC + 1) + 1).view(3, SPEC + 1)
@@ -172,11 +172,11 @@ def test_tree_nodes_equal_plain_decoding_of_their_paths_and_the_commit_resumes_t
 
 
 def test_a_recurrence_without_the_layers_three_convs_is_refused(kda):
-    from ubtree_vllm.vllm import kda_tree_cuda
-    from ubtree_vllm.vllm.gdn_tree_cuda import SpecSequences
+    from ubtree_vllm.vllm.recurrent import kda_cuda
+    from ubtree_vllm.vllm.recurrent.gdn_cuda import SpecSequences
 
     seqs = SpecSequences(index=None, req=np.zeros(1, dtype=np.int64), slots=torch.zeros(1, 2, dtype=torch.int64),
                          num_accepted=torch.ones(1, dtype=torch.int64), conv_calls=2)
     x = torch.zeros(1, 1, HEADS, HEAD_DIM)
     with pytest.raises(RuntimeError, match="after 2 of its layer's 3 conv calls"):
-        kda_tree_cuda.tree_recurrence(seqs, None, None, None, q=x, k=x, v=x, g=x, beta=x[..., 0], initial_state=x)
+        kda_cuda.tree_recurrence(seqs, None, None, None, q=x, k=x, v=x, g=x, beta=x[..., 0], initial_state=x)

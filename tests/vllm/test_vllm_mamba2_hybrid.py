@@ -17,8 +17,8 @@ import pytest
 import torch
 from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_update_cpu
 
-from ubtree_vllm.vllm.hybrid_state import commit_accepted_states
-from ubtree_vllm.vllm.mamba2_tree import tree_conv_update, tree_state_update
+from ubtree_vllm.vllm.recurrent.commit import commit_accepted_states
+from ubtree_vllm.vllm.recurrent.mamba2 import tree_conv_update, tree_state_update
 from hybrid_checks import path_to, random_tree
 
 BF16 = torch.bfloat16

@@ -470,7 +470,7 @@ def test_flash_attention_resolves_to_the_tree_backend_on_cuda():
 def test_cpu_gdn_spec_forward_runs_the_tree_form_only_inside_a_ubtree_step(monkeypatch):
     import vllm.model_executor.layers.mamba.ops.cpu.gdn_attention as gdn_attention
 
-    import ubtree_vllm.vllm.gdn_tree as gdn_tree
+    import ubtree_vllm.vllm.recurrent.gdn_cpu as gdn_cpu
     from ubtree_vllm.vllm.attention.state import tree_forward_state
 
     module = importlib.import_module("ubtree_vllm.patches.worker.patch_cpu_gdn_tree_forward")
@@ -480,7 +480,7 @@ def test_cpu_gdn_spec_forward_runs_the_tree_form_only_inside_a_ubtree_step(monke
     calls = []
     monkeypatch.setattr(gdn_attention, original_attr_name("_spec_forward"),
                         lambda layer, md, *args: calls.append(("vllm", args)) or "chain")
-    monkeypatch.setattr(gdn_tree, "tree_spec_forward",
+    monkeypatch.setattr(gdn_cpu, "tree_spec_forward",
                         lambda plan, layer, md, *args: (calls.append(("tree", plan, args)) or "tree", "record"))
     layer, state = types.SimpleNamespace(prefix="model.layers.0.linear_attn"), tree_forward_state()
     monkeypatch.setattr(state, "step_plan", None)
@@ -502,7 +502,7 @@ def test_cuda_gdn_forward_core_runs_the_tree_forms_only_for_a_ubtree_steps_specu
     spec kernel off. The layer-level arithmetic: tests/vllm/test_vllm_gdn_hybrid.py."""
     import vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn as gdn
 
-    import ubtree_vllm.vllm.gdn_tree_cuda as gdn_tree_cuda
+    import ubtree_vllm.vllm.recurrent.gdn_cuda as gdn_cuda
     from ubtree_vllm.patches._patching import restore_attr
     from ubtree_vllm.vllm.attention.state import tree_forward_state
 
@@ -534,10 +534,10 @@ def test_cuda_gdn_forward_core_runs_the_tree_forms_only_for_a_ubtree_steps_specu
             seqs.record = "record"
             return "tree out"
 
-        monkeypatch.setattr(gdn_tree_cuda, "spec_sequences", lambda plan, md, width: None if md is None else
-                            gdn_tree_cuda.SpecSequences(index=None, req=None, slots=None, num_accepted=None))
-        monkeypatch.setattr(gdn_tree_cuda, "tree_conv", lambda seqs, conv, *args, **kwargs: "tree conv")
-        monkeypatch.setattr(gdn_tree_cuda, "tree_recurrence", tree_recurrence)
+        monkeypatch.setattr(gdn_cuda, "spec_sequences", lambda plan, md, width: None if md is None else
+                            gdn_cuda.SpecSequences(index=None, req=None, slots=None, num_accepted=None))
+        monkeypatch.setattr(gdn_cuda, "tree_conv", lambda seqs, conv, *args, **kwargs: "tree conv")
+        monkeypatch.setattr(gdn_cuda, "tree_recurrence", tree_recurrence)
         layer = types.SimpleNamespace(prefix="model.layers.0.linear_attn", enable_packed_recurrent_decode=False,
                                       conv1d=types.SimpleNamespace(weight=torch.zeros(8, 1, 4)))
         state = tree_forward_state()
@@ -551,7 +551,7 @@ def test_cuda_gdn_forward_core_runs_the_tree_forms_only_for_a_ubtree_steps_specu
         layer_cls._forward_core(layer, "qkv", "b", "a", "out")
         assert calls.pop() == ("core", "vllm conv", "tree conv", ("tree out", "h"))
         assert state.linear_stash == {layer.prefix: "record"}
-        monkeypatch.setattr(gdn_tree_cuda, "tree_recurrence", lambda seqs, recurrence, **kwargs: "no record")
+        monkeypatch.setattr(gdn_cuda, "tree_recurrence", lambda seqs, recurrence, **kwargs: "no record")
         with pytest.raises(RuntimeError, match="did not reach the tree form"):
             layer_cls._forward_core(layer, "qkv", "b", "a", "out")
     finally:
@@ -572,8 +572,8 @@ def test_cuda_kda_forward_runs_the_tree_forms_only_for_a_ubtree_steps_speculativ
     tests/vllm/test_vllm_kda_cuda_layer.py."""
     import vllm.model_executor.models.bailing_moe_v3 as bailing
 
-    import ubtree_vllm.vllm.gdn_tree_cuda as gdn_tree_cuda
-    import ubtree_vllm.vllm.kda_tree_cuda as kda_tree_cuda
+    import ubtree_vllm.vllm.recurrent.gdn_cuda as gdn_cuda
+    import ubtree_vllm.vllm.recurrent.kda_cuda as kda_cuda
     from ubtree_vllm.patches._patching import restore_attr
     from ubtree_vllm.vllm.attention.state import tree_forward_state
 
@@ -599,7 +599,7 @@ def test_cuda_kda_forward_runs_the_tree_forms_only_for_a_ubtree_steps_speculativ
 
         def spec_sequences(plan, md, width, family):
             widths.append((width, family))
-            return None if md is None else gdn_tree_cuda.SpecSequences(index=None, req=None, slots=None,
+            return None if md is None else gdn_cuda.SpecSequences(index=None, req=None, slots=None,
                                                                        num_accepted=None)
 
         def tree_recurrence(seqs, decode, chain, conv_buf, **kwargs):
@@ -608,9 +608,9 @@ def test_cuda_kda_forward_runs_the_tree_forms_only_for_a_ubtree_steps_speculativ
             seqs.record = "record"
             return "tree out"
 
-        monkeypatch.setattr(gdn_tree_cuda, "spec_sequences", spec_sequences)
-        monkeypatch.setattr(gdn_tree_cuda, "tree_conv", lambda seqs, conv, *args, **kwargs: "tree conv")
-        monkeypatch.setattr(kda_tree_cuda, "tree_recurrence", tree_recurrence)
+        monkeypatch.setattr(gdn_cuda, "spec_sequences", spec_sequences)
+        monkeypatch.setattr(gdn_cuda, "tree_conv", lambda seqs, conv, *args, **kwargs: "tree conv")
+        monkeypatch.setattr(kda_cuda, "tree_recurrence", tree_recurrence)
         layer = types.SimpleNamespace(prefix="model.layers.1.attention", conv_size=4,
                                       kv_cache=(torch.zeros(3, 24, 5), "ssm"))
         state = tree_forward_state()
@@ -624,7 +624,7 @@ def test_cuda_kda_forward_runs_the_tree_forms_only_for_a_ubtree_steps_speculativ
         layer_cls._forward(layer, q_proj_states="q")
         assert calls.pop() == ("forward", "vllm conv", "tree conv", ("tree out", "h"))
         assert state.linear_stash == {layer.prefix: "record"} and widths == [(4, "KDA")]
-        monkeypatch.setattr(kda_tree_cuda, "tree_recurrence",
+        monkeypatch.setattr(kda_cuda, "tree_recurrence",
                             lambda seqs, decode, chain, conv_buf, **kwargs: "no record")
         with pytest.raises(RuntimeError, match="did not reach the tree form"):
             layer_cls._forward(layer, q_proj_states="q")
@@ -740,7 +740,7 @@ def test_an_mla_target_on_cuda_is_opt_in_and_pins_flash_attention_mla(cuda_rewri
 def test_mamba2_decode_calls_run_the_tree_forms_only_inside_a_ubtree_step(monkeypatch):
     import vllm.model_executor.layers.mamba.mamba_mixer2 as mixer
 
-    import ubtree_vllm.vllm.mamba2_tree as mamba2_tree
+    import ubtree_vllm.vllm.recurrent.mamba2 as mamba2
     from ubtree_vllm.vllm.attention.state import tree_forward_state
 
     module = importlib.import_module("ubtree_vllm.patches.worker.patch_mamba2_tree_decode")
@@ -753,10 +753,10 @@ def test_mamba2_decode_calls_run_the_tree_forms_only_inside_a_ubtree_step(monkey
                         lambda *args, **kwargs: calls.append(("vllm conv", args, kwargs)) or "chain conv")
     monkeypatch.setattr(mixer, original_attr_name("selective_state_update"),
                         lambda *args, **kwargs: calls.append(("vllm ssu", args, kwargs)))
-    monkeypatch.setattr(mamba2_tree, "tree_conv_update",
+    monkeypatch.setattr(mamba2, "tree_conv_update",
                         lambda plan, conv, *args, **kwargs: (calls.append(("tree conv", plan)) or "tree conv",
                                                              "pending"))
-    monkeypatch.setattr(mamba2_tree, "tree_state_update",
+    monkeypatch.setattr(mamba2, "tree_state_update",
                         lambda pending, ssu, state, *args, **kwargs: calls.append(("tree ssu", pending, kwargs))
                         or "record")
     state, ssm_state = tree_forward_state(), types.SimpleNamespace(data_ptr=lambda: 7)

@@ -15,9 +15,8 @@ Pipeline of one speculative round inside a vLLM worker, one module per stage:
 * :mod:`.sampler`      -- tree rejection sampler (node-wise acceptance) in vLLM's
   output format.
 * :mod:`.kv_commit`    -- copies the accepted path's KV to contiguous slots.
-* :mod:`.gdn_tree` (CPU), :mod:`.gdn_tree_cuda` (CUDA, opt-in), :mod:`.mamba2_tree` (CPU), :mod:`.linear_tree`,
-  :mod:`.hybrid_state` -- recurrent layers (Gated DeltaNet, Mamba2): the step's trees through vLLM's one-token
-  kernels, and the commit of the accepted path's recurrent states.
+* :mod:`.recurrent` -- recurrent layers of hybrid targets (Gated DeltaNet, Kimi Delta Attention, Mamba2): the
+  step's trees through vLLM's own kernels, and the commit of the accepted path's recurrent states.
 * :mod:`.request_support` -- which sampling options tree verification serves exactly.
 * :mod:`.runner`       -- the V1 model-runner subclasses (CPU, GPU) wiring the stages together.
 * :mod:`.cpu_worker`, :mod:`.gpu_worker` -- the workers vLLM starts for 'ubtree' engines

@@ -59,8 +59,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 _LING_LAYERS = ("BailingMoeV3KimiDeltaAttention (Kimi Delta Attention) and BailingMoeV3MLAAttention (multi-head "
                 "latent attention)")
 # Hybrid families whose recurrent layers verify trees: Qwen3-Next's Gated DeltaNet and NemotronH's / Falcon-H1's
-# Mamba2 run their tree forms through vLLM's one-token kernels (ubtree_vllm.vllm.gdn_tree, mamba2_tree,
-# docs/design/hybrid.md) on the CPU, and on CUDA (gdn_tree_cuda, mamba2_tree, kda_tree_cuda; V1 runner, PIECEWISE
+# Mamba2 run their tree forms through vLLM's one-token kernels (ubtree_vllm.vllm.recurrent.gdn_cpu, mamba2,
+# docs/design/hybrid.md) on the CPU, and on CUDA (gdn_cuda, mamba2, kda_cuda; V1 runner, PIECEWISE
 # graphs) only with UBTREE_CUDA_HYBRIDS=1 until their H200 tests pass. Checked with the engine arguments
 # (check_hybrid_engine).
 RECURRENT_HYBRIDS = {"Qwen3NextForCausalLM": "QwenGatedDeltaNetAttention (Gated DeltaNet)",

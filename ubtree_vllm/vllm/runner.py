@@ -13,7 +13,7 @@ the UBTree hooks, in call order:
 3. ``_sample``          -- :class:`ubtree_vllm.vllm.sampler.TreeRejectionSampler`;
 4. ``_update_states_after_model_execute`` -- KV commit of the accepted paths
    (:mod:`ubtree_vllm.vllm.kv_commit`: inside the cache on CUDA, from the stash on CPU) and,
-   for Gated DeltaNet layers, of their per-node recurrent states (:mod:`ubtree_vllm.vllm.hybrid_state`);
+   for Gated DeltaNet layers, of their per-node recurrent states (:mod:`ubtree_vllm.vllm.recurrent.commit`);
 5. ``propose_draft_token_ids`` (after vLLM's bookkeeping, as for every ``custom_class``
    proposer) -- write the committed rows' aux hidden states into the feature store, draft
    a tree per decoding request and hand vLLM its B nodes as the draft tokens
@@ -40,7 +40,7 @@ from ubtree_vllm.verify.accept import AcceptResult
 from ubtree_vllm.vllm.attention.state import RowBuffers, bind_tree_layers, tree_forward_state
 from ubtree_vllm.vllm.config import from_vllm_config
 from ubtree_vllm.vllm.features import ContextFeatureStore
-from ubtree_vllm.vllm.hybrid_state import commit_accepted_states
+from ubtree_vllm.vllm.recurrent.commit import commit_accepted_states
 from ubtree_vllm.vllm.kv_commit import commit_accepted_paths, commit_accepted_paths_in_cache
 from ubtree_vllm.vllm.proposer import UBTreeProposer
 from ubtree_vllm.vllm.sampler import TreeRejectionSampler

@@ -15,9 +15,9 @@ replays the accepted rows from the stash into their committed slots after sampli
 stash lives until the next :meth:`begin`.
 
 Recurrent (GDN) layers read :attr:`TreeForwardState.step_plan` instead: every UBTree step, chains
-included, runs their tree form (:mod:`ubtree_vllm.vllm.gdn_tree`), and each records where it left the
+included, runs their tree form (:mod:`ubtree_vllm.vllm.recurrent.gdn_cpu`), and each records where it left the
 step's per-node states in :attr:`TreeForwardState.linear_stash` for the commit
-(:mod:`ubtree_vllm.vllm.hybrid_state`).
+(:mod:`ubtree_vllm.vllm.recurrent.commit`).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ubtree_vllm.vllm.hybrid_state import LinearStepLayer
+from ubtree_vllm.vllm.recurrent.commit import LinearStepLayer
 from ubtree_vllm.vllm.tree_plan import DeviceTrees, TreeStepPlan
 
 

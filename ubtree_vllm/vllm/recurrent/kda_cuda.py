@@ -5,9 +5,9 @@ speculative rows through the module-level ``causal_conv1d_update`` (three short 
 third of the layer's conv buffer) and ``fused_recurrent_kda_fwd`` (the recurrence), the only calls there passing
 ``num_accepted_tokens``, all treating a request's ``1 + S`` step tokens as a chain. During a UBTree step (patch
 ``cuda_kda_tree_forward``) the layer's speculative sequence i is the tree of plan request ``req[i]``
-(:func:`~ubtree_vllm.vllm.gdn_tree_cuda.spec_sequences`), and:
+(:func:`~ubtree_vllm.vllm.recurrent.gdn_cuda.spec_sequences`), and:
 
-* **convs**: each of the three is :func:`~ubtree_vllm.vllm.gdn_tree_cuda.tree_conv`, the Gated DeltaNet form (node
+* **convs**: each of the three is :func:`~ubtree_vllm.vllm.recurrent.gdn_cuda.tree_conv`, the Gated DeltaNet form (node
   j's window from its root path through vLLM's one-token conv; the buffer third rolled before the conv, which on
   CUDA writes its output over its input);
 * **recurrence** (:func:`tree_recurrence`): each root's slot gets the state its sequence resumes from (slot
@@ -17,7 +17,7 @@ third of the layer's conv buffer) and ``fused_recurrent_kda_fwd`` (the recurrenc
   state to its slot (:func:`chain_below_roots`); two launches per layer instead of two per depth.
 
 So every node computes what plain decoding computes for that token after its root path, with the same kernels. The
-accepted path is committed by :func:`~ubtree_vllm.vllm.hybrid_state.commit_accepted_states` on the whole conv
+accepted path is committed by :func:`~ubtree_vllm.vllm.recurrent.commit.commit_accepted_states` on the whole conv
 buffer (the three thirds share its columns) and the recurrent states.
 """
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from ubtree_vllm.vllm.gdn_tree_cuda import SpecSequences
-from ubtree_vllm.vllm.hybrid_state import LinearStepLayer
-from ubtree_vllm.vllm.linear_tree import fork_states_by_depth
+from ubtree_vllm.vllm.recurrent.gdn_cuda import SpecSequences
+from ubtree_vllm.vllm.recurrent.commit import LinearStepLayer
+from ubtree_vllm.vllm.recurrent.nodes import fork_states_by_depth
 
 # The three conv calls of a KDA layer's speculative rows (q, k, v), before its recurrence.
 CONV_CALLS = 3

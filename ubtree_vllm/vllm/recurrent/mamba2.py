@@ -7,9 +7,9 @@ as a chain (vLLM's CPU conv even ignores ``num_accepted_tokens``). During a UBTr
 order; checked against the plan) and:
 
 * **conv** (:func:`tree_conv_update`): node j's window is the ``width - 1`` inputs before it on its root path,
-  reaching into the committed window for shallow nodes (:func:`~ubtree_vllm.vllm.linear_tree.node_windows`),
+  reaching into the committed window for shallow nodes (:func:`~ubtree_vllm.vllm.recurrent.nodes.node_windows`),
   through the conv vLLM's plain decoding runs, one token per window; the buffer is then rolled as for Gated
-  DeltaNet (:func:`~ubtree_vllm.vllm.linear_tree.roll_conv_buffers`);
+  DeltaNet (:func:`~ubtree_vllm.vllm.recurrent.nodes.roll_conv_buffers`);
 * **SSM** (:func:`tree_state_update`): per depth, each node's state slot j gets a copy of its parent's state (the
   root's: slot ``num_accepted - 1``) and vLLM's one-token ``selective_state_update`` advances it in place.
 
@@ -17,7 +17,7 @@ So every node computes what plain decoding computes for that token after its roo
 on the same inputs: vLLM's CPU ops on the CPU, its Triton conv and SSM update on CUDA (opt-in,
 ``UBTREE_CUDA_HYBRIDS=1``; the conv buffer is rolled before the conv, which on CUDA writes its output over its
 input). The conv call leaves its half of the layer's commit record in :class:`PendingConv`; the SSM call, which
-follows it in the same layer, completes it (:class:`~ubtree_vllm.vllm.hybrid_state.LinearStepLayer`, committed by the
+follows it in the same layer, completes it (:class:`~ubtree_vllm.vllm.recurrent.commit.LinearStepLayer`, committed by the
 runner like a GDN layer's).
 """
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ubtree_vllm.vllm.hybrid_state import LinearStepLayer
-from ubtree_vllm.vllm.linear_tree import TreeIndex, fork_states_by_depth, node_windows, roll_conv_buffers, tree_index
+from ubtree_vllm.vllm.recurrent.commit import LinearStepLayer
+from ubtree_vllm.vllm.recurrent.nodes import TreeIndex, fork_states_by_depth, node_windows, roll_conv_buffers, tree_index
 from ubtree_vllm.vllm.tree_plan import TreeStepPlan
 
 

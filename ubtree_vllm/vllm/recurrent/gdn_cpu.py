@@ -23,7 +23,7 @@ every node computes what plain decoding computes for that token after its root p
 given the same layer inputs (vLLM's chain kernel keeps the state unrounded between tokens and
 does not). The pure-torch twins (``triton_ops/reference.py``) are the test oracle.
 Chains are trees, so every UBTree step takes this path; the commit of the accepted path is
-:func:`ubtree_vllm.vllm.hybrid_state.commit_accepted_states`.
+:func:`ubtree_vllm.vllm.recurrent.commit.commit_accepted_states`.
 """
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _causal_conv1d_update_cpu, _unpacked_conv_weight
 
-from ubtree_vllm.vllm.hybrid_state import LinearStepLayer
-from ubtree_vllm.vllm.linear_tree import TreeIndex, fork_states_by_depth, node_windows, roll_conv_buffers, tree_index
+from ubtree_vllm.vllm.recurrent.commit import LinearStepLayer
+from ubtree_vllm.vllm.recurrent.nodes import (TreeIndex, fork_states_by_depth, node_windows, roll_conv_buffers,
+                                              tree_index)
 from ubtree_vllm.vllm.tree_plan import TreeStepPlan
 
 
@@ -76,7 +77,7 @@ def tree_spec_forward(plan: TreeStepPlan, layer: Any, attn_metadata: Any, mixed_
 def _tree_conv(layer: Any, x: torch.Tensor, conv_buf: torch.Tensor, slots: torch.Tensor, num_accepted: torch.Tensor,
                index: TreeIndex) -> torch.Tensor:
     """[T, dim] conv output of every node: vLLM's one-token conv update on the node's own window
-    (:func:`~ubtree_vllm.vllm.linear_tree.node_windows`)."""
+    (:func:`~ubtree_vllm.vllm.recurrent.nodes.node_windows`)."""
     packed = weights_packed(layer)  # the kernel plain decoding runs on this CPU (_cpu_gdn_attention_nonspec)
     windows = node_windows(x, conv_buf, slots, num_accepted, index, dim_first=packed and is_conv_state_dim_first())
     indices = torch.arange(1, len(index.tokens.seq) + 1, dtype=torch.int32)

@@ -11,7 +11,7 @@ convention, is kept unchanged:
 
 So after a step, token ``t``'s state must be in slot ``t`` and its conv input in column
 ``width - 2 + t`` (behind the previous window's newest ``width - 2`` inputs). The tree forward
-(:mod:`ubtree_vllm.vllm.gdn_tree`) puts node ``j``'s state in slot ``j`` and its input in column
+(:mod:`ubtree_vllm.vllm.recurrent.gdn_cpu`) puts node ``j``'s state in slot ``j`` and its input in column
 ``width - 2 + j``; :func:`commit_accepted_states` then moves the accepted path
 ``[0, j_1, ..., j_k]`` into chain order: slot ``j_d`` -> slot ``d`` and column ``width - 2 + j_d`` ->
 ``width - 2 + d`` for ``d = 1..k``. Each move reads its source before any write (one gather, then one

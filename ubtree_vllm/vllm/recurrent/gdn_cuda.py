@@ -8,9 +8,9 @@ runs a GDN layer's speculative rows through two module-level calls, the only one
 root, parents first; :func:`spec_sequences`), and:
 
 * **conv** (:func:`tree_conv`): node j's window is the ``width - 1`` inputs before it on its root path, reaching
-  into the committed window for shallow nodes (:func:`~ubtree_vllm.vllm.linear_tree.node_windows`), through the
+  into the committed window for shallow nodes (:func:`~ubtree_vllm.vllm.recurrent.nodes.node_windows`), through the
   conv vLLM's plain decoding calls (``causal_conv1d_update``, one token per window); the conv buffer is
-  rolled as on the CPU (:func:`~ubtree_vllm.vllm.linear_tree.roll_conv_buffers`), before the conv, which on CUDA
+  rolled as on the CPU (:func:`~ubtree_vllm.vllm.recurrent.nodes.roll_conv_buffers`), before the conv, which on CUDA
   writes its output over its input;
 * **recurrence** (:func:`tree_recurrence`): per depth, each node's state slot j gets a copy of its parent's state
   (the root's: slot ``num_accepted - 1``) and the kernel plain decoding runs for a step of one-token decodes
@@ -21,9 +21,9 @@ root, parents first; :func:`spec_sequences`), and:
 
 So every node computes what plain decoding computes for that token after its root path, with the same kernels.
 The trees' index tensors are built once per step and shared by its GDN layers
-(:func:`~ubtree_vllm.vllm.linear_tree.tree_index`). The conv and state moves are index operations on the
+(:func:`~ubtree_vllm.vllm.recurrent.nodes.tree_index`). The conv and state moves are index operations on the
 device; the bookkeeping is host numpy from the step plan and the metadata's host mask. The accepted path is
-committed by :func:`~ubtree_vllm.vllm.hybrid_state.commit_accepted_states`, as on the CPU.
+committed by :func:`~ubtree_vllm.vllm.recurrent.commit.commit_accepted_states`, as on the CPU.
 """
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ import numpy as np
 import torch
 
 from ubtree_vllm.vllm.attention.state import tree_forward_state
-from ubtree_vllm.vllm.hybrid_state import LinearStepLayer
-from ubtree_vllm.vllm.linear_tree import TreeIndex, fork_states_by_depth, node_windows, roll_conv_buffers, tree_index
+from ubtree_vllm.vllm.recurrent.commit import LinearStepLayer
+from ubtree_vllm.vllm.recurrent.nodes import (TreeIndex, fork_states_by_depth, node_windows, roll_conv_buffers,
+                                              tree_index)
 from ubtree_vllm.vllm.tree_plan import TreeStepPlan
 
 

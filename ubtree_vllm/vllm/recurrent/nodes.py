@@ -1,6 +1,6 @@
 """What the tree forms of vLLM's recurrent layers share: node bookkeeping, per-node conv windows, the roll.
 
-A linear-attention layer (Gated DeltaNet: ``gdn_tree``; Mamba2: ``mamba2_tree``) gets the step's tokens of its
+A linear-attention layer (Gated DeltaNet: ``gdn_cpu``; Mamba2: ``mamba2``) gets the step's tokens of its
 speculative sequences in order; sequence i is the tree of plan request ``req[i]`` (node 0 the root, parents
 first). Both layers keep vLLM's chain convention for the rolling conv-input buffer ``[dim, width - 1 + S]`` in
 the sequence's first state slot:
@@ -8,11 +8,11 @@ the sequence's first state slot:
 * the window a step resumes from is the ``width - 1`` columns at offset ``num_accepted - 1``;
 * after the step the buffer holds that window's newest ``width - 2`` inputs, then node j's input in column
   ``width - 2 + j`` (:func:`roll_conv_buffers`), so the commit of the accepted path
-  (:func:`ubtree_vllm.vllm.hybrid_state.commit_accepted_states`) moves columns like state slots.
+  (:func:`ubtree_vllm.vllm.recurrent.commit.commit_accepted_states`) moves columns like state slots.
 
 The bookkeeping is host numpy from the step plan, turned once per step into index tensors on the caches' device
 (:class:`TreeIndex`, shared by the step's layers through ``TreeForwardState.step_cache``); the tensor work runs on
-that device (CPU, or CUDA for ``gdn_tree_cuda``) and never reads a device tensor back on the host.
+that device (CPU, or CUDA for ``gdn_cuda``) and never reads a device tensor back on the host.
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def tree_index(plan: TreeStepPlan, req: np.ndarray, seq_lens: np.ndarray, layer_
     tokens (checked: :func:`tree_tokens`). Built by the step's first such layer and kept in
     ``TreeForwardState.step_cache`` (cleared before every target forward) for the others."""
     cache = tree_forward_state().step_cache
-    key = ("linear_tree", req.tobytes(), seq_lens.tobytes(), width, str(device))
+    key = ("recurrent.nodes", req.tobytes(), seq_lens.tobytes(), width, str(device))
     cached = cache.get(key)
     if cached is not None and cached[0] is plan:
         return cached[1]
