@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from ubtree_vllm.vllm.recurrent.commit import LinearStepLayer
 from ubtree_vllm.vllm.tree_plan import DeviceTrees, TreeStepPlan
 
 
@@ -90,8 +89,9 @@ class TreeForwardState:
         self.stash: dict[str, StashedLayer] = {}
         # The UBTree step whose target forward is in flight, with or without tree rows (None outside it)
         self.step_plan: TreeStepPlan | None = None
-        # GDN layer name -> where its tree forward left the step's per-node states (until the next begin)
-        self.linear_stash: dict[str, LinearStepLayer] = {}
+        # recurrent layer name -> where its tree forward left the step's per-node states (until the next begin): a
+        # recurrent.commit.LinearStepLayer (recurrent/ builds them and imports this module, so not named here)
+        self.linear_stash: dict[str, Any] = {}
         # Per-step scratch shared by the layers of one forward (e.g. virtual block tables).
         self.step_cache: dict[Any, Any] = {}
 
