@@ -32,7 +32,8 @@
 #            phase imports the installed package (PYTHONSAFEPATH keeps the source tree off sys.path)
 #   gputest  tests/vllm/test_vllm_gpu.py with the shipped drafter (greedy equality + tok/s record) and the CUDA GDN
 #            and KDA layer checks (test_vllm_gdn_cuda_layer.py, test_vllm_kda_cuda_layer.py); GPUTEST_K selects tests
-#            (pytest -k), e.g. smollm2 or "hybrid or gdn or kda" (the hybrid targets' tree forms, UBTREE_CUDA_HYBRIDS)
+#            (pytest -k), e.g. smollm2 or "hybrid or gdn or kda" (the hybrid and MLA targets' tree forms under
+#            UBTREE_CUDA_HYBRIDS: Qwen3-Next, NemotronH, Falcon-H1, DeepSeek-V2, Ling-3.0 on dummy weights)
 #   ablations  the recipe's ablations (ablation_args): one dataset (runs/ablations/data: gen-data alone for
 #            ABL_GEN_MINUTES, default 1.5, the recipe's greedy + T = 1 mix, seed ABL_SEED), then a fresh drafter per
 #            ablation (ABLATIONS, default all six; ABL_LAYERS layers, default 2; batch ABL_BATCH, default 8), the
