@@ -171,9 +171,14 @@ def test_float32_greedy_is_token_identical_smollm2(runner, default_target_dir, t
 # ubtree_vllm/vllm/attention/flash_mla.py; loaded in bf16) and Ling-3.0 (Kimi Delta Attention,
 # ubtree_vllm/vllm/recurrent/kda_cuda.py, and MLA; vLLM's seeded dummy weights)
 HYBRIDS = {"qwen3_next": save_tiny_qwen3_next, "nemotron_h": save_tiny_nemotron_h, "falcon_h1": save_tiny_falcon_h1,
-           "deepseek_v2": save_tiny_deepseek_v2, "ling": save_tiny_ling}
-# engine settings of a family beyond HYBRID_ENGINE (a config-only target loads vLLM's dummy weights)
-HYBRID_LOAD = {"ling": dict(load_format="dummy")}
+           # vLLM's MLA prefill on the H200 takes DeepSeek's nope / v head dims (128) only
+           "deepseek_v2": lambda path, **kw: save_tiny_deepseek_v2(path, nope_dim=128, v_dim=128, **kw),
+           "ling": save_tiny_ling}
+# engine settings of a family beyond HYBRID_ENGINE: a config-only target loads vLLM's dummy weights; vLLM's default
+# GDN prefill on the H200 (FlashInfer's) needs the CuTe DSL, which the device image cannot import ("No module named
+# 'cutlass'", 2026-12-05), so Qwen3-Next prefills with vLLM's Triton kernels, in both engines alike
+HYBRID_LOAD = {"ling": dict(load_format="dummy"),
+               "qwen3_next": dict(additional_config={"gdn_prefill_backend": "triton"})}
 # their engines: no prefix caching (UBTree refuses it for recurrent states), the tiny models' 1024 positions
 HYBRID_ENGINE = dict(enable_prefix_caching=False, max_model_len=1024)
 

@@ -101,7 +101,8 @@ def save_tiny_nemotron_h(path: Path, *, vocab_size: int = 512, seed: int = 0) ->
 
 
 @torch.no_grad()
-def save_tiny_deepseek_v2(path: Path, *, vocab_size: int = 512, seed: int = 0) -> Path:
+def save_tiny_deepseek_v2(path: Path, *, vocab_size: int = 512, seed: int = 0, nope_dim: int = 32,
+                          v_dim: int = 32) -> Path:
     """A random fp32 DeepSeek-V2 (multi-head latent attention): hidden 128, 3 layers (dense MLPs but the last, a
     4-expert MoE), 2 heads, no q LoRA, kv_lora_rank 512 + RoPE 64 (the CPU MLA kernel's only latent width),
     nope / v head dims 32."""
@@ -110,7 +111,7 @@ def save_tiny_deepseek_v2(path: Path, *, vocab_size: int = 512, seed: int = 0) -
     torch.manual_seed(seed)
     cfg = DeepseekV2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
                            num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None,
-                           kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+                           kv_lora_rank=512, qk_nope_head_dim=nope_dim, qk_rope_head_dim=64, v_head_dim=v_dim,
                            first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
                            max_position_embeddings=1024, tie_word_embeddings=False, initializer_range=0.1,
                            rope_scaling=None)
@@ -153,7 +154,8 @@ def save_tiny_ling(path: Path, *, vocab_size: int = 512) -> Path:
     """A tiny Ling-3.0 (``BailingMoeV3ForCausalLM``: Kimi Delta Attention and MLA layers alternating, MoE), config only:
     vLLM has no HF modeling class to write a checkpoint from, so its engines load it with ``load_format="dummy"``
     (vLLM's seeded random weights: every engine of a test gets the same). Hidden 128, 4 layers (KDA / MLA twice),
-    2 heads of 64 (KDA), MLA kv_lora_rank 512 + RoPE 64 (FlashAttention MLA's latent width), 4 experts (top 2).
+    2 heads of 64 (KDA), MLA kv_lora_rank 512 + RoPE 64 (FlashAttention MLA's latent width) and nope / v head dims
+    128 (the only ones vLLM's MLA prefill takes on the H200), 4 experts (top 2).
     Registers its config class (model type ``bailing_hybrid``) with transformers' AutoConfig in this process."""
     from vllm.transformers_utils.configs.bailing_moe_v3_vl import BailingMoeV3TextConfig
 
@@ -163,7 +165,7 @@ def save_tiny_ling(path: Path, *, vocab_size: int = 512) -> Path:
         num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, num_experts=4, num_shared_experts=1,
         num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=64,
         moe_shared_expert_intermediate_size=64, first_k_dense_replace=1, layer_group_size=2, kv_lora_rank=512,
-        q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=64, qk_nope_head_dim=64, no_kda_lora=True,
+        q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, no_kda_lora=True,
         kda_safe_gate=True, kda_lower_bound=-5.0, short_conv_kernel_size=4, pad_token_id=0,
         eos_token_id=1).save_pretrained(path)
     return Path(path)
