@@ -229,9 +229,10 @@ MANIFEST: tuple[PatchSpec, ...] = (
              "needs its parent's state and its ancestors' conv inputs, and vLLM has no hook for a draft topology."),
         how=("Wraps _forward (the layer's trees from the step plan before vLLM's code, the commit record after) and "
              "rebinds the two module-level names it calls: their speculative calls run as the step's trees through "
-             "vLLM's one-token calls (the Gated DeltaNet conv form; ubtree_vllm.vllm.recurrent.kda_cuda through "
-             "fused_recurrent_kda, plain decoding's call), every other call runs vLLM's function. CUDA only; "
-             "BailingMoeV3 targets stay refused at configuration until their MLA layers verify trees on CUDA."),
+             "vLLM's own calls (the Gated DeltaNet conv form; ubtree_vllm.vllm.recurrent.kda_cuda: the roots through "
+             "fused_recurrent_kda, plain decoding's call, the nodes below them as root -> leaf chains of vLLM's "
+             "speculative call), every other call runs vLLM's function. CUDA only, for targets admitted by "
+             "UBTREE_CUDA_HYBRIDS=1."),
         removal_condition=("vLLM's linear-attention backends take a draft topology (tree speculative decoding "
                            "upstream) or expose a per-node state hook."),
         stage="worker",

@@ -44,8 +44,8 @@ def install() -> None:
     from ubtree_vllm.vllm.attention.state import tree_forward_state
 
     layer_cls = gdn.QwenGatedDeltaNetAttention
-    # The speculative sequences of the layer whose _forward_core is running (at most one: layers run in turn).
-    current: list[gdn_cuda.SpecSequences] = []
+    # The layer whose _forward_core is running, with its speculative sequences (at most one: layers run in turn).
+    current: list[tuple[Any, gdn_cuda.SpecSequences]] = []
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         getattr(layer_cls, original_attr_name("__init__"))(self, *args, **kwargs)
@@ -57,28 +57,27 @@ def install() -> None:
         metadata = gdn.get_forward_context().attn_metadata
         seqs = None
         if state.step_plan is not None and isinstance(metadata, dict):
-            seqs = gdn_cuda.spec_sequences(state.step_plan, metadata.get(self.prefix),
-                                                self.conv1d.weight.shape[-1])
+            seqs = gdn_cuda.spec_sequences(state.step_plan, metadata.get(self.prefix), self.conv1d.weight.shape[-1])
         if seqs is None:
             return original(self, mixed_qkv, b, a, core_attn_out)
         if self.enable_packed_recurrent_decode:  # plain decoding's kernel for one-token decodes on this layer
             seqs.packed_decode = gdn.fused_recurrent_gated_delta_rule_packed_decode
-        return gdn_cuda.forward_as_trees(lambda: original(self, mixed_qkv, b, a, core_attn_out), current, seqs,
-                                              seqs, "GDN", self.prefix)
+        return gdn_cuda.forward_as_trees(lambda: original(self, mixed_qkv, b, a, core_attn_out), current, self, seqs,
+                                         "GDN")
 
     def causal_conv1d_update(x: Any, conv_state: Any, weight: Any, bias: Any = None, activation: Any = None,
                              **kwargs: Any) -> Any:
         original = getattr(gdn, original_attr_name("causal_conv1d_update"))
         if not current or kwargs.get("num_accepted_tokens") is None:
             return original(x, conv_state, weight, bias, activation, **kwargs)
-        return gdn_cuda.tree_conv(current[0], original, x, conv_state, weight, bias, activation,
-                                       dim_first=is_conv_state_dim_first())
+        return gdn_cuda.tree_conv(current[0][1], original, x, conv_state, weight, bias, activation,
+                                  dim_first=is_conv_state_dim_first())
 
     def fused_sigmoid_gating_delta_rule_update(*args: Any, **kwargs: Any) -> Any:
         original = getattr(gdn, original_attr_name("fused_sigmoid_gating_delta_rule_update"))
         if args or not current or kwargs.get("num_accepted_tokens") is None:
             return original(*args, **kwargs)  # _forward_core's speculative call passes keywords only
-        return gdn_cuda.tree_recurrence(current[0], original, **kwargs), kwargs["initial_state"]
+        return gdn_cuda.tree_recurrence(current[0][1], original, **kwargs), kwargs["initial_state"]
 
     replace_attr(layer_cls, "__init__", __init__, NAME)
     replace_attr(layer_cls, "_forward_core", _forward_core, NAME)

@@ -60,8 +60,7 @@ def install() -> None:
             seqs = gdn_cuda.spec_sequences(state.step_plan, metadata.get(self.prefix), self.conv_size, "KDA")
         if seqs is None:
             return original(self, *args, **kwargs)
-        return gdn_cuda.forward_as_trees(lambda: original(self, *args, **kwargs), current, (self, seqs), seqs,
-                                              "KDA", self.prefix)
+        return gdn_cuda.forward_as_trees(lambda: original(self, *args, **kwargs), current, self, seqs, "KDA")
 
     def causal_conv1d_update(x: Any, conv_state: Any, weight: Any, bias: Any = None, activation: Any = None,
                              **kwargs: Any) -> Any:
@@ -69,7 +68,7 @@ def install() -> None:
         if not current or kwargs.get("num_accepted_tokens") is None:
             return original(x, conv_state, weight, bias, activation, **kwargs)
         return gdn_cuda.tree_conv(current[0][1], original, x, conv_state, weight, bias, activation,
-                                       dim_first=is_conv_state_dim_first())
+                                  dim_first=is_conv_state_dim_first())
 
     def fused_recurrent_kda_fwd(*args: Any, **kwargs: Any) -> Any:
         original = getattr(bailing, original_attr_name("fused_recurrent_kda_fwd"))
@@ -77,7 +76,7 @@ def install() -> None:
             return original(*args, **kwargs)  # _forward's speculative call passes keywords only
         layer, seqs = current[0]
         out = kda_cuda.tree_recurrence(seqs, bailing.fused_recurrent_kda, original,
-                                            conv_buffer(layer, is_conv_state_dim_first()), **kwargs)
+                                       conv_buffer(layer, is_conv_state_dim_first()), **kwargs)
         return out, kwargs["initial_state"]
 
     replace_attr(layer_cls, "_forward", _forward, NAME)

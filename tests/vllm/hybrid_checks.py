@@ -53,6 +53,37 @@ def spec_step(trees: list[tuple[np.ndarray, np.ndarray]], num_accepted: list[int
     return plan, metadata
 
 
+def layer_step(spec: int, rng: random.Random, width: int, conv_state: Any, ssm_state: Any) -> tuple[Any, ...]:
+    """The first step of the CUDA layer tests (GDN, KDA): three requests with slots ``1 ..`` [3, 1 + spec] verifying a
+    random tree of 1 + spec nodes, a fixed branching one and a root alone, resuming after 3, 1 and 6 accepted tokens.
+    Returns (slots, trees, num_accepted, resumed): ``resumed[i]`` the (conv window [dim, width - 1], state) request i
+    resumes from per vLLM's chain convention, read from ``conv_state`` [slots, dim, state_len] / ``ssm_state``."""
+    import torch
+
+    slots = torch.arange(1, 3 * (spec + 1) + 1).view(3, spec + 1)
+    trees = [random_tree(spec + 1, rng), (np.array([-1, 0, 0, 0, 1, 1, 2]), np.array([0, 1, 1, 1, 2, 2, 2])),
+             (np.array([-1]), np.array([0]))]
+    num_accepted = [3, 1, 6]
+    conv0, ssm0 = conv_state.clone(), ssm_state.clone()
+    resumed = [(conv0[slots[i, 0], :, n - 1:n - 1 + width - 1], ssm0[slots[i, n - 1]])
+               for i, n in enumerate(num_accepted)]
+    return slots, trees, num_accepted, resumed
+
+
+def commit_paths_to_last_nodes(record: Any, trees: list[tuple[np.ndarray, np.ndarray]], spec: int,
+                               device: Any) -> list[list[int]]:
+    """Commit (recurrent.commit) each tree's root -> last-node path, off its depth in the random and branching trees;
+    returns the paths."""
+    import torch
+
+    from ubtree_vllm.vllm.recurrent.commit import commit_accepted_states
+
+    accepted = [path_to(p, len(p) - 1) for p, _ in trees]
+    accepted_path = torch.tensor([p + [-1] * (spec + 1 - len(p)) for p in accepted]).to(device)
+    commit_accepted_states([record], accepted_path, (accepted_path >= 0).sum(1) - 1)
+    return accepted
+
+
 def path_to(parents: np.ndarray, node: int) -> list[int]:
     """Root-first nodes of the root -> ``node`` path."""
     path = []

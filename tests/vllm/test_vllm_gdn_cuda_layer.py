@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid_checks import path_to, random_tree, spec_step
+from hybrid_checks import commit_paths_to_last_nodes, layer_step, path_to, spec_step
 from ubtree_vllm.patches._patching import original_attr_name, restore_attr
 
 CUDA = torch.cuda.is_available()
@@ -128,18 +128,9 @@ def plain_decode(gdn, layer, window, state, tokens):
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed_decode", "fused_sigmoid"])
 def test_tree_nodes_equal_plain_decoding_of_their_paths_and_the_commit_resumes_them(gdn, monkeypatch, packed):
-    from ubtree_vllm.vllm.recurrent.commit import commit_accepted_states
-
     gen, rng = torch.Generator().manual_seed(0), random.Random(0)
-    slots = torch.arange(1, 3 * (SPEC + 1) + 1).view(3, SPEC + 1)
     layer = make_layer(gdn, gen, 3 * (SPEC + 1) + 1, packed)
-    trees = [random_tree(SPEC + 1, rng), (np.array([-1, 0, 0, 0, 1, 1, 2]), np.array([0, 1, 1, 1, 2, 2, 2])),
-             (np.array([-1]), np.array([0]))]
-    num_accepted = [3, 1, 6]
-    conv0, ssm0 = layer.conv_state.clone(), layer.kv_cache[1].clone()
-    # (window, state) each request resumes from, per vLLM's chain convention
-    resumed = [(conv0[slots[i, 0], :, n - 1:n - 1 + WIDTH - 1], ssm0[slots[i, n - 1]])
-               for i, n in enumerate(num_accepted)]
+    slots, trees, num_accepted, resumed = layer_step(SPEC, rng, WIDTH, layer.conv_state, layer.kv_cache[1])
     (x, b, a), out, record = tree_step(gdn, monkeypatch, layer, trees, num_accepted, slots, gen)
     start = 0
     for i, (parents, _) in enumerate(trees):
@@ -150,9 +141,7 @@ def test_tree_nodes_equal_plain_decoding_of_their_paths_and_the_commit_resumes_t
             assert torch.equal(layer.kv_cache[1][slots[i, node]], final), (i, node)
         start += len(parents)
 
-    accepted = [path_to(p, len(p) - 1) for p, _ in trees]  # paths to the last nodes: off their depth
-    accepted_path = torch.tensor([p + [-1] * (SPEC + 1 - len(p)) for p in accepted]).to(DEVICE)
-    commit_accepted_states([record], accepted_path, (accepted_path >= 0).sum(1) - 1)
+    accepted = commit_paths_to_last_nodes(record, trees, SPEC, DEVICE)
     chain = (np.arange(3) - 1, np.arange(3))
     (x2, b2, a2), out2, _ = tree_step(gdn, monkeypatch, layer, [chain] * 3, [len(p) for p in accepted], slots, gen)
     for i, path in enumerate(accepted):

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid_checks import path_to, random_tree, spec_step
+from hybrid_checks import commit_paths_to_last_nodes, layer_step, path_to, spec_step
 from ubtree_vllm.patches._patching import original_attr_name, restore_attr
 
 CUDA = torch.cuda.is_available()
@@ -134,18 +134,9 @@ def plain_decode(kda, monkeypatch, layer, window, state, inputs, tokens):
 # (mamba_ssm_cache_dtype bfloat16): depth by depth
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32_paths", "bf16_by_depth"])
 def test_tree_nodes_equal_plain_decoding_of_their_paths_and_the_commit_resumes_them(kda, monkeypatch, state_dtype):
-    from ubtree_vllm.vllm.recurrent.commit import commit_accepted_states
-
     gen, rng = torch.Generator().manual_seed(0), random.Random(0)
-    slots = torch.arange(1, 3 * (SPEC + 1) + 1).view(3, SPEC + 1)
     layer = make_layer(gen, 3 * (SPEC + 1) + 1, state_dtype)
-    trees = [random_tree(SPEC + 1, rng), (np.array([-1, 0, 0, 0, 1, 1, 2]), np.array([0, 1, 1, 1, 2, 2, 2])),
-             (np.array([-1]), np.array([0]))]
-    num_accepted = [3, 1, 6]
-    conv0, ssm0 = layer.conv_state.clone(), layer.kv_cache[1].clone()
-    # (window, state) each request resumes from, per vLLM's chain convention
-    resumed = [(conv0[slots[i, 0], :, n - 1:n - 1 + WIDTH - 1], ssm0[slots[i, n - 1]])
-               for i, n in enumerate(num_accepted)]
+    slots, trees, num_accepted, resumed = layer_step(SPEC, rng, WIDTH, layer.conv_state, layer.kv_cache[1])
     inputs, out, record = tree_step(kda, monkeypatch, layer, trees, num_accepted, slots, gen)
     start = 0
     for i, (parents, _) in enumerate(trees):
@@ -156,9 +147,7 @@ def test_tree_nodes_equal_plain_decoding_of_their_paths_and_the_commit_resumes_t
             assert torch.equal(layer.kv_cache[1][slots[i, node]], final), (i, node)
         start += len(parents)
 
-    accepted = [path_to(p, len(p) - 1) for p, _ in trees]  # paths to the last nodes: off their depth
-    accepted_path = torch.tensor([p + [-1] * (SPEC + 1 - len(p)) for p in accepted]).to(DEVICE)
-    commit_accepted_states([record], accepted_path, (accepted_path >= 0).sum(1) - 1)
+    accepted = commit_paths_to_last_nodes(record, trees, SPEC, DEVICE)
     chain = (np.arange(3) - 1, np.arange(3))
     inputs2, out2, _ = tree_step(kda, monkeypatch, layer, [chain] * 3, [len(p) for p in accepted], slots, gen)
     both = tuple(torch.cat([a, b], dim=0 if a.dim() == 2 else 1) for a, b in zip(inputs, inputs2))

@@ -55,14 +55,25 @@ class SpecSequences:
     conv_calls: int = 0  # conv calls served so far (one per GDN layer; q, k and v for a KDA layer)
     record: LinearStepLayer | None = None  # the layer's commit record, set by the recurrence call
 
+    def record_states(self, ssm_state: torch.Tensor, conv_buf: torch.Tensor) -> None:
+        """Set :attr:`record`: node j's state in ``ssm_state`` slot j, its conv input in ``conv_buf`` column
+        ``width - 2 + j`` (the recurrence call, after the step's nodes have run)."""
+        self.record = LinearStepLayer(conv_buf=conv_buf, ssm_state=ssm_state,
+                                      req=torch.from_numpy(self.req).long().to(ssm_state.device),
+                                      slots=self.slots.clone(), node0_col=self.index.width - 2)
+
+
+# The speculative recurrence call's arguments that describe the chain; a tree form passes its own.
+CHAIN_ONLY_KWARGS = ("num_accepted_tokens", "cu_seqlens", "ssm_state_indices", "inplace_final_state")
+
 
 def spec_sequences(plan: TreeStepPlan, attn_metadata: Any, width: int, family: str = "GDN") -> SpecSequences | None:
     """The layer's speculative sequences as the step's trees; None when the step has none.
 
     attn_metadata: the layer's ``GDNAttentionMetadata`` (Gated DeltaNet, and Kimi Delta Attention: ``family`` "KDA");
-    width: the layer's conv width. Sequence i is the i-th
-    request of the batch whose ``spec_sequence_masks_cpu`` entry is set (vLLM selects the speculative tokens in that
-    order); RuntimeError when the metadata's token count is not the plan's (never computes on a wrong layout)."""
+    width: the layer's conv width. Sequence i is the i-th request of the batch whose ``spec_sequence_masks_cpu`` entry
+    is set (vLLM selects the speculative tokens in that order); RuntimeError when the metadata's token count is not
+    the plan's (never computes on a wrong layout)."""
     if attn_metadata is None or attn_metadata.spec_sequence_masks is None:
         return None
     num_seqs = attn_metadata.num_spec_decodes
@@ -77,19 +88,20 @@ def spec_sequences(plan: TreeStepPlan, attn_metadata: Any, width: int, family: s
                          num_accepted=num_accepted)
 
 
-def forward_as_trees(run: Callable[[], Any], current: list[Any], entry: Any, seqs: SpecSequences, family: str,
-                     layer_name: str) -> Any:
-    """``run()`` (vLLM's layer forward) with ``entry`` as the ``current`` layer, whose speculative calls the patch's
-    rebound names serve as ``seqs``' trees; then the layer's commit record into the step's linear stash. RuntimeError
-    when the speculative rows did not reach the tree form (the record is missing)."""
-    current[:] = [entry]
+def forward_as_trees(run: Callable[[], Any], current: list[tuple[Any, SpecSequences]], layer: Any,
+                     seqs: SpecSequences, family: str) -> Any:
+    """``run()`` (vLLM's forward of ``layer``) with ``(layer, seqs)`` as the ``current`` entry, through which the
+    patch's rebound names serve the layer's speculative calls as ``seqs``' trees; then the layer's commit record into
+    the step's linear stash under ``layer.prefix``. RuntimeError when the speculative rows did not reach the tree form
+    (the record is missing)."""
+    current[:] = [(layer, seqs)]
     try:
         result = run()
     finally:
         current.clear()
     if seqs.record is None:
-        raise RuntimeError(f"ubtree: the speculative rows of {family} layer {layer_name} did not reach the tree form")
-    tree_forward_state().linear_stash[layer_name] = seqs.record
+        raise RuntimeError(f"ubtree: the speculative rows of {family} layer {layer.prefix} did not reach the tree form")
+    tree_forward_state().linear_stash[layer.prefix] = seqs.record
     return result
 
 
@@ -123,7 +135,7 @@ def tree_recurrence(seqs: SpecSequences, recurrence: Callable[..., Any], *, A_lo
     ones dropped). Each depth's nodes advance one token each, in place, as plain decoding calls it."""
     if seqs.conv_buf is None:
         raise RuntimeError("ubtree: a GDN recurrence without its layer's conv call in a tree step")
-    for chain_only in ("num_accepted_tokens", "cu_seqlens", "ssm_state_indices", "inplace_final_state"):
+    for chain_only in CHAIN_ONLY_KWARGS:
         kwargs.pop(chain_only, None)
     out = torch.empty_like(v)  # [1, T, HV, V]
     for rows, dst in fork_states_by_depth(initial_state, seqs.slots, seqs.num_accepted, seqs.index):  # [n] each
@@ -141,7 +153,5 @@ def tree_recurrence(seqs: SpecSequences, recurrence: Callable[..., Any], *, A_lo
             cu_seqlens=torch.arange(len(rows) + 1, dtype=torch.int32, device=v.device),
             ssm_state_indices=dst.to(torch.int32), **kwargs)
         out[:, rows] = node_out.to(out.dtype)
-    seqs.record = LinearStepLayer(conv_buf=seqs.conv_buf, ssm_state=initial_state,
-                                  req=torch.from_numpy(seqs.req).long().to(initial_state.device),
-                                  slots=seqs.slots.clone(), node0_col=seqs.index.width - 2)
+    seqs.record_states(initial_state, seqs.conv_buf)
     return out

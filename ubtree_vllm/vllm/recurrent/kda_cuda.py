@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from ubtree_vllm.vllm.recurrent.gdn_cuda import SpecSequences
-from ubtree_vllm.vllm.recurrent.commit import LinearStepLayer
+from ubtree_vllm.vllm.recurrent.gdn_cuda import CHAIN_ONLY_KWARGS, SpecSequences
 from ubtree_vllm.vllm.recurrent.nodes import fork_states_by_depth
 
 # The three conv calls of a KDA layer's speculative rows (q, k, v), before its recurrence.
@@ -59,7 +58,7 @@ def tree_recurrence(seqs: SpecSequences, decode: Callable[..., tuple[torch.Tenso
     if seqs.conv_calls != CONV_CALLS:
         raise RuntimeError(f"ubtree: a KDA recurrence after {seqs.conv_calls} of its layer's {CONV_CALLS} conv calls "
                            "in a tree step")
-    for chain_only in ("num_accepted_tokens", "cu_seqlens", "ssm_state_indices", "inplace_final_state"):
+    for chain_only in CHAIN_ONLY_KWARGS:
         kwargs.pop(chain_only, None)
     out = v.new_empty(v.shape)  # [1, T, H, V]
     by_depth = fork_states_by_depth(initial_state, seqs.slots, seqs.num_accepted, seqs.index)
@@ -72,9 +71,7 @@ def tree_recurrence(seqs: SpecSequences, decode: Callable[..., tuple[torch.Tenso
         if depth == 0 and initial_state.dtype == torch.float32:
             chain_below_roots(seqs, chain, q, k, v, g, beta, initial_state, out, kwargs)
             break
-    seqs.record = LinearStepLayer(conv_buf=conv_buf, ssm_state=initial_state,
-                                  req=torch.from_numpy(seqs.req).long().to(initial_state.device),
-                                  slots=seqs.slots.clone(), node0_col=seqs.index.width - 2)
+    seqs.record_states(initial_state, conv_buf)
     return out
 
 

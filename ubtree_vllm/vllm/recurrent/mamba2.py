@@ -17,8 +17,8 @@ So every node computes what plain decoding computes for that token after its roo
 on the same inputs: vLLM's CPU ops on the CPU, its Triton conv and SSM update on CUDA (opt-in,
 ``UBTREE_CUDA_HYBRIDS=1``; the conv buffer is rolled before the conv, which on CUDA writes its output over its
 input). The conv call leaves its half of the layer's commit record in :class:`PendingConv`; the SSM call, which
-follows it in the same layer, completes it (:class:`~ubtree_vllm.vllm.recurrent.commit.LinearStepLayer`, committed by the
-runner like a GDN layer's).
+follows it in the same layer, completes it (:class:`~ubtree_vllm.vllm.recurrent.commit.LinearStepLayer`, committed
+by the runner like a GDN layer's).
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from ubtree_vllm.vllm.recurrent.commit import LinearStepLayer
-from ubtree_vllm.vllm.recurrent.nodes import TreeIndex, fork_states_by_depth, node_windows, roll_conv_buffers, tree_index
+from ubtree_vllm.vllm.recurrent.nodes import (TreeIndex, fork_states_by_depth, node_windows, roll_conv_buffers,
+                                              tree_index)
 from ubtree_vllm.vllm.tree_plan import TreeStepPlan
 
 

@@ -1,7 +1,7 @@
 """What a tree budget costs a hybrid target in recurrent-state memory, and the largest budget that fits.
 
-Tree verification of a hybrid target (vllm/recurrent/gdn_cpu.py, vllm/recurrent/mamba2.py) gives every node of a B-node tree
-its own state slot: vLLM allocates ``1 + num_speculative_tokens`` slots per request and linear layer
+Tree verification of a hybrid target (the tree forms of ``ubtree_vllm/vllm/recurrent/``) gives every node of a B-node
+tree its own state slot: vLLM allocates ``1 + num_speculative_tokens`` slots per request and linear layer
 (``MambaSpec.num_speculative_blocks``; the committed state plus one per node), each a whole recurrent state
 (conv window and SSM / delta-rule state, ``MambaSpec.page_size_bytes``). That cost grows linearly in B and is
 paid by every request, whatever its length. vLLM checks at start that one request of ``max_model_len`` fits
