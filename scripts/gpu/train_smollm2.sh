@@ -17,6 +17,7 @@
 #            GEN_MINUTES=N instead runs gen-data alone for N minutes of generation (after its engine is up) first
 #            (GEN_WORKERS engines side by side, each its own shards of the folder)
 #            and then the trainer alone. SLICE_DEADLINE_S=S caps the whole phase at S seconds from its start:
+#            the generation ends in time to leave the trainer SLICE_TRAIN_MIN_S (default 240) and
 #            the trainer gets min(SLICE_MINUTES, what is left less SLICE_EXPORT_MARGIN_S, default 60) so it
 #            exports before an outer timeout could kill it (on 2026-12-02 `timeout 560` killed a trainer
 #            20 s before its export, after the engines' staggered starts had eaten the margin). On
@@ -57,7 +58,11 @@
 #            --tree-attention
 #            INTERLEAVE=K (bench, sweep, options) starts every engine at once (one process each) and runs each cell's prompts in K
 #            chunks, the engines in turn (bench/interleave.py: machine drift falls on every method alike); their
-#            memory shares add up, so set GPU_MEM (default 0.25 per engine) to about 0.85 / engines
+#            memory shares add up, so set GPU_MEM (default 0.25 per engine) to about 0.85 / engines.
+#            KV_BYTES=N (bench, sweep, options) fixes each engine's KV cache (--kv-cache-memory-bytes, e.g. 6442450944):
+#            vLLM then skips memory profiling and the interleaved engines start side by side (six started one after
+#            the other took the whole 560 s call on 2026-12-05); pass a small GPU_MEM too (0.1: vLLM's start-up
+#            check wants that share free)
 #   hybridbench  `ubtree bench random-hybrid` (HYBRID_FAMILY: qwen3-next or nemotron-h), then `bench e2e` of it under
 #            UBTREE_CUDA_HYBRIDS=1: ar, ngram, ubtree and ubtree-lookup (V1 runner) at B = HYBRID_BUDGETS (default 16),
 #            HYBRID_CONCURRENCY (default 1,8), HYBRID_PROMPTS mt_bench prompts (default 8): round time and tau of forking
@@ -166,13 +171,32 @@ for phase in "$@"; do
         # profiling" when one frees; with a fixed 30 s stagger a third engine found "No available memory for the
         # cache blocks" on 2026-12-04)
         workers=${GEN_WORKERS:-1}; share=$(python3 -c "print(round(0.85 / $workers, 3))")
+        # under SLICE_DEADLINE_S the generation also ends by a wall-clock time that leaves the trainer
+        # SLICE_TRAIN_MIN_S (default 240) and its export margin: on 2026-12-05 two workers' staggered starts plus
+        # GEN_MINUTES=2 of generation left the trainer 0.5 of a 9-minute call (a worker stopped early loses only
+        # its shard in flight: the manifest lists complete shards only)
+        gen_end=""
+        [ -n "${SLICE_DEADLINE_S:-}" ] && \
+          gen_end=$(( slice_start + SLICE_DEADLINE_S - ${SLICE_TRAIN_MIN_S:-240} - ${SLICE_EXPORT_MARGIN_S:-60} ))
+        gen_pids=()
         for w in $(seq 0 $(( workers - 1 ))); do
           [ "$w" -gt 0 ] && engine_started "$last_gen" runs/gen-data-$(( w - 1 )).log "${GEN_STAGGER_MAX_S:-240}"
+          # a worker that could not be up (~2 min) before the generation's end would only take memory
+          if [ "$w" -gt 0 ] && [ -n "$gen_end" ] && [ $(( gen_end - $(date +%s) )) -lt 150 ]; then
+            echo "slice: starting $w of $workers workers (the rest would not be up before the generation's end)"; break
+          fi
           ubtree gen-data --config "$CONFIG" --data-root .gpudata --set seed="$seed" \
             --set gpu_memory_utilization="$share" --set worker="$w" --set num_workers="$workers" \
             --set out_dir=runs/smollm2/slice-data-$seed --max-minutes "$GEN_MINUTES" > runs/gen-data-$w.log 2>&1 &
-          last_gen=$!
+          last_gen=$!; gen_pids+=("$last_gen")
         done
+        while [ -n "$gen_end" ] && [ "$(date +%s)" -lt "$gen_end" ] && kill -0 "${gen_pids[@]}" 2>/dev/null; do
+          sleep 2
+        done
+        if [ -n "$gen_end" ] && kill -0 "${gen_pids[@]}" 2>/dev/null; then
+          echo "slice: generation stopped at the deadline's share (SLICE_TRAIN_MIN_S=${SLICE_TRAIN_MIN_S:-240})"
+          kill "${gen_pids[@]}" 2>/dev/null || true
+        fi
         wait
         cat runs/gen-data-*.log > runs/gen-data.log
         gen=""
@@ -247,7 +271,8 @@ for phase in "$@"; do
           "$R/tests/triton" "$R/tests/unit/test_draft_graphs.py" "$R/tests/unit/test_mrv2_speculator.py" ) ;;
     bench)
       ubtree bench e2e --target default --drafter "${BENCH_DRAFTER:-$DRAFTER}" --data-dir .gpudata --records "$RECORDS" --no-report \
-        --gpu-memory-utilization "${GPU_MEM:-0.25}" ${INTERLEAVE:+--interleave "$INTERLEAVE"} ${BENCH_COMPARE:+--compare-drafters "$BENCH_COMPARE"} \
+        --gpu-memory-utilization "${GPU_MEM:-0.25}" ${INTERLEAVE:+--interleave "$INTERLEAVE"} ${KV_BYTES:+--kv-cache-memory-bytes "$KV_BYTES"} \
+        ${BENCH_COMPARE:+--compare-drafters "$BENCH_COMPARE"} \
         --datasets "${BENCH_DATASETS:-spec_bench,mt_bench,humaneval}" --temperatures "${BENCH_TEMPS:-0,1}" \
         --num-prompts "${BENCH_PROMPTS:-10}" \
         --max-new-tokens 256 --methods "${METHODS:-ar,ngram,dflash-chain,ubtree-mrv2,ubtree}" \
@@ -263,7 +288,7 @@ for phase in "$@"; do
         --tree-budgets "${HYBRID_BUDGETS:-16}" --beam-width 4 --top-k 16 --concurrency "${HYBRID_CONCURRENCY:-1,8}" ;;
     sweep)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
-        --gpu-memory-utilization "${GPU_MEM:-0.25}" ${INTERLEAVE:+--interleave "$INTERLEAVE"} \
+        --gpu-memory-utilization "${GPU_MEM:-0.25}" ${INTERLEAVE:+--interleave "$INTERLEAVE"} ${KV_BYTES:+--kv-cache-memory-bytes "$KV_BYTES"} \
         --datasets "${SWEEP_DATASETS:-mt_bench}" --temperatures "${SWEEP_TEMPS:-0}" --num-prompts "${SWEEP_PROMPTS:-64}" \
         --max-new-tokens 256 --methods "${SWEEP_METHODS:-ar,ngram,ubtree-mrv2}" \
         --tree-budgets "${SWEEP_BUDGETS:-64}" --beam-width 12 --top-k 64 --concurrency "${SWEEP_CONCURRENCY:-1,4,16,32}" \
@@ -289,7 +314,7 @@ for phase in "$@"; do
       tar -cf - -C runs/roundprof $(cd runs/roundprof && ls *.trace.json.gz) | split -b 15M -d - "$OUT/roundprof-traces.tar.part" ;;
     options)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
-        --gpu-memory-utilization "${GPU_MEM:-0.25}" ${INTERLEAVE:+--interleave "$INTERLEAVE"} \
+        --gpu-memory-utilization "${GPU_MEM:-0.25}" ${INTERLEAVE:+--interleave "$INTERLEAVE"} ${KV_BYTES:+--kv-cache-memory-bytes "$KV_BYTES"} \
         --sampling-options "${OPTIONS:-logprobs,penalties,bad_words,min_tokens,min_p,logit_bias,json_object,json_schema}" \
         --datasets "${BENCH_DATASETS:-mt_bench}" --temperatures "${BENCH_TEMPS:-0}" --num-prompts "${OPTION_PROMPTS:-20}" \
         --max-new-tokens 256 --methods "${METHODS:-ar,ngram,ubtree-mrv2-lookup}" --tree-budgets "${BUDGETS:-64}" \

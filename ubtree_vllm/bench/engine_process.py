@@ -9,20 +9,34 @@ The child builds the engine (:func:`~ubtree_vllm.bench.e2e.open_engine`) and the
 ``warm_up_at``, ``run`` (:func:`~ubtree_vllm.bench.e2e.run_requests`: the finished RequestOutputs, the wall
 seconds and the engine steps, all measured in the child, so the pipe's cost is never timed) and
 ``counters`` (the spec-decode counters). Errors come back as the child's traceback and are raised in the
-parent. Engines start one after the other (each waits for the last to be up), so no engine's memory
-profiling at start-up sees another process allocate or free device memory.
+parent. The constructor only spawns the child; :meth:`EngineProcess.wait_started` waits for its engine. Engines
+start one after the other (each waits for the last to be up), so no engine's memory profiling at start-up sees
+another process allocate or free device memory, unless :func:`starts_side_by_side` says the engines skip that
+profiling.
 """
 from __future__ import annotations
 
 import multiprocessing
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ubtree_vllm.bench.settings import E2ESettings
 
+if TYPE_CHECKING:
+    from ubtree_vllm.bench.e2e import Engine
+
 START_TIMEOUT_S = 1800  # an engine start (compile, graph capture) on the slowest machine the bench runs on
 CLOSE_TIMEOUT_S = 120
+
+
+def starts_side_by_side(engine_kwargs: dict[str, Any]) -> bool:
+    """Whether engines with these vLLM arguments may start at once: with a fixed ``kv_cache_memory_bytes``
+    vLLM 0.32's worker sizes the KV cache without memory profiling (gpu_worker.determine_available_memory), so
+    another process allocating meanwhile cannot break its start; its start-up check then only needs
+    ``gpu_memory_utilization`` x device memory free (a small share: pass one). On the H200 (2026-12-05) six engines
+    started one after the other took over 9 minutes, the whole device call."""
+    return engine_kwargs.get("kv_cache_memory_bytes") is not None
 
 
 class EngineProcess:
@@ -31,8 +45,6 @@ class EngineProcess:
 
     def __init__(self, label: str, engine_settings: E2ESettings, settings: E2ESettings, target_path: Path,
                  engine_kwargs: dict[str, Any], scratch: Path) -> None:
-        from ubtree_vllm.bench.e2e import Engine
-
         context = multiprocessing.get_context("spawn")
         self.label = label
         self._conn, child = context.Pipe()
@@ -41,8 +53,15 @@ class EngineProcess:
                                               scratch))
         self._process.start()
         child.close()
-        run, drafter, training = self._receive(START_TIMEOUT_S)
-        self.engine = Engine(label, run, None, drafter, training)
+        self.engine: Engine | None = None
+
+    def wait_started(self) -> None:
+        """Wait for the child's engine to be up (RuntimeError with its traceback if it failed); sets ``engine``."""
+        from ubtree_vllm.bench.e2e import Engine
+
+        if self.engine is None:
+            run, drafter, training = self._receive(START_TIMEOUT_S)
+            self.engine = Engine(self.label, run, None, drafter, training)
 
     def call(self, name: str, *args: Any) -> Any:
         """The child's answer to ``name(*args)`` (module docstring); RuntimeError with its traceback on failure."""

@@ -6,7 +6,8 @@ replay on the H200).
 The sequential plan measures one engine after the other, minutes apart, so a drift of the machine's speed
 between them lands in the speedups (in the H200 sampling-option records of 2026-12-04, ar's step time moved
 from run to run by far more than any option cost). Here all planned engines are started first (their memory
-shares add up: pass --gpu-memory-utilization / engines), then each cell's prompts are cut into K chunks of
+shares add up: pass --gpu-memory-utilization / engines; with --kv-cache-memory-bytes they start side by side,
+engine_process.starts_side_by_side), then each cell's prompts are cut into K chunks of
 consecutive prompts and, chunk by chunk, every engine runs the chunk, the order rotating by one engine per
 chunk; an engine's run of the cell is the sum of its chunks (tokens, wall time, engine steps; its spec-decode counters read
 before its first chunk and after its last). Drift then falls on every method alike. A chunk's sliding window
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ubtree_vllm.bench.e2e import Log, Recorder, cells, log_engine_start, sampling_params
-from ubtree_vllm.bench.engine_process import EngineProcess
+from ubtree_vllm.bench.engine_process import EngineProcess, starts_side_by_side
 from ubtree_vllm.bench.measurement import summarize_run
 from ubtree_vllm.bench.prompts import PromptSet
 from ubtree_vllm.bench.sampling_options import sampling_kwargs
@@ -55,11 +56,16 @@ def iter_interleaved(settings: E2ESettings, prompt_sets: Sequence[PromptSet], ta
     """Every cell measured on all engines in turns (module docstring); records in the plan's engine order per cell,
     so ar's come first and every other run pairs with the ar run of the same chunks."""
     engines: list[EngineProcess] = []
+    side_by_side = starts_side_by_side(engine_kwargs)
     try:
         for label, engine_settings in planned_engines(settings):
             log_engine_start(label, engine_settings, settings, log)
             engines.append(EngineProcess(label, engine_settings, settings, target_path, engine_kwargs, scratch))
-            engines[-1].call("warm_up", prompt_sets)
+            if not side_by_side:
+                engines[-1].wait_started()
+        for engine in engines:
+            engine.wait_started()
+            engine.call("warm_up", prompt_sets)
         for concurrency in settings.concurrency:
             if concurrency > 1:  # the batch sizes and mixed steps this concurrency runs, unmeasured
                 for engine in engines:
