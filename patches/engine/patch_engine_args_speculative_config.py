@@ -128,6 +128,10 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
     else:
         args.speculative_config = {"method": VLLM_METHOD, "model": PROPOSER_CLASS_PATH,
                                    "num_speculative_tokens": spec.tree.tree_budget}
+    if not mrv2 and any(entry[2] == 0 for entry in spec.budget_schedule or ()):
+        raise ValueError("speculative_config.num_speculative_tokens_per_batch_size: a budget of 0 (plain decoding "
+                         "steps at that load) is served on Model Runner V2 only, which then skips the draft; this "
+                         "engine runs the V1 runner: use budgets >= 1")
     if spec.budget_schedule is not None:  # vLLM's scheduler picks each step's budget (dynamic speculative decoding)
         args.speculative_config["num_speculative_tokens_per_batch_size"] = [list(e) for e in spec.budget_schedule]
     args.spec_method = args.spec_model = args.spec_tokens = None

@@ -349,7 +349,7 @@ def test_tree_attention_modes_run_side_by_side_in_one_invocation(drafter_dir):
     ({"drafter": "/no/such/drafter"}, r"--drafter: drafter folder not found: /no/such/drafter"),
     ({"budget_schedule": "1-4"}, r"--budget-schedule must be comma-separated FIRST-LAST:BUDGET entries "
                                  r"\(e.g. 1-4:64,5-32:16\), got '1-4'"),
-    ({"budget_schedule": "4-1:8"}, r"--budget-schedule: entry '4-1:8' needs 1 <= FIRST <= LAST and BUDGET >= 1"),
+    ({"budget_schedule": "4-1:8"}, r"--budget-schedule: entry '4-1:8' needs 1 <= FIRST <= LAST and BUDGET >= 0"),
     ({"budget_schedule": "1-4:32"}, r"--budget-schedule verifies up to 32 nodes per tree; every --tree-budgets "
                                     r"value must be >= it, got 16"),
     ({"budget_schedule": "1-4:8", "methods": "ar,ngram"}, r"--budget-schedule applies to the tree methods"),

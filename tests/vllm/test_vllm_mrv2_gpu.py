@@ -92,6 +92,43 @@ def test_mrv2_attention_mode_with_load_adaptive_budget_greedy_equality_smollm2(m
         assert tau > 1.5, tau
 
 
+def test_mrv2_zero_budget_at_load_keeps_the_drafters_context(mrv2, default_target_dir, tmp_path):
+    """A budget of 0 at 2+ requests in flight: 4 prompts run 40 plain decoding steps together (the draft skipped, only
+    the drafter's context K/V stored), then the longest goes on alone at B = 16, drafting over that context. Greedy
+    output equals the engine's without speculation up to near-ties; with a trained drafter the lone part's drafts are
+    accepted as usual (tau > 1.5), which a context with holes would not give."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from test_vllm_gpu import TREE, assert_greedy_equal_up_to_near_ties, engine, prompts_for
+    from vllm_engines import spec_counts
+
+    lengths = (40, 40, 40, 160)
+    plain = engine(default_target_dir, logprobs_mode="raw_logits")
+    prompts = [TokensPrompt(prompt_token_ids=p)
+               for p in prompts_for(plain.llm_engine.model_config.get_vocab_size(), len(lengths))]
+
+    def params(**extra):
+        return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False, **extra)
+                for n in lengths]
+
+    reference = plain.generate(prompts, params(logprobs=2), use_tqdm=False)
+    del plain
+    gc.collect()
+    tree = {**TREE, "prompt_lookup": True, "num_speculative_tokens_per_batch_size": [[1, 1, 16], [2, 64, 0]]}
+    ubtree = engine(default_target_dir, {"method": "ubtree", "model": str(smollm2_drafter(default_target_dir, tmp_path)),
+                                         **tree})
+    spec = [list(o.outputs[0].token_ids) for o in ubtree.generate(prompts, params(), use_tqdm=False)]
+    drafts, accepted = spec_counts(ubtree)
+    del ubtree
+    gc.collect()
+    assert_greedy_equal_up_to_near_ties(spec, reference, "budget 0 at load")
+    print(f"MRV2 budget 0 at 2+ requests, then alone: {drafts:.0f} drafts, tau {1 + accepted / max(1, drafts):.2f}")
+    assert 0 < drafts <= lengths[-1] - lengths[0]  # drafts only once the last request runs alone
+    if os.environ.get("GPU_TEST_DRAFTER"):
+        assert 1 + accepted / drafts > 1.5, (drafts, accepted)
+
+
 def test_stock_roots_mode_is_refused_on_the_v1_runner(monkeypatch, default_target_dir, tmp_path):
     from test_vllm_gpu import TREE, engine
 

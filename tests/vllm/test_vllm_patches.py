@@ -122,8 +122,8 @@ def test_engine_args_mrv2_form_on_cuda_is_dflash_with_a_proposer_only_copy(tiny_
 def test_engine_args_default_budget_policy_is_load_adaptive_on_mrv2_only(tiny_target, tiny_drafter, monkeypatch,
                                                                         tmp_path):
     """No schedule given: on Model Runner V2 the rewrite hands vLLM default_budget_schedule(B), marked as the default
-    for the workers' fit check; budget_policy "fixed" and the V1 runner keep B at every step; a user's schedule wins.
-    Faked CUDA, rewrite only."""
+    for the workers' fit check; budget_policy "fixed" and the V1 runner keep B at every step; a user's schedule wins,
+    and one with a budget of 0 is refused on the V1 runner. Faked CUDA, rewrite only."""
     from vllm.platforms import current_platform
 
     from ubtree_vllm.vllm.config import default_budget_schedule
@@ -146,6 +146,11 @@ def test_engine_args_default_budget_policy_is_load_adaptive_on_mrv2_only(tiny_ta
     assert rewritten("v1") == (None, False)
     assert rewritten("mrv2", num_speculative_tokens_per_batch_size=[[1, 2, 8], [3, 64, 4]]) == \
         ([[1, 2, 8], [3, 64, 4]], False)
+    # a budget of 0 (plain decoding steps at that load, the draft skipped): Model Runner V2 only
+    assert rewritten("mrv2", num_speculative_tokens_per_batch_size=[[1, 2, 8], [3, 64, 0]]) == \
+        ([[1, 2, 8], [3, 64, 0]], False)
+    with pytest.raises(ValueError, match=r"a budget of 0 .* is served on Model Runner V2 only"):
+        rewritten("v1", num_speculative_tokens_per_batch_size=[[1, 2, 8], [3, 64, 0]])
 
 
 def test_engine_args_default_runner_on_cuda_is_mrv2_where_it_applies(tiny_target, tiny_drafter, monkeypatch,

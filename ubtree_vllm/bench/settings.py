@@ -175,8 +175,9 @@ def parse_budget_schedule(text: str | None) -> tuple[tuple[int, int, int], ...] 
         except ValueError:
             raise BenchArgumentError(f"--budget-schedule must be comma-separated FIRST-LAST:BUDGET entries "
                                      f"(e.g. 1-4:64,5-32:16), got {item!r}") from None
-        if not 1 <= entry[0] <= entry[1] or entry[2] < 1:
-            raise BenchArgumentError(f"--budget-schedule: entry {item!r} needs 1 <= FIRST <= LAST and BUDGET >= 1")
+        if not 1 <= entry[0] <= entry[1] or entry[2] < 0:
+            raise BenchArgumentError(f"--budget-schedule: entry {item!r} needs 1 <= FIRST <= LAST and BUDGET >= 0 "
+                                     "(0: plain decoding steps at that load, Model Runner V2 only)")
         entries.append(entry)
     return tuple(entries)
 

@@ -359,7 +359,9 @@ def check_hybrid_engine(target: TargetInfo, on_cpu: bool, tensor_parallel_size: 
 
 def _budget_schedule(value: Any, budget: int) -> tuple[tuple[int, int, int], ...] | None:
     """``num_speculative_tokens_per_batch_size``: a list of [first batch size, last batch size, B'] with
-    1 <= B' <= B (vLLM's dynamic speculative decoding format; vLLM checks the ranges themselves)."""
+    0 <= B' <= B (vLLM's dynamic speculative decoding format; vLLM checks the ranges themselves). B' = 0 makes that
+    load's steps plain decoding steps; it is served on Model Runner V2 only, which skips the draft there
+    (mrv2/speculator.py), and the engine arguments refuse it on the V1 runner."""
     if value is None:
         return None
     field = "speculative_config.num_speculative_tokens_per_batch_size"
@@ -375,10 +377,10 @@ def _budget_schedule(value: Any, budget: int) -> tuple[tuple[int, int, int], ...
         first, last, entry_budget = entry
         if not 1 <= first <= last:
             raise ValueError(f"{field}: entry {list(entry)} needs 1 <= first batch size <= last batch size")
-        if not 1 <= entry_budget <= budget:
+        if not 0 <= entry_budget <= budget:
             raise ValueError(f"{field}: entry {list(entry)} has budget {entry_budget}; each budget must be in "
-                             f"[1, num_speculative_tokens = {budget}] (a step verifies the first nodes of the "
-                             f"B-node tree)")
+                             f"[0, num_speculative_tokens = {budget}] (a step verifies the first nodes of the "
+                             f"B-node tree; 0: plain decoding steps at that load)")
         entries.append((first, last, entry_budget))
     return tuple(entries)
 

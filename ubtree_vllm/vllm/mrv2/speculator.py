@@ -49,6 +49,13 @@ request's slot: the draft's FULL CUDA graph writes ``topology`` itself, no launc
 
 Everything inside :meth:`UBTreeSpeculator._generate_draft` is fixed-shape device work (it is
 captured in the draft's FULL CUDA graph); :meth:`propose` adds only fixed-shape launches.
+
+A budget of 0 (a load-adaptive schedule's range ``[first, last, 0]``: at that load the scheduler verifies no drafts,
+plain decoding's steps): MRV2 still calls :meth:`propose` with ``num_speculative_tokens = 0`` and blanks every draft
+column afterwards, so the block forward and the tree search would be thrown away. :meth:`propose` then only stores
+the drafter's context K/V of the step's target rows (DFlash's ``_precompute_context_kv``, eagerly: the FULL draft
+graph writes it together with the block), so drafting resumes on a complete context when the load falls. Nothing
+else changes: the topology of a step with drafts is always written by the propose before it.
 """
 from __future__ import annotations
 
@@ -240,6 +247,7 @@ class UBTreeSpeculator(DFlashSpeculator):
         # [num_tokens] int64, set by the runner after verification, consumed by the next propose (module docstring)
         self.pending_perm: torch.Tensor | None = None
         self.req_states: Any | None = None  # MRV2's RequestState, handed over by the runner (prompt_lookup)
+        self._context_only = False  # inside a propose at budget 0 (module docstring)
 
     @staticmethod
     def _check_settings(vllm_config: Any, settings: UBTreeVllmConfig) -> None:
@@ -341,6 +349,8 @@ class UBTreeSpeculator(DFlashSpeculator):
         hidden = last_hidden_states[self.sample_indices[:num_reqs * gamma]].view(num_reqs, gamma, -1)
         # Query row r * (1 + gamma) is request r's anchor: the bonus (or next prefill) token.
         anchor = self.input_buffers.input_ids[:num_reqs * step:step]  # [R] int32
+        if self._context_only:  # budget 0: the context K/V is stored, no draft (module docstring)
+            return
         assert self.ubtree_drafter is not None, "load_model() must run before drafting"
         chain = None
         slots = self._draft_slots[:num_reqs]  # [R] int64, scratch_slot past the step's requests
@@ -399,12 +409,19 @@ class UBTreeSpeculator(DFlashSpeculator):
                 aux_hidden_states, last_hidden_states = permute_target_rows(
                     input_batch.num_tokens, aux_hidden_states, last_hidden_states, perm,
                     combine=self.model.combine_hidden_states)
+        # budget 0: DFlash's eager path (is_profile forces it) stores every target row's context K/V, and
+        # _generate_draft returns before the block forward (module docstring)
+        context_only = num_speculative_tokens == 0 and not dummy_run
         with clock.stage("draft"):
-            return super().propose(
-                input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled,
-                num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, dp_sync_state=dp_sync_state,
-                dummy_run=dummy_run, skip_attn_for_dummy_run=skip_attn_for_dummy_run, mm_inputs=mm_inputs,
-                is_profile=is_profile, num_speculative_tokens=num_speculative_tokens)
+            self._context_only = context_only
+            try:
+                return super().propose(
+                    input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled,
+                    num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, dp_sync_state=dp_sync_state,
+                    dummy_run=dummy_run, skip_attn_for_dummy_run=skip_attn_for_dummy_run, mm_inputs=mm_inputs,
+                    is_profile=is_profile or context_only, num_speculative_tokens=num_speculative_tokens)
+            finally:
+                self._context_only = False
 
     def _set_draft_slots(self, input_batch: Any, dummy_run: bool) -> None:
         """``_draft_slots[:R] = idx_mapping[:R]``, scratch_slot after (none for a dummy run); one launch at a steady
