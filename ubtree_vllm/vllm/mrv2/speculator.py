@@ -342,6 +342,8 @@ class UBTreeSpeculator(DFlashSpeculator):
         ``num_reqs`` may include CUDA-graph padding (their rows read query row 0 and stale
         anchors); :meth:`propose` points those rows' ``_draft_slots`` at the scratch slot.
         """
+        if self._context_only:  # budget 0: the context K/V is stored, no block forward (module docstring)
+            return
         last_hidden_states = self._run_model(num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp,
                                              cudagraph_runtime_mode)  # [T_pad, H]
         gamma, step = self.gamma, self.num_query_per_req
@@ -349,8 +351,6 @@ class UBTreeSpeculator(DFlashSpeculator):
         hidden = last_hidden_states[self.sample_indices[:num_reqs * gamma]].view(num_reqs, gamma, -1)
         # Query row r * (1 + gamma) is request r's anchor: the bonus (or next prefill) token.
         anchor = self.input_buffers.input_ids[:num_reqs * step:step]  # [R] int32
-        if self._context_only:  # budget 0: the context K/V is stored, no draft (module docstring)
-            return
         assert self.ubtree_drafter is not None, "load_model() must run before drafting"
         chain = None
         slots = self._draft_slots[:num_reqs]  # [R] int64, scratch_slot past the step's requests
