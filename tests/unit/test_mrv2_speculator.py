@@ -329,6 +329,39 @@ def test_propose_permutes_the_rows_and_drafts_into_the_batch_slots(monkeypatch):
     assert spec.topology.parents[0].tolist() == [-1] + [-2] * B
 
 
+def test_propose_at_budget_zero_stores_the_context_and_drafts_nothing(monkeypatch):
+    """num_speculative_tokens 0 (a zero range of the load-adaptive schedule): DFlash's propose runs eagerly
+    (is_profile), which stores the context K/V, and _generate_draft returns before the block forward, so no tree is
+    drafted and no topology written; the next propose at a budget drafts again."""
+    drafter = make_drafter()
+    last_hidden = torch.randn(3 * (GAMMA + 1), HIDDEN)
+    spec = stub_speculator(drafter, last_hidden)
+    fill_like_prepare_kernel(spec, torch.tensor([1, 2, 3]))
+    runs = []
+    spec._run_model = lambda *args, **kwargs: runs.append(1) or last_hidden
+    batch = SimpleNamespace(num_reqs=3, num_tokens=3, idx_mapping=torch.tensor([4, 0, 2], dtype=torch.int32))
+    seen = []
+
+    def dflash_propose(self, input_batch, *args, is_profile=False, num_speculative_tokens=None, **kwargs):
+        seen.append((is_profile, self._context_only))
+        self._generate_draft(input_batch.num_reqs, last_hidden.shape[0], None, None, None)
+        return self.draft_tokens[:input_batch.num_reqs]
+
+    monkeypatch.setattr(DFlashSpeculator, "propose", dflash_propose)
+    zeros = torch.zeros(3, dtype=torch.int32)
+
+    def propose(budget: int):
+        return spec.propose(batch, {}, {}, torch.zeros(3, HIDDEN), None, zeros, zeros, zeros, zeros, zeros, zeros,
+                            num_speculative_tokens=budget)
+
+    propose(0)
+    assert seen == [(True, True)] and not runs and not spec._context_only
+    assert spec.topology.parents[:MAX_REQS, 1:].eq(-2).all()
+    propose(B)
+    assert seen[-1] == (False, False) and runs == [1]
+    assert all(spec.topology.parents[slot, 1:].ne(-2).any() for slot in (4, 0, 2))
+
+
 @pytest.mark.gpu
 def test_tree_rows_capture_in_a_cuda_graph():
     drafter = make_drafter("cuda")

@@ -225,6 +225,7 @@ class UBTreeSpeculator(DFlashSpeculator):
 
     _speculator_name = "UBTree"
     stage_clock: StageClock = _UNTIMED  # the runner hands over its own (timed in stage-timing mode)
+    _context_only = False  # True inside a propose at budget 0 (module docstring)
 
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
         settings = ubtree_settings(vllm_config)
@@ -247,7 +248,6 @@ class UBTreeSpeculator(DFlashSpeculator):
         # [num_tokens] int64, set by the runner after verification, consumed by the next propose (module docstring)
         self.pending_perm: torch.Tensor | None = None
         self.req_states: Any | None = None  # MRV2's RequestState, handed over by the runner (prompt_lookup)
-        self._context_only = False  # inside a propose at budget 0 (module docstring)
 
     @staticmethod
     def _check_settings(vllm_config: Any, settings: UBTreeVllmConfig) -> None:
