@@ -112,6 +112,9 @@ export UBTREE_CACHE_DIR=/tmp/ubcache
 export PYTHONPATH="/tmp/ub-site:/tmp/gguf-site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONSAFEPATH=1
 ubtree() { python3 -m ubtree_vllm.cli "$@"; }
+# a background job's $! is the Python process itself (the subshell execs it), so killing $! stops it: a function
+# run with & leaves its command running when the subshell is killed (found in a dry run of the slice, 2026-12-05)
+ubtree_exec() { exec python3 -m ubtree_vllm.cli "$@"; }
 CONFIG=examples/train_drafter_gpu.yaml
 DRAFTER=checkpoints/smollm2-135m-instruct-ubtree
 RECORDS=${RECORDS:-docs/benchmarks/records.jsonl}
@@ -185,7 +188,7 @@ for phase in "$@"; do
           if [ "$w" -gt 0 ] && [ -n "$gen_end" ] && [ $(( gen_end - $(date +%s) )) -lt 150 ]; then
             echo "slice: starting $w of $workers workers (the rest would not be up before the generation's end)"; break
           fi
-          ubtree gen-data --config "$CONFIG" --data-root .gpudata --set seed="$seed" \
+          ubtree_exec gen-data --config "$CONFIG" --data-root .gpudata --set seed="$seed" \
             --set gpu_memory_utilization="$share" --set worker="$w" --set num_workers="$workers" \
             --set out_dir=runs/smollm2/slice-data-$seed --max-minutes "$GEN_MINUTES" > runs/gen-data-$w.log 2>&1 &
           last_gen=$!; gen_pids+=("$last_gen")
@@ -201,7 +204,7 @@ for phase in "$@"; do
         cat runs/gen-data-*.log > runs/gen-data.log
         gen=""
       else  # beside the trainer, which trains on the shards as they land
-        ubtree gen-data --config "$CONFIG" --data-root .gpudata --set seed="$seed" \
+        ubtree_exec gen-data --config "$CONFIG" --data-root .gpudata --set seed="$seed" \
           --set out_dir=runs/smollm2/slice-data-$seed > runs/gen-data.log 2>&1 &
         gen=$!
       fi
