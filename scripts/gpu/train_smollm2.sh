@@ -60,7 +60,7 @@
 #            chunks, the engines in turn (bench/interleave.py: machine drift falls on every method alike); their
 #            memory shares add up, so set GPU_MEM (default 0.25 per engine) to about 0.85 / engines.
 #            KV_BYTES=N (bench, sweep, options) fixes each engine's KV cache (--kv-cache-memory-bytes, e.g. 6442450944):
-#            vLLM then skips memory profiling and the interleaved engines start side by side (six started one after
+#            vLLM then skips memory profiling and the interleaved engines start side by side (four started one after
 #            the other took the whole 560 s call on 2026-12-05); pass a small GPU_MEM too (0.1: vLLM's start-up
 #            check wants that share free)
 #   hybridbench  `ubtree bench random-hybrid` (HYBRID_FAMILY: qwen3-next or nemotron-h), then `bench e2e` of it under

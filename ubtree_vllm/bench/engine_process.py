@@ -34,7 +34,7 @@ def starts_side_by_side(engine_kwargs: dict[str, Any]) -> bool:
     """Whether engines with these vLLM arguments may start at once: with a fixed ``kv_cache_memory_bytes``
     vLLM 0.32's worker sizes the KV cache without memory profiling (gpu_worker.determine_available_memory), so
     another process allocating meanwhile cannot break its start; its start-up check then only needs
-    ``gpu_memory_utilization`` x device memory free (a small share: pass one). On the H200 (2026-12-05) six engines
+    ``gpu_memory_utilization`` x device memory free (a small share: pass one). On the H200 (2026-12-05) four engines
     started one after the other took over 9 minutes, the whole device call."""
     return engine_kwargs.get("kv_cache_memory_bytes") is not None
 
