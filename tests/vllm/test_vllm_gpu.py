@@ -79,19 +79,25 @@ def assert_greedy_equal_up_to_near_ties(spec: list[list[int]], plain_outputs, ca
     the reference's. The mode must be the logits greedy decoding compared: raw without logits processors,
     ``processed_logits`` where a request's options (bias, penalties, masks) move them."""
     where = f"{case}: " if case else ""
+    failures = []  # every prompt is judged before failing, so one run shows how the divergences are spread
     for i, (got, out) in enumerate(zip(spec, plain_outputs)):
         expected = list(out.outputs[0].token_ids)
         if got == expected:
             continue
         pos = next(j for j, (a, b) in enumerate(zip(got, expected)) if a != b)
         ranked = out.outputs[0].logprobs[pos]  # {token: Logprob} top-2 logits of the engine without speculation
-        assert got[pos] in ranked, (f"{where}prompt {i} diverges at {pos}: UBTree token {got[pos]} not in the "
-                                    f"reference top-2 {ranked} (tokens so far {expected[:pos]})")
+        if got[pos] not in ranked:
+            failures.append(f"prompt {i} diverges at {pos}: UBTree token {got[pos]} not in the reference top-2 "
+                            f"{ranked} (tokens so far {expected[:pos]})")
+            continue
         first, second = ranked[expected[pos]].logprob, ranked[got[pos]].logprob
         ulps = (first - second) / bf16_ulp(max(abs(first), abs(second)))
-        assert ulps <= NEAR_TIE_ULPS, (f"{where}prompt {i} diverges at {pos}: reference logits {first} vs {second} "
-                                       f"differ by {ulps:g} bf16 ulps (not a near-tie)")
+        if ulps > NEAR_TIE_ULPS:
+            failures.append(f"prompt {i} diverges at {pos}: reference logits {first} vs {second} differ by {ulps:g} "
+                            f"bf16 ulps (not a near-tie)")
+            continue
         print(f"near-tie: {where}prompt {i} diverges at {pos} ({first} vs {second}, {ulps:g} ulps)")
+    assert not failures, f"{where}{len(failures)} of {len(spec)} prompts: " + "; ".join(failures)
 
 
 def run_pair(target, drafter, num_prompts=8, inspect_ubtree_engine=None, tree=None, exact=False, **engine_kwargs):
@@ -236,8 +242,10 @@ def test_hybrid_copying_oracle_commits_long_paths(tiny_hybrid):
     calls = oracle.calls
     del ubtree, oracle
     gc.collect()
-    assert calls > 0 and 1 + accepted / max(1, drafts) > 2.0, (calls, drafts, accepted)
+    # equality first: a divergence also starves the oracle (it copies plain decoding's continuation), so its report
+    # says more than the tau's
     assert_greedy_equal_up_to_near_ties(spec, reference, "copying oracle")
+    assert calls > 0 and 1 + accepted / max(1, drafts) > 2.0, (calls, drafts, accepted)
 
 
 # Falcon-H1 runs NemotronH's Mamba2 tree form, and at vocabulary 8 its untrained drafter's trees were accepted too
