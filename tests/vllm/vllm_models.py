@@ -105,7 +105,8 @@ def save_tiny_deepseek_v2(path: Path, *, vocab_size: int = 512, seed: int = 0, n
                           v_dim: int = 32) -> Path:
     """A random fp32 DeepSeek-V2 (multi-head latent attention): hidden 128, 3 layers (dense MLPs but the last, a
     4-expert MoE), 2 heads, no q LoRA, kv_lora_rank 512 + RoPE 64 (the CPU MLA kernel's only latent width),
-    nope / v head dims 32."""
+    nope / v head dims ``nope_dim`` / ``v_dim`` (32; the H200 tests pass 128, the only ones vLLM's MLA prefill
+    takes there)."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     torch.manual_seed(seed)

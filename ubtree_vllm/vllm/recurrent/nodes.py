@@ -16,9 +16,9 @@ that device (CPU, or CUDA for ``gdn_cuda``) and never reads a device tensor back
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -65,8 +65,12 @@ class TreeIndex:
     window_rows: torch.Tensor
     # per depth, shallowest first: (rows, seq, node, parent) [n] int64 of that depth's tokens
     depths: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], ...]
-    # every root -> leaf path of every tree below its root, as sequences (:func:`chain_paths`)
-    paths: "TreePaths"
+
+    @functools.cached_property
+    def paths(self) -> "TreePaths":
+        """Every root -> leaf path of every tree below its root, as sequences (:func:`chain_paths`); built on first
+        use (only the KDA form's chain launch reads it), once per step: the index is shared by the step's layers."""
+        return chain_paths(self.tokens, self.seq.device)
 
 
 @dataclass(frozen=True)
@@ -105,22 +109,24 @@ def tree_index(plan: TreeStepPlan, req: np.ndarray, seq_lens: np.ndarray, layer_
         rows[:, hist - m] = np.where(m <= depth, num_seqs * hist + ancestor, seq * hist + hist - (m - depth))
         ancestor = np.where(ancestor >= 0, parent_token[np.maximum(ancestor, 0)], -1)
 
-    def on_device(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
-
+    on_device = functools.partial(_on_device, device=device)
     depths = []
     for d in range(int(depth.max()) + 1):
         at = np.nonzero(depth == d)[0]  # [n]
         depths.append((on_device(at), on_device(seq[at]), on_device(tokens.node[at]), on_device(parent[at])))
     index = TreeIndex(tokens=tokens, width=width, seq=on_device(seq), node=on_device(tokens.node),
-                      window_rows=on_device(np.concatenate([rows[:1], rows])), depths=tuple(depths),
-                      paths=chain_paths(tokens, on_device))
+                      window_rows=on_device(np.concatenate([rows[:1], rows])), depths=tuple(depths))
     cache[key] = (plan, index)
     return index
 
 
-def chain_paths(tokens: TreeTokens, on_device: Any) -> TreePaths:
-    """The :class:`TreePaths` of ``tokens`` (host numpy; ``on_device`` makes the index tensors)."""
+def _on_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host bookkeeping as an int64 index tensor on ``device``."""
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+
+
+def chain_paths(tokens: TreeTokens, device: torch.device) -> TreePaths:
+    """The :class:`TreePaths` of ``tokens`` (host numpy), as index tensors on ``device``."""
     has_child = np.zeros(len(tokens.seq), dtype=bool)
     below_root = tokens.parent >= 0
     has_child[(tokens.start[tokens.seq] + tokens.parent)[below_root]] = True
@@ -143,6 +149,7 @@ def chain_paths(tokens: TreeTokens, on_device: Any) -> TreePaths:
     rows = np.asarray(path_rows, dtype=np.int64)
     below, below_at = np.unique(rows, return_index=True)  # every token below a root lies on a path
     cu_seqlens = np.concatenate([[0], np.cumsum(lens)])
+    on_device = functools.partial(_on_device, device=device)
     return TreePaths(rows=on_device(rows), cu_seqlens=on_device(cu_seqlens).to(torch.int32),
                      seq=on_device(np.asarray(path_seq, dtype=np.int64)), nodes=on_device(nodes),
                      below=on_device(below), below_at=on_device(below_at))
