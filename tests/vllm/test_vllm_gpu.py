@@ -31,7 +31,8 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from vllm_engines import TINY_TREE, spec_counts
-from vllm_models import (save_tiny_deepseek_v2, save_tiny_falcon_h1, save_tiny_ling, save_tiny_llama,
+from vllm_models import (SCALED_DUMMY_FORMAT, assert_continuations_depend_on_context, register_scaled_dummy_loader,
+                         save_tiny_deepseek_v2, save_tiny_falcon_h1, save_tiny_ling, save_tiny_llama,
                          save_tiny_nemotron_h, save_tiny_qwen3_next, save_untrained_drafter)
 from vllm_oracle import ReferenceOracle, engine_runner, install_oracle
 from ubtree_vllm.config import SamplingConfig
@@ -118,6 +119,7 @@ def run_pair(target, drafter, num_prompts=8, inspect_ubtree_engine=None, tree=No
     plain_s = time.perf_counter() - start
     del plain
     gc.collect()  # the engine core process exits and frees its GPU memory before the next engine
+    assert_continuations_depend_on_context([list(o.outputs[0].token_ids) for o in reference], str(target))
     ubtree = engine(target, {"method": "ubtree", "model": str(drafter), **(TREE if tree is None else tree)},
                     **engine_kwargs)
     spec = [list(o.outputs[0].token_ids) for o in ubtree.generate(prompts, params, use_tqdm=False)]
@@ -179,25 +181,30 @@ def test_float32_greedy_is_token_identical_smollm2(runner, default_target_dir, t
 # Hybrid and MLA targets on CUDA (issue 17), opt-in with UBTREE_CUDA_HYBRIDS=1 (the V1 runner, PIECEWISE graphs):
 # Qwen3-Next (Gated DeltaNet, ubtree_vllm/vllm/recurrent/gdn_cuda.py), NemotronH and Falcon-H1 (Mamba2,
 # ubtree_vllm/vllm/recurrent/mamba2.py), DeepSeek-V2 (multi-head latent attention on FLASH_ATTN_MLA,
-# ubtree_vllm/vllm/attention/flash_mla.py; loaded in bf16) and Ling-3.0 (Kimi Delta Attention,
-# ubtree_vllm/vllm/recurrent/kda_cuda.py, and MLA; vLLM's seeded dummy weights)
+# ubtree_vllm/vllm/attention/flash_mla.py; loaded in bf16; also with dense MLPs only, to tell MoE routing flips
+# from the MLA tree path) and Ling-3.0 (Kimi Delta Attention, ubtree_vllm/vllm/recurrent/kda_cuda.py, and MLA;
+# weights drawn by vLLM, scaled so its layers shape the output: SCALED_DUMMY_FORMAT)
 HYBRIDS = {"qwen3_next": save_tiny_qwen3_next, "nemotron_h": save_tiny_nemotron_h, "falcon_h1": save_tiny_falcon_h1,
            # vLLM's MLA prefill on the H200 takes DeepSeek's nope / v head dims (128) only
            "deepseek_v2": lambda path, **kw: save_tiny_deepseek_v2(path, nope_dim=128, v_dim=128, **kw),
+           "deepseek_v2_dense": lambda path, **kw: save_tiny_deepseek_v2(path, nope_dim=128, v_dim=128, moe=False,
+                                                                         **kw),
            "ling": save_tiny_ling}
-# engine settings of a family beyond HYBRID_ENGINE: a config-only target loads vLLM's dummy weights; vLLM's default
-# GDN prefill on the H200 (FlashInfer's) needs the CuTe DSL, which the device image cannot import ("No module named
-# 'cutlass'", 2026-12-05), so Qwen3-Next prefills with vLLM's Triton kernels, in both engines alike
-HYBRID_LOAD = {"ling": dict(load_format="dummy", attention_backend="FLASH_ATTN_MLA"),
+# engine settings of a family beyond HYBRID_ENGINE: a config-only target loads weights vLLM draws (seeded: both
+# engines of a test get the same); vLLM's default GDN prefill on the H200 (FlashInfer's) needs the CuTe DSL, which
+# the device image cannot import ("No module named 'cutlass'", 2026-12-05), so Qwen3-Next prefills with vLLM's
+# Triton kernels, in both engines alike. The first Ling run (H100, 2026-12-05) loaded vLLM's plain "dummy" weights,
+# under which the greedy output is a function of the last token (vllm_models.SCALED_DUMMY_FORMAT says why): it
+# passed, and said little of KDA or MLA
+HYBRID_LOAD = {"ling": dict(load_format=SCALED_DUMMY_FORMAT, attention_backend="FLASH_ATTN_MLA"),
                "deepseek_v2": dict(attention_backend="FLASH_ATTN_MLA"),  # the reference's too: the UBTree engine's
+               "deepseek_v2_dense": dict(attention_backend="FLASH_ATTN_MLA"),
                "qwen3_next": dict(additional_config={"gdn_prefill_backend": "triton"})}
 # their engines: no prefix caching (UBTree refuses it for recurrent states), the tiny models' 1024 positions, and
 # the reference engine runs as the UBTree engine is made to (the V1 runner, PIECEWISE graphs; fixture below): with
 # vLLM's defaults it would run FULL graphs (and Model Runner V2 for DeepSeek-V2), whose attention splits the context
-# differently (FLASH_ATTN_MLA's decode takes a fixed split count under FULL graphs, FlashAttention's heuristic
-# otherwise), so greedy decoding of a random tiny model may drift from the UBTree engine's before any tree row does
-# (the suspected cause, unconfirmed, of the DeepSeek-V2 test's divergence by 5 bf16 ulps against vLLM's defaults on
-# the H200 on 2026-12-05, where its copying oracle's tau fell to 1.4)
+# differently. The DeepSeek-V2 divergence by 5 bf16 ulps (prompt 0, token 45) was the same under both references
+# (H200 and H100, 2026-12-05), so that was not its cause
 HYBRID_ENGINE = dict(enable_prefix_caching=False, max_model_len=1024, compilation_config={"cudagraph_mode": "PIECEWISE"})
 
 
@@ -207,6 +214,7 @@ def tiny_hybrid(request, tmp_path, monkeypatch):
     under UBTREE_CUDA_HYBRIDS=1."""
     monkeypatch.setenv("UBTREE_CUDA_HYBRIDS", "1")
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # the reference engine's runner: the UBTree engine's
+    register_scaled_dummy_loader()
     target = HYBRIDS[request.param](tmp_path / request.param)
     drafter = save_untrained_drafter(target, tmp_path / f"{request.param}-drafter")
     return target, drafter, {**HYBRID_ENGINE, **HYBRID_LOAD.get(request.param, {})}
@@ -232,6 +240,7 @@ def test_hybrid_copying_oracle_commits_long_paths(tiny_hybrid):
                                                        detokenize=False, logprobs=2), use_tqdm=False)
     del plain
     gc.collect()
+    assert_continuations_depend_on_context([list(o.outputs[0].token_ids) for o in reference], str(target))
     ubtree = engine(target, {"method": "ubtree", "model": str(drafter), **TINY_TREE}, **settings)
     oracle = ReferenceOracle(prompt_ids, [list(o.outputs[0].token_ids) for o in reference],
                              engine_runner(ubtree).drafter.config.tree, vocab_size=vocab)

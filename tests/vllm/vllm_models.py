@@ -6,6 +6,8 @@
 * :func:`save_tiny_falcon_h1`    -- random tiny fp32 Falcon-H1 (attention + Mamba2 in parallel).
 * :func:`save_tiny_deepseek_v2`  -- random tiny fp32 DeepSeek-V2 (multi-head latent attention + MoE).
 * :func:`save_tiny_deepseek_v3`  -- random tiny fp32 DeepSeek-V3 (multi-head latent attention, q LoRA).
+* :func:`save_tiny_ling`         -- a tiny Ling-3.0 config (Kimi Delta Attention + MLA + MoE), weights drawn by vLLM:
+  load it with ``load_format=SCALED_DUMMY_FORMAT`` (:func:`register_scaled_dummy_loader`).
 * :func:`save_untrained_drafter` -- a UBTree drafter folder with random weights for a target.
 * :func:`save_copy_pair`         -- a hand-built target whose greedy continuation of token t
   is perm(t), perm(perm(t)), ... and a drafter whose *weights* make it propose exactly
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
@@ -102,18 +105,19 @@ def save_tiny_nemotron_h(path: Path, *, vocab_size: int = 512, seed: int = 0) ->
 
 @torch.no_grad()
 def save_tiny_deepseek_v2(path: Path, *, vocab_size: int = 512, seed: int = 0, nope_dim: int = 32,
-                          v_dim: int = 32) -> Path:
+                          v_dim: int = 32, moe: bool = True) -> Path:
     """A random fp32 DeepSeek-V2 (multi-head latent attention): hidden 128, 3 layers (dense MLPs but the last, a
-    4-expert MoE), 2 heads, no q LoRA, kv_lora_rank 512 + RoPE 64 (the CPU MLA kernel's only latent width),
-    nope / v head dims ``nope_dim`` / ``v_dim`` (32; the H200 tests pass 128, the only ones vLLM's MLA prefill
-    takes there)."""
+    4-expert MoE; all dense when not ``moe``), 2 heads, no q LoRA, kv_lora_rank 512 + RoPE 64 (the CPU MLA kernel's
+    only latent width), nope / v head dims ``nope_dim`` / ``v_dim`` (32; the H200 tests pass 128, the only ones
+    vLLM's MLA prefill takes there)."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     torch.manual_seed(seed)
     cfg = DeepseekV2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
                            num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None,
                            kv_lora_rank=512, qk_nope_head_dim=nope_dim, qk_rope_head_dim=64, v_head_dim=v_dim,
-                           first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                           first_k_dense_replace=2 if moe else 3, n_routed_experts=4, num_experts_per_tok=2,
+                           n_shared_experts=1, n_group=1, topk_group=1,
                            max_position_embeddings=1024, tie_word_embeddings=False, initializer_range=0.1,
                            rope_scaling=None)
     DeepseekV2ForCausalLM(cfg).float().save_pretrained(path)
@@ -153,8 +157,8 @@ def save_tiny_falcon_h1(path: Path, *, vocab_size: int = 512, seed: int = 0) -> 
 
 def save_tiny_ling(path: Path, *, vocab_size: int = 512) -> Path:
     """A tiny Ling-3.0 (``BailingMoeV3ForCausalLM``: Kimi Delta Attention and MLA layers alternating, MoE), config only:
-    vLLM has no HF modeling class to write a checkpoint from, so its engines load it with ``load_format="dummy"``
-    (vLLM's seeded random weights: every engine of a test gets the same). Hidden 128, 4 layers (KDA / MLA twice),
+    vLLM has no HF modeling class to write a checkpoint from, so its engines draw the weights themselves with
+    ``load_format=SCALED_DUMMY_FORMAT`` (seeded: every engine of a test gets the same). Hidden 128, 4 layers (KDA / MLA twice),
     2 heads of 64 (KDA), MLA kv_lora_rank 512 + RoPE 64 (FlashAttention MLA's latent width) and nope / v head dims
     128 (the only ones vLLM's MLA prefill takes on the H200), 4 experts (top 2).
     Registers its config class (model type ``bailing_hybrid``) with transformers' AutoConfig in this process."""
@@ -170,6 +174,66 @@ def save_tiny_ling(path: Path, *, vocab_size: int = 512) -> Path:
         kda_safe_gate=True, kda_lower_bound=-5.0, short_conv_kernel_size=4, pad_token_id=0,
         eos_token_id=1).save_pretrained(path)
     return Path(path)
+
+
+# vLLM's "dummy" load format draws every weight, norm gains included, from U(-1e-3, 1e-3): each layer then adds
+# ~1e-6 of the residual stream, so the logits are a function of the last token alone (a bigram map), and a test on
+# such a model says nothing about the layers it means to check. This format draws weights a model computes with.
+SCALED_DUMMY_FORMAT = "ubtree_test_scaled_dummy"
+
+
+@torch.no_grad()
+def scale_dummy_weights(model: torch.nn.Module, seed: int = 1234) -> None:
+    """In place, seeded by each parameter's name (so every engine of a process draws the same): matrices (and
+    stacked expert or conv weights) N(0, 1/fan_in) over their last dimension, norm gains 1, biases 0; other
+    vectors (decay logs, dt biases) keep vLLM's dummy values."""
+    for name, param in model.named_parameters():
+        if not torch.is_floating_point(param):
+            continue
+        if param.dim() >= 2:
+            generator = torch.Generator(device=param.device)
+            generator.manual_seed(seed + zlib.crc32(name.encode()))
+            param.normal_(0.0, param.shape[-1] ** -0.5, generator=generator)
+        elif "norm" in name:
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+
+
+def register_scaled_dummy_loader() -> None:
+    """vLLM's dummy loader followed by :func:`scale_dummy_weights`, as load format :data:`SCALED_DUMMY_FORMAT`
+    (registered in this process: the engines must run in it, as the GPU tests' do)."""
+    global _scaled_dummy_registered
+    if _scaled_dummy_registered:
+        return
+    from vllm.model_executor.model_loader import register_model_loader
+    from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
+
+    class ScaledDummyLoader(DummyModelLoader):
+        def load_weights(self, model, model_config) -> None:
+            super().load_weights(model, model_config)
+            scale_dummy_weights(model)
+
+    register_model_loader(SCALED_DUMMY_FORMAT)(ScaledDummyLoader)
+    _scaled_dummy_registered = True
+
+
+_scaled_dummy_registered = False
+
+
+def assert_continuations_depend_on_context(continuations: list[list[int]], model: str, least: int = 2) -> None:
+    """Some token is followed by different tokens in ``continuations`` (greedy outputs), ``least`` tokens at least:
+    a model whose greedy next token is a function of the last token alone (vLLM's "dummy" weights) would let a
+    tree test pass whatever its layers computed."""
+    successors: dict[int, set[int]] = {}
+    for tokens in continuations:
+        for token, following in zip(tokens, tokens[1:]):
+            successors.setdefault(token, set()).add(following)
+    branching = sum(len(s) > 1 for s in successors.values())
+    assert branching >= least, (
+        f"{model}: greedy decoding follows each token by one fixed token ({branching} of {len(successors)} tokens "
+        f"have several successors, {least} wanted), so its layers barely shape the output; give it weights that "
+        "compute something (SCALED_DUMMY_FORMAT for a config-only model)")
 
 
 def register_ling_config() -> None:
