@@ -363,6 +363,8 @@ def test_drafter_goals_prefer_the_shipped_training_and_say_what_was_not_measured
         {**base, **shipped, "method": "ubtree-mrv2-lookup", "hardware": "CPU (2 cores)", "tau": 9.0},
         {**base, **shipped, "method": "ubtree-mrv2-lookup", "tree_attention": "flash_merge", "tau": 9.0},
     ]
+    records.append({**base, **shipped, "method": "ubtree-mrv2-lookup", "tau": 3.5, "num_prompts": 16,
+                    "command": "smaller run"})  # newer, but fewer prompts than the goals' measurement
     rows = {(row[0], row[1]): row[2:] for row in drafter_goal_rows(records)}
     assert rows[("tree tau (T=0) >= 4.0", "mt_bench")] == ["4.50", True, 80, "210.0M", "c1", "2026-12-05"]
     assert rows[("single-path tau (T=0) >= 2.0", "mt_bench")][:4] == ["2.10", True, 80, "190.0M"]  # the fallback
@@ -370,3 +372,8 @@ def test_drafter_goals_prefer_the_shipped_training_and_say_what_was_not_measured
     assert rows[("speedup (T=0) >= ngram's", "mt_bench")][:2] == ["2.00x vs 1.50x", True]
     assert rows[("tree tau (T=1) >= 3.0", "mt_bench")] == ["not measured", None, None, None, None, None]
     assert rows[("tree tau (T=0) >= 4.0", "humaneval")][0] == "not measured"
+    # a smaller run stands in where no full run exists
+    records.append({**base, **shipped, "dataset": "humaneval", "method": "ubtree-mrv2-lookup", "tau": 5.0,
+                    "num_prompts": 16})
+    rows = {(row[0], row[1]): row[2:] for row in drafter_goal_rows(records)}
+    assert rows[("tree tau (T=0) >= 4.0", "humaneval")][:3] == ["5.00", True, 16]
