@@ -74,13 +74,14 @@ def bf16_ulp(x: float) -> float:
     return 2.0 ** (math.floor(math.log2(max(abs(x), 2.0 ** -126))) - 7)
 
 
-def assert_greedy_equal_up_to_near_ties(spec: list[list[int]], plain_outputs, case: str = "") -> None:
-    """``spec[i]`` equals plain decoding's tokens, or first differs where the reference's logprobs (its top-2 and
-    the emitted token, in the engine's logprobs mode) rank UBTree's token within ``NEAR_TIE_ULPS`` bf16 ulps of
-    the reference's. The mode must be the logits greedy decoding compared: raw without logits processors,
-    ``processed_logits`` where a request's options (bias, penalties, masks) move them."""
+def divergences_beyond_near_ties(spec: list[list[int]], plain_outputs, case: str = "") -> list[str]:
+    """The prompts whose ``spec[i]`` first differs from plain decoding's tokens other than at a near-tie, one line
+    each; a near-tie (the reference's logprobs -- its top-2 and the emitted token, in the engine's logprobs mode --
+    rank the speculative token within ``NEAR_TIE_ULPS`` bf16 ulps of the reference's) is printed. The mode must be
+    the logits greedy decoding compared: raw without logits processors, ``processed_logits`` where a request's
+    options (bias, penalties, masks) move them. Every prompt is judged, so one run shows how divergences spread."""
     where = f"{case}: " if case else ""
-    failures = []  # every prompt is judged before failing, so one run shows how the divergences are spread
+    failures = []
     for i, (got, out) in enumerate(zip(spec, plain_outputs)):
         expected = list(out.outputs[0].token_ids)
         if got == expected:
@@ -88,8 +89,8 @@ def assert_greedy_equal_up_to_near_ties(spec: list[list[int]], plain_outputs, ca
         pos = next(j for j, (a, b) in enumerate(zip(got, expected)) if a != b)
         ranked = out.outputs[0].logprobs[pos]  # {token: Logprob} top-2 logits of the engine without speculation
         if got[pos] not in ranked:
-            failures.append(f"prompt {i} diverges at {pos}: UBTree token {got[pos]} not in the reference top-2 "
-                            f"{ranked} (tokens so far {expected[:pos]})")
+            failures.append(f"prompt {i} diverges at {pos}: token {got[pos]} not in the reference top-2 "
+                            f"{ranked}")
             continue
         first, second = ranked[expected[pos]].logprob, ranked[got[pos]].logprob
         ulps = (first - second) / bf16_ulp(max(abs(first), abs(second)))
@@ -98,6 +99,14 @@ def assert_greedy_equal_up_to_near_ties(spec: list[list[int]], plain_outputs, ca
                             f"bf16 ulps (not a near-tie)")
             continue
         print(f"near-tie: {where}prompt {i} diverges at {pos} ({first} vs {second}, {ulps:g} ulps)")
+    return failures
+
+
+def assert_greedy_equal_up_to_near_ties(spec: list[list[int]], plain_outputs, case: str = "") -> None:
+    """``spec[i]`` equals plain decoding's tokens, or first differs at a near-tie
+    (:func:`divergences_beyond_near_ties`)."""
+    failures = divergences_beyond_near_ties(spec, plain_outputs, case)
+    where = f"{case}: " if case else ""
     assert not failures, f"{where}{len(failures)} of {len(spec)} prompts: " + "; ".join(failures)
 
 
@@ -210,14 +219,24 @@ HYBRID_ENGINE = dict(enable_prefix_caching=False, max_model_len=1024, compilatio
 
 @pytest.fixture(params=sorted(HYBRIDS))
 def tiny_hybrid(request, tmp_path, monkeypatch):
-    """(target, untrained drafter, engine settings): a random hybrid (or MLA target) of one family, served in bf16
-    under UBTREE_CUDA_HYBRIDS=1."""
+    """(family, target, untrained drafter, engine settings): a random hybrid (or MLA target) of one family, served in
+    bf16 under UBTREE_CUDA_HYBRIDS=1."""
     monkeypatch.setenv("UBTREE_CUDA_HYBRIDS", "1")
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # the reference engine's runner: the UBTree engine's
     register_scaled_dummy_loader()
     target = HYBRIDS[request.param](tmp_path / request.param)
     drafter = save_untrained_drafter(target, tmp_path / f"{request.param}-drafter")
-    return target, drafter, {**HYBRID_ENGINE, **HYBRID_LOAD.get(request.param, {})}
+    return request.param, target, drafter, {**HYBRID_ENGINE, **HYBRID_LOAD.get(request.param, {})}
+
+
+# Families judged against vLLM's own speculation instead of the 1-ulp near-tie rule. On a tiny random DeepSeek-V2 in
+# bf16 every multi-token verification (UBTree's, and vLLM's draft_model and n-gram alike) rounds its rows
+# differently from a one-token decode: on the CPU (2026-12-05, 8 prompts x 4 models) vLLM's draft_model diverged
+# beyond 1 ulp on 7 prompts of 32 and UBTree on 8, at the same positions by the same gaps (up to 8 ulps) in several,
+# and teacher-forced prefill logits differed from decode logits by a median 2 and up to 16 ulps. The standard is then
+# the project's: no more often different than vLLM's own speculative methods (issue 19: at most 2x the rate).
+MLA_BASELINE_FAMILIES = ("deepseek_v2", "deepseek_v2_dense")
+BASELINE_SPEC = {"method": "draft_model", "num_speculative_tokens": 4}  # the target drafting for itself
 
 
 def test_hybrid_greedy_equality_and_copying_oracle(tiny_hybrid):
@@ -228,8 +247,12 @@ def test_hybrid_greedy_equality_and_copying_oracle(tiny_hybrid):
        not plain decoding's);
     2. the copying oracle on the same engine: plain decoding's continuation on a second branch cut at random depths,
        so accepted paths run off their depth and every recurrent layer's commit moves state slots and conv columns
-       (an MLA target's: latent rows in its cache); equal up to near-ties again, with tau > 2."""
-    target, drafter, settings = tiny_hybrid
+       (an MLA target's: latent rows in its cache); equal up to near-ties again, with tau > 2.
+
+    For :data:`MLA_BASELINE_FAMILIES` a third engine runs vLLM's draft_model speculation (the target as its own
+    drafter, 4 tokens a step) on the same prompts, and each UBTree case may diverge beyond a near-tie on at most
+    twice as many prompts as it does."""
+    family, target, drafter, settings = tiny_hybrid
     plain = engine(target, logprobs_mode="raw_logits", **settings)
     vocab = plain.llm_engine.model_config.get_vocab_size()
     prompt_ids = prompts_for(vocab)
@@ -240,8 +263,8 @@ def test_hybrid_greedy_equality_and_copying_oracle(tiny_hybrid):
     gc.collect()
     continuations = [list(o.outputs[0].token_ids) for o in reference]
     assert_continuations_depend_on_context(continuations, str(target))
-    ubtree = engine(target, {"method": "ubtree", "model": str(drafter), **TINY_TREE}, **settings)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+    ubtree = engine(target, {"method": "ubtree", "model": str(drafter), **TINY_TREE}, **settings)
     untrained = [list(o.outputs[0].token_ids) for o in ubtree.generate(prompts, params, use_tqdm=False)]
     oracle = ReferenceOracle(prompt_ids, continuations, engine_runner(ubtree).drafter.config.tree, vocab_size=vocab)
     install_oracle(ubtree, oracle)
@@ -251,16 +274,32 @@ def test_hybrid_greedy_equality_and_copying_oracle(tiny_hybrid):
     drafts, accepted, calls = drafts - drafts_before, accepted - accepted_before, oracle.calls
     del ubtree, oracle
     gc.collect()
+    allowed, baseline_note = 0, ""
+    if family in MLA_BASELINE_FAMILIES:
+        vllm_spec = engine(target, {**BASELINE_SPEC, "model": str(target)}, **settings)
+        baseline = [list(o.outputs[0].token_ids) for o in vllm_spec.generate(prompts, params, use_tqdm=False)]
+        del vllm_spec
+        gc.collect()
+        baseline_failures = divergences_beyond_near_ties(baseline, reference, "vLLM draft_model")
+        allowed = 2 * len(baseline_failures)
+        baseline_note = f" (vLLM draft_model: {len(baseline_failures)} of {len(prompts)}, so {allowed} allowed)"
     # equality first: a divergence also starves the oracle (it copies plain decoding's continuation), so its report
     # says more than the tau's; both cases are judged before failing
-    failures = []
+    failures, beyond = [], {}
     for spec, case in ((untrained, "untrained drafter"), (copied, "copying oracle")):
-        try:
-            assert_greedy_equal_up_to_near_ties(spec, reference, case)
-        except AssertionError as error:
-            failures.append(str(error).splitlines()[0])
+        beyond[case] = divergences_beyond_near_ties(spec, reference, case)
+        if len(beyond[case]) > allowed:
+            failures.append(f"{case}: {len(beyond[case])} of {len(spec)} prompts beyond a near-tie{baseline_note}: "
+                            + "; ".join(beyond[case]))
+        elif beyond[case]:
+            print(f"{family} {case}: {len(beyond[case])} of {len(spec)} prompts beyond a near-tie{baseline_note}")
     assert not failures, "; ".join(failures)
-    assert calls > 0 and 1 + accepted / max(1, drafts) > 2.0, (calls, drafts, accepted)
+    tau = 1 + accepted / max(1, drafts)
+    assert calls > 0, calls
+    if beyond["copying oracle"]:  # a prompt off plain decoding's path leaves the oracle's copies nothing to match
+        print(f"{family} copying oracle: tau {tau:.2f} not judged (outputs left the reference)")
+    else:
+        assert tau > 2.0, (calls, drafts, accepted)
 
 
 # Falcon-H1 runs NemotronH's Mamba2 tree form, and at vocabulary 8 its untrained drafter's trees were accepted too
