@@ -70,19 +70,20 @@ def test_vllm_dummy_weights_make_a_bigram_model_and_the_scaled_ones_do_not(tmp_p
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from test_vllm_gpu import prompts_for
+    from ubtree_vllm.bench.e2e import stop_engine
     from vllm_engines import ENGINE_KWARGS
     from vllm_models import save_tiny_llama
 
     register_scaled_dummy_loader()
     target = save_tiny_llama(tmp_path / "llama")
-    prompts = [TokensPrompt(prompt_token_ids=[(7 * i + 13 * j + 1) % 512 for j in range(16 + 9 * i)])
-               for i in range(8)]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts_for(512)]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, detokenize=False)
     outputs = {}
     for load_format in ("dummy", SCALED_DUMMY_FORMAT):
         llm = LLM(model=str(target), load_format=load_format, **ENGINE_KWARGS)
         outputs[load_format] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-        del llm
+        stop_engine(llm)
     with pytest.raises(AssertionError, match="one fixed token"):
         assert_continuations_depend_on_context(outputs["dummy"], "dummy")
     assert_continuations_depend_on_context(outputs[SCALED_DUMMY_FORMAT], SCALED_DUMMY_FORMAT, least=16)
