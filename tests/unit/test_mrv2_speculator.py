@@ -330,36 +330,66 @@ def test_propose_permutes_the_rows_and_drafts_into_the_batch_slots(monkeypatch):
 
 
 def test_propose_at_budget_zero_stores_the_context_and_drafts_nothing(monkeypatch):
-    """num_speculative_tokens 0 (a zero range of the load-adaptive schedule): DFlash's propose runs eagerly
-    (is_profile), which stores the context K/V, and _generate_draft returns before the block forward, so no tree is
-    drafted and no topology written; the next propose at a budget drafts again."""
+    """num_speculative_tokens 0 (a zero range of the load-adaptive schedule): propose stores the drafter's context K/V
+    of every target row (DFlash's input preparation per draft KV group, then _precompute_context_kv) without DFlash's
+    propose, so no block forward runs and no tree or topology is written; the next propose at a budget drafts again."""
     drafter = make_drafter()
     last_hidden = torch.randn(3 * (GAMMA + 1), HIDDEN)
     spec = stub_speculator(drafter, last_hidden)
     fill_like_prepare_kernel(spec, torch.tensor([1, 2, 3]))
-    runs = []
+    runs, calls = [], []
     spec._run_model = lambda *args, **kwargs: runs.append(1) or last_hidden
+    spec.model = SimpleNamespace(combine_hidden_states=lambda x: x + 1000)  # DFlash's fc, row-wise
+    spec.hidden_states = torch.zeros(64, 3)
+    spec.draft_kv_cache_group_ids = [0, 2]
+    spec._context_slot_mappings = [torch.zeros(64, dtype=torch.int64)] * 2
+    spec.block_tables = SimpleNamespace(slot_mappings={0: "slots0", 2: "slots2"},
+                                        input_block_tables={0: "blocks0", 2: "blocks2"},
+                                        block_sizes={0: 16, 2: 16}, cp_rank=0, cp_interleave=1)
+    for name in ("context_positions", "sample_pos", "sample_idx_mapping", "temperature", "seeds", "dcp_size",
+                 "parallel_drafting_token_id", "max_model_len", "sample_from_anchor"):
+        setattr(spec, name, name)
+    spec.prepare_context_anchor = lambda input_batch, num_rejected: calls.append("anchor")
+    spec._precompute_context_kv = lambda start, end, dummy_run=False: calls.append(
+        ("context", start, end, spec.hidden_states[:end, 0].tolist()))
+    monkeypatch.setattr(spec_mod, "prepare_dflash_inputs",
+                        lambda *args: calls.append(("prepare", args[1], args[3] is spec._context_slot_mappings[0],
+                                                    args[16], args[9] is batch)))
+    dflash = []
+    monkeypatch.setattr(DFlashSpeculator, "propose", lambda self, *args, **kwargs: dflash.append(kwargs))
     batch = SimpleNamespace(num_reqs=3, num_tokens=3, idx_mapping=torch.tensor([4, 0, 2], dtype=torch.int32))
-    seen = []
-
-    def dflash_propose(self, input_batch, *args, is_profile=False, num_speculative_tokens=None, **kwargs):
-        seen.append((is_profile, self._context_only))
-        self._generate_draft(input_batch.num_reqs, last_hidden.shape[0], None, None, None)
-        return self.draft_tokens[:input_batch.num_reqs]
-
-    monkeypatch.setattr(DFlashSpeculator, "propose", dflash_propose)
     zeros = torch.zeros(3, dtype=torch.int32)
+    aux = [torch.arange(3.0)[:, None].expand(-1, 3)]
 
-    def propose(budget: int):
-        return spec.propose(batch, {}, {}, torch.zeros(3, HIDDEN), None, zeros, zeros, zeros, zeros, zeros, zeros,
-                            num_speculative_tokens=budget)
-
-    propose(0)
-    assert seen == [(True, True)] and not runs and not spec._context_only
+    drafts = spec.propose(batch, {}, {}, torch.zeros(3, HIDDEN), aux, zeros, zeros, zeros, zeros, zeros, zeros,
+                          num_speculative_tokens=0)
+    assert not dflash and not runs
+    assert calls == ["anchor", ("prepare", "slots0", True, "blocks0", True), ("prepare", "slots2", True, "blocks2",
+                                                                              True),
+                     ("context", 0, 3, [1000.0, 1001.0, 1002.0])]
+    assert drafts.shape == (3, B)
     assert spec.topology.parents[:MAX_REQS, 1:].eq(-2).all()
-    propose(B)
-    assert seen[-1] == (False, False) and runs == [1]
-    assert all(spec.topology.parents[slot, 1:].ne(-2).any() for slot in (4, 0, 2))
+    spec.propose(batch, {}, {}, torch.zeros(3, HIDDEN), aux, zeros, zeros, zeros, zeros, zeros, zeros,
+                 num_speculative_tokens=0, dummy_run=True)  # dummy runs (capture, profiling) keep DFlash's path
+    assert len(dflash) == 1 and dflash[0]["num_speculative_tokens"] == 0
+
+
+def test_context_only_prepares_inputs_as_dflashs_propose_does():
+    """_store_context_only mirrors the context half of vLLM's DFlashSpeculator.propose: the same
+    prepare_dflash_inputs arguments, expression for expression, so a vLLM upgrade that changes them fails here."""
+    import ast
+    import textwrap
+
+    def prepare_call_args(function) -> list[str]:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+        calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+                 and getattr(node.func, "id", None) == "prepare_dflash_inputs"]
+        assert len(calls) == 1, calls
+        return [ast.unparse(arg) for arg in calls[0].args] + [ast.unparse(k) for k in calls[0].keywords]
+
+    ours = prepare_call_args(UBTreeSpeculator._store_context_only)
+    assert ours == prepare_call_args(DFlashSpeculator.propose)
+    assert len(ours) == 28
 
 
 @pytest.mark.gpu

@@ -38,3 +38,16 @@ def test_stage_values_are_ms_per_engine_step():
     records = stage_records(run, result, None, target="t", drafter="d", dataset="toy", temperature=0.0,
                             concurrency=1, max_new_tokens=8, cuda_graphs=False)
     assert [(r["metric"], r["value"], r["drafter"]) for r in records] == [(WALL, 50.0, None)]
+
+
+def test_stage_records_name_the_budget_schedule_and_tree_attention():
+    """A stage-timed run under a load-adaptive schedule says which (the 64-in-flight runs of 2026-12-05 compared
+    schedules, and their first records could not tell them apart)."""
+    result = RunResult(num_requests=1, output_tokens=10, wall_s=0.5, tpot_ms=None, tau=2.0, num_drafts=5,
+                       num_accepted=5, engine_steps=10)
+    run = MethodRun("ubtree-mrv2", tree_budget=64, budget_schedule="1-48:8,49-1024:0", tree_attention="flash_merge")
+    (record,) = stage_records(run, result, None, target="t", drafter="d", dataset="toy", temperature=0.0,
+                              concurrency=64, max_new_tokens=8, cuda_graphs=True)
+    assert record["budget_schedule"] == "1-48:8,49-1024:0" and record["tree_attention"] == "flash_merge"
+    from ubtree_vllm.bench.records import validate_record
+    validate_record(record)

@@ -85,7 +85,8 @@ def stage_records(run: MethodRun, result: RunResult, times: Mapping[str, tuple[i
               "num_prompts": result.num_requests, "max_new_tokens": max_new_tokens, "temperature": float(temperature),
               "batch_size": concurrency, "concurrency": concurrency, "tp": tp, "cuda_graphs": cuda_graphs,
               "tree_budget": run.tree_budget, "beam_width": run.beam_width, "top_k": run.top_k,
-              "block_size": run.block_size, "tau": None if result.tau is None else round(result.tau, 4),
+              "block_size": run.block_size, "budget_schedule": run.budget_schedule,
+              "tree_attention": run.tree_attention, "tau": None if result.tau is None else round(result.tau, 4),
               "unit": "ms", "notes": notes}
     return [{**common, "metric": metric, "value": round(value, 5)}
             for metric, value in stage_values(result, times).items()]
