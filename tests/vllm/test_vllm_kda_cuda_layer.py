@@ -160,6 +160,51 @@ def test_tree_nodes_equal_plain_decoding_of_their_paths_and_the_commit_resumes_t
         assert torch.equal(layer.kv_cache[1][slots[i, 2]], final), i
 
 
+def depths(parents):
+    """[n] depth of each node of a parents-first tree."""
+    depth = np.zeros(len(parents), dtype=np.int64)
+    for j in range(1, len(parents)):
+        depth[j] = depth[parents[j]] + 1
+    return depth
+
+
+def test_paths_deeper_than_the_conv_committed_step_after_step_follow_plain_decoding(kda, monkeypatch):
+    """The copying oracle's case: two requests commit paths off their depth, down to depth 7 (> conv width 4: windows
+    all from the tree), each request its own depth, four steps in a row; every step's nodes equal plain decoding of
+    the committed tokens and their root path (outputs along every leaf's path, the leaf's state). fp32 states (vLLM's
+    default for KDA): the chain launch over root -> leaf paths."""
+    from ubtree_vllm.vllm.recurrent.commit import commit_accepted_states
+
+    gen = torch.Generator().manual_seed(1)
+    layer = make_layer(gen, 2 * (SPEC + 1) + 1, torch.float32)
+    slots = torch.arange(1, 2 * (SPEC + 1) + 1).view(2, SPEC + 1)
+    # [truth on the second depth-1 branch down to depth 7, a distractor], [a branching tree down to depth 6]
+    trees = [(p, depths(p)) for p in (np.array([-1, 0, 0, 1, 2, 4, 5, 6, 7]), np.array([-1, 0, 0, 2, 3, 1, 4, 6, 7]))]
+    last_accepted = [[8, 6], [6, 8], [3, 7], [8, 8]]  # per step and request: the accepted path's last node
+    num_accepted = [1, 1]
+    # what plain decoding resumes each request from: (window [3 * dim, width - 1], state)
+    resumed = [(layer.conv_state[slots[i, 0], :, :WIDTH - 1].clone(), layer.kv_cache[1][slots[i, 0]].clone())
+               for i in range(2)]
+    for step, last in enumerate(last_accepted):
+        inputs, out, record = tree_step(kda, monkeypatch, layer, trees, num_accepted, slots, gen)
+        starts = [0, len(trees[0][0])]
+        for i, (parents, _) in enumerate(trees):
+            for leaf in sorted(set(range(len(parents))) - set(parents.tolist())):
+                path = [starts[i] + j for j in path_to(parents, leaf)]
+                outs, final = plain_decode(kda, monkeypatch, layer, *resumed[i], inputs, path)
+                assert torch.equal(out[path], outs), (step, i, leaf)
+                assert torch.equal(layer.kv_cache[1][slots[i, leaf]], final), (step, i, leaf)
+        paths = [path_to(parents, node) for (parents, _), node in zip(trees, last)]
+        accepted_path = torch.tensor([p + [-1] * (SPEC + 1 - len(p)) for p in paths]).to(DEVICE)
+        commit_accepted_states([record], accepted_path, (accepted_path >= 0).sum(1) - 1)
+        for i, path in enumerate(paths):
+            tokens = [starts[i] + j for j in path]
+            _, final = plain_decode(kda, monkeypatch, layer, *resumed[i], inputs, tokens)
+            fed = torch.cat([x[tokens] for x in inputs[:3]], dim=1).T  # [3 * dim, n] the convs' inputs
+            resumed[i] = (torch.cat([resumed[i][0], fed], dim=1)[:, -(WIDTH - 1):], final)
+        num_accepted = [len(p) for p in paths]
+
+
 def test_a_recurrence_without_the_layers_three_convs_is_refused(kda):
     from ubtree_vllm.vllm.recurrent import kda_cuda
     from ubtree_vllm.vllm.recurrent.gdn_cuda import SpecSequences
