@@ -250,9 +250,11 @@ def test_hybrid_greedy_equality_and_copying_oracle(tiny_hybrid):
        so accepted paths run off their depth and every recurrent layer's commit moves state slots and conv columns
        (an MLA target's: latent rows in its cache); equal up to near-ties again, with tau > 2.
 
-    For :data:`MLA_BASELINE_FAMILIES` a third engine runs vLLM's draft_model speculation (:data:`BASELINE_SPEC`) on
-    the same prompts, and each UBTree case may diverge beyond a near-tie on at most :data:`BASELINE_RATIO` times as
-    many prompts as it does; the oracle's tau is then judged only if none of its outputs left plain decoding's."""
+    Each UBTree case may diverge beyond a near-tie on as many prompts as plain decoding does from itself when each
+    prompt runs alone (another batch shape: a bf16 model whose layers amplify rounding shows it here, with no
+    speculation involved); for :data:`MLA_BASELINE_FAMILIES` a third engine runs vLLM's draft_model speculation
+    (:data:`BASELINE_SPEC`) on the same prompts, and the allowance is at least :data:`BASELINE_RATIO` times its count.
+    The oracle's tau is judged only if none of its outputs left plain decoding's."""
     family, target, drafter, settings = tiny_hybrid
     plain = engine(target, logprobs_mode="raw_logits", **settings)
     vocab = plain.llm_engine.model_config.get_vocab_size()
@@ -260,11 +262,15 @@ def test_hybrid_greedy_equality_and_copying_oracle(tiny_hybrid):
     prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
     reference = plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
                                                        detokenize=False, logprobs=2), use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+    # plain decoding against itself at another batch shape (each prompt alone): its GEMMs and attention split
+    # differently, as a verification's do, so no speculative method can be held to fewer divergences than this
+    alone = [list(plain.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
     del plain
     gc.collect()
     continuations = [list(o.outputs[0].token_ids) for o in reference]
     assert_continuations_depend_on_context(continuations, str(target))
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+    batch_shape = divergences_beyond_near_ties(alone, reference, "plain decoding, one prompt at a time")
     ubtree = engine(target, {"method": "ubtree", "model": str(drafter), **TINY_TREE}, **settings)
     untrained = [list(o.outputs[0].token_ids) for o in ubtree.generate(prompts, params, use_tqdm=False)]
     oracle = ReferenceOracle(prompt_ids, continuations, engine_runner(ubtree).drafter.config.tree, vocab_size=vocab)
@@ -275,15 +281,18 @@ def test_hybrid_greedy_equality_and_copying_oracle(tiny_hybrid):
     drafts, accepted, calls = drafts - drafts_before, accepted - accepted_before, oracle.calls
     del ubtree, oracle
     gc.collect()
-    allowed, baseline_note = 0, ""
+    allowed = len(batch_shape)
+    baseline_note = f" (plain decoding one prompt at a time: {allowed} of {len(prompts)}"
     if family in MLA_BASELINE_FAMILIES:
         vllm_spec = engine(target, {**BASELINE_SPEC, "model": str(target)}, **settings)
         baseline = [list(o.outputs[0].token_ids) for o in vllm_spec.generate(prompts, params, use_tqdm=False)]
         del vllm_spec
         gc.collect()
         baseline_failures = divergences_beyond_near_ties(baseline, reference, "vLLM draft_model")
-        allowed = BASELINE_RATIO * len(baseline_failures)
-        baseline_note = f" (vLLM draft_model: {len(baseline_failures)} of {len(prompts)}, so {allowed} allowed)"
+        allowed = max(allowed, BASELINE_RATIO * len(baseline_failures))
+        baseline_note += f"; vLLM draft_model: {len(baseline_failures)} of {len(prompts)}"
+    baseline_note += f"; so {allowed} allowed)"
+    print(f"{family}{baseline_note}")
     # equality first: a divergence also starves the oracle (it copies plain decoding's continuation), so its report
     # says more than the tau's; both cases are judged before failing
     failures, beyond = [], {}
