@@ -418,21 +418,10 @@ class UBTreeSpeculator(DFlashSpeculator):
                 dummy_run=dummy_run, skip_attn_for_dummy_run=skip_attn_for_dummy_run, mm_inputs=mm_inputs,
                 is_profile=is_profile, num_speculative_tokens=num_speculative_tokens)
 
-    def _store_context_only(
-        self,
-        input_batch: Any,
-        # [num_tokens, hidden_size] / num_layers x [num_tokens, hidden_size] (rows already linearised)
-        last_hidden_states: torch.Tensor,
-        aux_hidden_states: list[torch.Tensor] | None,
-        # [num_reqs]
-        num_sampled: torch.Tensor,
-        num_rejected: torch.Tensor,
-        # [max_num_reqs]
-        last_sampled: torch.Tensor,
-        next_prefill_tokens: torch.Tensor,
-        temperature: torch.Tensor,
-        seeds: torch.Tensor,
-    ) -> torch.Tensor:
+    def _store_context_only(self, input_batch: Any, last_hidden_states: torch.Tensor,
+                            aux_hidden_states: list[torch.Tensor] | None, num_sampled: torch.Tensor,
+                            num_rejected: torch.Tensor, last_sampled: torch.Tensor, next_prefill_tokens: torch.Tensor,
+                            temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
         """A budget-0 step's propose: the drafter's context K/V of the step's target rows, nothing else.
 
         The context half of vLLM 0.32's ``DFlashSpeculator.propose`` (its eager path), in its order: the features
@@ -442,7 +431,8 @@ class UBTreeSpeculator(DFlashSpeculator):
         the block's attention metadata, CUDA-graph dispatch and per-layer slot mappings (on an H100 at 64 requests
         in flight, 2026-12-05, DFlash's whole propose took 0.94 ms of host time per such step against a 2.7 ms
         plain decoding step). PCP and DP, which the base also handles here, are refused by the engine arguments.
-        Returns ``draft_tokens[:num_reqs]``, which MRV2 blanks at budget 0."""
+        Arguments as :meth:`propose`'s (the hidden rows already linearised); returns ``draft_tokens[:num_reqs]``,
+        which MRV2 blanks at budget 0."""
         num_reqs, num_tokens = input_batch.num_reqs, input_batch.num_tokens
         if aux_hidden_states:
             hidden_states = self.model.combine_hidden_states(torch.cat(aux_hidden_states, dim=-1))
