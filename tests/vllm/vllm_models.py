@@ -159,8 +159,8 @@ def save_tiny_ling(path: Path, *, vocab_size: int = 512) -> Path:
     """A tiny Ling-3.0 (``BailingMoeV3ForCausalLM``: Kimi Delta Attention and MLA layers alternating, MoE), config only:
     vLLM has no HF modeling class to write a checkpoint from, so its engines draw the weights themselves with
     ``load_format=SCALED_DUMMY_FORMAT`` (seeded: every engine of a test gets the same). Hidden 128, 4 layers
-    (KDA / MLA twice), 2 heads of 64 (KDA), MLA kv_lora_rank 512 + RoPE 64 (FlashAttention MLA's latent width) and nope / v head dims
-    128 (the only ones vLLM's MLA prefill takes on the H200), 4 experts (top 2).
+    (KDA / MLA twice), 2 heads of 64 (KDA), MLA kv_lora_rank 512 + RoPE 64 (FlashAttention MLA's latent width) and
+    nope / v head dims 128 (the only ones vLLM's MLA prefill takes on the H200), 4 experts (top 2).
     Registers its config class (model type ``bailing_hybrid``) with transformers' AutoConfig in this process."""
     from vllm.transformers_utils.configs.bailing_moe_v3_vl import BailingMoeV3TextConfig
 
