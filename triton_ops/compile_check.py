@@ -84,6 +84,17 @@ def compile_node_inputs(arch: int) -> int:
                     lambda name: pointers.get(name, "*i32") if name.endswith("_ptr") else "i32", arch)
 
 
+def compile_coupled_scores(use_fp64: bool, arch: int) -> int:
+    """`_coupled_scores_kernel` with the speculator's dtypes (fp32 log-probs and temperatures, int64 seeds and
+    positions); returns the cubin size."""
+    from ubtree_vllm.triton_ops.target_noise import BLOCK
+
+    pointers = {"out_ptr": "*fp32", "logp_ptr": "*fp32", "temperature_ptr": "*fp32", "seeds_ptr": "*i64",
+                "pos_ptr": "*i64"}
+    return _compile("target_noise", "_coupled_scores_kernel", {"BLOCK": BLOCK, "USE_FP64": use_fp64},
+                    lambda name: pointers.get(name, "i32"), arch)
+
+
 _TREE_PENALTIES_KINDS = {"logits_ptr": "*fp32", "state_ptr": "*i64", "local_pos_ptr": "*i32", "token_ptr": "*i32",
                          "parents_ptr": "*i32", "repetition_ptr": "*fp32", "frequency_ptr": "*fp32",
                          "presence_ptr": "*fp32", "prompt_mask_ptr": "*i32", "counts_ptr": "*i32"}
@@ -271,6 +282,9 @@ def main() -> int:
               f"block {block_size} {splits} splits: cubin {size} bytes, combine cubin {combine} bytes")
     size = compile_node_inputs(args.arch)
     print(f"node_inputs sm_{args.arch}: cubin {size} bytes")
+    for use_fp64 in (False, True):
+        size = compile_coupled_scores(use_fp64, args.arch)
+        print(f"coupled_scores sm_{args.arch}{' fp64 noise' if use_fp64 else ''}: cubin {size} bytes")
     size = compile_tree_penalties(16, args.arch)
     print(f"tree_penalties sm_{args.arch} depth 16: cubin {size} bytes")
     size = compile_tree_bad_words(args.arch)

@@ -254,3 +254,74 @@ def tree_bad_words_reference(logits, expanded_idx_mapping, local_pos, node_token
             prefix = word[:-1]
             if len(prefix) <= len(sequence) and sequence[len(sequence) - len(prefix):] == prefix:
                 logits[m, word[-1]] = float("-inf")
+
+
+# ---- target_noise: vLLM's keyed Gumbel noise (the CPU path of coupled_scores and its test oracle) ----------
+
+_MASK32 = 0xFFFFFFFF
+_MIN_ONE_MINUS = 5.960464477539063e-08  # vLLM's floor of 1 - u in the fp32 log
+
+
+def _rotl(x: torch.Tensor, shift: int) -> torch.Tensor:
+    return ((x << shift) | (x >> (32 - shift))) & _MASK32
+
+
+def _mix_ref(h: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    key = (key * 0xCC9E2D51) & _MASK32
+    key = _rotl(key, 15)
+    key = (key * 0x1B873593) & _MASK32
+    h = h ^ key
+    h = _rotl(h, 13)
+    return (h * 5 + 0xE6546B64) & _MASK32
+
+
+def _fmix_ref(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def hash32_reference(seed: torch.Tensor, pos: torch.Tensor, offset: torch.Tensor, domain: int = 0) -> torch.Tensor:
+    """vLLM's murmur3 of (seed, pos, offset) in int64 arithmetic (each value kept in [0, 2^32)); broadcasts."""
+    seed, pos, offset = seed.long(), pos.long(), offset.long()
+    h = torch.full(torch.broadcast_shapes(seed.shape, pos.shape, offset.shape), domain & _MASK32, dtype=torch.int64,
+                   device=offset.device)
+    h = _mix_ref(h, seed & _MASK32)
+    h = _mix_ref(h, (seed >> 32) & _MASK32)
+    h = _mix_ref(h, pos & _MASK32)
+    h = _mix_ref(h, offset & _MASK32)
+    return _fmix_ref(h ^ 16)
+
+
+def gumbel_noise_reference(seed: torch.Tensor, pos: torch.Tensor, offset: torch.Tensor,
+                           use_fp64: bool = False) -> torch.Tensor:
+    """The Gumbel variate vLLM's ``gumbel_noised_argmax`` adds for token ``offset`` (float32; float64 with
+    ``use_fp64``). Torch's log may differ from Triton's in the last bit."""
+    if use_fp64:
+        lo = hash32_reference(seed, pos, offset)
+        hi = hash32_reference(seed, pos, offset, domain=0x9E3779B9)
+        random53 = (hi << 21) | (lo >> 11)  # ((hi << 32) | lo) >> 11 without leaving int64
+        u = (random53.double() + 0.5) * 1.1102230246251565e-16
+        u = torch.where(u == 1.0, u - 1.1102230246251565e-16, u)
+        return -torch.log(-torch.log(u))
+    random32 = hash32_reference(seed, pos, offset)
+    hi16, lo16 = (random32 >> 16).float(), (random32 & 0xFFFF).float()
+    u = hi16 * 1.52587890625e-05 + (lo16 + 0.5) * 2.3283064365386963e-10
+    poly = torch.full_like(u, 1.0 / 8.0)
+    for c in (1.0 / 7.0, 1.0 / 6.0, 1.0 / 5.0, 1.0 / 4.0, 1.0 / 3.0, 1.0 / 2.0, 1.0):
+        poly = c + u * poly
+    series = -u * poly
+    direct = torch.log(torch.clamp(1.0 - u, min=_MIN_ONE_MINUS))
+    return -torch.log(-torch.where(u < 0.25, series, direct))
+
+
+def coupled_scores_reference(logp: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
+                             use_fp64: bool = False) -> torch.Tensor:
+    """Torch form of ``target_noise.coupled_scores`` (same arguments)."""
+    vocab = torch.arange(logp.shape[-1], device=logp.device)
+    noise = gumbel_noise_reference(seeds[:, None], pos[:, None], vocab[None, :], use_fp64).float()  # [N, V]
+    temp = temperature.float()[:, None]
+    coupled = logp.float() / torch.where(temp > 0, temp, torch.ones_like(temp)) + noise
+    return torch.where(temp > 0, coupled, logp.float())

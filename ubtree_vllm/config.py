@@ -46,6 +46,8 @@ class UBTreeConfig:
     prompt_lookup: a copy of the context joins the tree as a branch (tree/lookup.py), found by
     matching the last lookup_min_n..lookup_max_n tokens; its edges score at least
     lookup_edge_logprob (<= 0; 0 keeps the branch in every tree).
+    coupled_drafting: at temperature > 0 the candidates and edges are ranked under the target's own
+    sampling noise (drafter/coupling.py); Model Runner V2 only (its draws are keyed by seed and position).
     """
 
     tree_budget: int = PAPER_DEFAULTS["tree_budget"]
@@ -56,6 +58,7 @@ class UBTreeConfig:
     lookup_min_n: int = 2
     lookup_max_n: int = 4
     lookup_edge_logprob: float = 0.0
+    coupled_drafting: bool = False
 
     def __post_init__(self) -> None:
         _require_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)

@@ -9,6 +9,7 @@ draft slots) runs on an instance whose vLLM parts are replaced by stubs.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from types import SimpleNamespace
 
@@ -226,6 +227,11 @@ def stub_speculator(drafter: UBTreeDrafter, last_hidden: torch.Tensor) -> UBTree
     spec.tree_budget, spec.gamma, spec.tree_cfg = B, GAMMA, TREE
     spec.input_buffers = SimpleNamespace(input_ids=torch.zeros(64, dtype=torch.int32, device=device))
     spec.sample_indices = torch.zeros(MAX_REQS * B, dtype=torch.int64, device=device)
+    spec.sample_pos = torch.zeros(MAX_REQS * B, dtype=torch.int64, device=device)
+    spec.sample_idx_mapping = torch.full((MAX_REQS * B,), -1, dtype=torch.int32, device=device)
+    spec.temperature = torch.zeros(MAX_REQS, dtype=torch.float32, device=device)
+    spec.seeds = torch.zeros(MAX_REQS, dtype=torch.int64, device=device)
+    spec.use_fp64_gumbel = False
     spec.draft_tokens = torch.zeros(MAX_REQS, B, dtype=torch.int64, device=device)
     spec._split_block_from_slots()
     spec._init_tree_buffers()
@@ -276,6 +282,47 @@ def test_generate_draft_reads_the_sample_rows_and_anchors_and_scatters_the_topol
     assert spec.topology.parents[spec.scratch_slot, 1:].ne(-2).any()  # the padding row's tree went there
     for slot in (1, 3, 5):
         assert spec.topology.parents[slot].tolist() == [-1] + [-2] * B
+
+
+def fill_sampling_rows(spec: UBTreeSpeculator, slots: list[int], anchor_pos: list[int], temperature: list[float],
+                       seeds: list[int]) -> None:
+    """What prepare_dflash_inputs writes for sampling: each sample row's request slot and token position P, and the
+    slots' temperatures and seeds."""
+    index = torch.tensor(slots, device=spec.temperature.device)
+    spec.temperature[index] = torch.tensor(temperature, device=index.device)
+    spec.seeds[index] = torch.tensor(seeds, device=index.device)
+    for r, (slot, pos) in enumerate(zip(slots, anchor_pos)):
+        spec.sample_idx_mapping[r * GAMMA:(r + 1) * GAMMA] = slot
+        spec.sample_pos[r * GAMMA:(r + 1) * GAMMA] = pos + torch.arange(1, GAMMA + 1, device=index.device)
+
+
+def test_generate_draft_couples_each_tree_to_its_requests_noise():
+    """coupled_drafting: each row's tree is drafted under the noise its request's draws will take (temperature and
+    seed of its slot, keys at the sample rows' positions - 1, as prepare_dflash_inputs left them); a greedy request
+    drafts the uncoupled tree."""
+    from ubtree_vllm.drafter.coupling import CoupledNoise
+
+    drafter = make_drafter()
+    num_reqs = 3
+    last_hidden = torch.randn(num_reqs * (GAMMA + 1) + 2, HIDDEN)
+    spec = stub_speculator(drafter, last_hidden)
+    spec.tree_cfg = dataclasses.replace(TREE, coupled_drafting=True)
+    anchors, slots, anchor_pos = torch.tensor([5, 17, 96]), [4, 0, 2], [30, 7, 512]
+    fill_like_prepare_kernel(spec, anchors)
+    fill_sampling_rows(spec, slots, anchor_pos, [1.0, 0.0, 0.6], [11, 2 ** 40 + 1, 3])
+    spec._draft_slots[:num_reqs] = torch.tensor(slots)
+    spec._generate_draft(num_reqs + 1, last_hidden.shape[0], None, None, None)  # + one graph-padding row
+    rows = torch.tensor([[r * (GAMMA + 1) + d for d in range(1, GAMMA + 1)] for r in range(num_reqs)])
+    noise = CoupledNoise(temperature=torch.tensor([1.0, 0.0, 0.6]), seeds=torch.tensor([11, 2 ** 40 + 1, 3]),
+                         key_pos=torch.tensor(anchor_pos)[:, None] + torch.arange(GAMMA)[None, :])
+    with torch.no_grad():
+        tokens, parents, depth = tree_rows_from_hidden(drafter, spec.tree_cfg, last_hidden[rows], anchors, None, noise)
+        plain, _, _ = tree_rows_from_hidden(drafter, TREE, last_hidden[rows], anchors)
+    assert torch.equal(spec.draft_tokens[:num_reqs], tokens)
+    for b, slot in enumerate(slots):
+        assert torch.equal(spec.topology.parents[slot], parents[b])
+    assert torch.equal(tokens[1], plain[1])  # T = 0: the uncoupled tree
+    assert not torch.equal(tokens[0], plain[0]) and not torch.equal(tokens[2], plain[2])
 
 
 def test_propose_permutes_the_rows_and_drafts_into_the_batch_slots(monkeypatch):
@@ -416,12 +463,14 @@ def test_tree_rows_capture_in_a_cuda_graph():
 
 @pytest.mark.gpu
 def test_generate_draft_with_its_topology_scatter_captures_in_a_cuda_graph():
-    """The draft graph's body (tree rows, lookup gather, topology index_copy_) captures and replays exactly."""
+    """The draft graph's body (tree rows, lookup gather, coupled drafting, topology index_copy_) captures and
+    replays exactly."""
     drafter = make_drafter("cuda")
     num_reqs = 3
     last_hidden = torch.randn(num_reqs * (GAMMA + 1), HIDDEN, device="cuda")
     spec = stub_speculator(drafter, last_hidden)
-    spec.tree_cfg = LOOKUP_TREE
+    spec.tree_cfg = dataclasses.replace(LOOKUP_TREE, coupled_drafting=True)
+    fill_sampling_rows(spec, [4, 0, 2], [30, 7, 512], [1.0, 0.0, 0.6], [11, 2 ** 40 + 1, 3])
     states = request_states(HISTORIES)
     spec.req_states = SimpleNamespace(all_token_ids=SimpleNamespace(gpu=states.all_token_ids.gpu.cuda()),
                                       total_len=SimpleNamespace(gpu=states.total_len.gpu.cuda()))
@@ -445,9 +494,14 @@ def test_generate_draft_with_its_topology_scatter_captures_in_a_cuda_graph():
 
 
 def test_module_has_no_host_sync_in_drafting():
-    """The captured path (tree_rows_from_hidden, _generate_draft) reads no device value on the host."""
+    """The captured path (tree_rows_from_hidden, _generate_draft, the coupled drafting it calls) reads no device
+    value on the host."""
+    from ubtree_vllm.drafter.coupling import couple_edges, coupled_candidates
+    from ubtree_vllm.triton_ops.target_noise import coupled_scores
+
     for fn in (tree_rows_from_hidden, UBTreeSpeculator._generate_draft, permute_target_rows,
-               linear_logits_positions_, UBTreeSpeculator._set_draft_slots):
+               linear_logits_positions_, UBTreeSpeculator._set_draft_slots, UBTreeSpeculator._target_noise,
+               coupled_candidates, couple_edges, coupled_scores):
         source = inspect.getsource(fn)
         for call in (".item()", ".tolist()", ".cpu()", "nonzero", ".numpy()"):
             assert call not in source, (fn.__name__, call)

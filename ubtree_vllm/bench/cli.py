@@ -39,7 +39,8 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
                              "ubtree (one engine per --tree-budgets value, V1 model runner), "
                              "ubtree-mrv2 (the same on Model Runner V2, the default CUDA runner; CUDA, B >= gamma), "
                              "ubtree-lookup (ubtree with the prompt-lookup branch, V1 runner), "
-                             "ubtree-mrv2-lookup (the same branch on Model Runner V2; CUDA)")
+                             "ubtree-mrv2-lookup (the same branch on Model Runner V2; CUDA), "
+                             "ubtree-mrv2-lookup-uncoupled (the same without coupled drafting at T > 0)")
     parser.add_argument("--tree-budgets", default="16,32,64", help="comma-separated tree budgets B for ubtree")
     parser.add_argument("--budget-schedule", default=None, metavar="FIRST-LAST:BUDGET,...",
                         help="load-adaptive tree budget for the tree methods (vLLM's num_speculative_tokens_per_batch"

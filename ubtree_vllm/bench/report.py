@@ -57,7 +57,7 @@ ABLATION_BUDGET = 64
 OPTION_ORDER = tuple(SAMPLING_OPTIONS)  # the sampling-options table's row order within a run: "none" first
 # Row order of the speed table within one (hardware, target, dataset, T, concurrency) group.
 METHOD_ORDER = ("ar", NGRAM_METHOD, "dflash-chain", "ubtree-chain", "ubtree-single", "ubtree", "ubtree-mrv2",
-                "ubtree-lookup", "ubtree-mrv2-lookup")
+                "ubtree-lookup", "ubtree-mrv2-lookup", "ubtree-mrv2-lookup-uncoupled")
 # cumulative_label_rows: a train record's, or a bench record's drafter training (two trainings of one folder differ)
 _IDENTITY = ("kind", "method", "target", "drafter", "dataset", "temperature", "tree_budget", "beam_width", "top_k",
              "block_size", "batch_size", "concurrency", "tp", "cuda_graphs", "num_prompts", "max_new_tokens",
@@ -306,7 +306,8 @@ def _cell_goal_rows(key: tuple, cell: Sequence[dict[str, Any]]) -> list[list[Any
     rows: list[list[Any]] = []
     for tree in trees:
         runner = {"ubtree-mrv2": " (MRV2)", "ubtree-lookup": " (lookup branch)",
-                  "ubtree-mrv2-lookup": " (MRV2, lookup branch)"}.get(tree["method"], "")
+                  "ubtree-mrv2-lookup": " (MRV2, lookup branch)",
+                  "ubtree-mrv2-lookup-uncoupled": " (MRV2, lookup branch, uncoupled)"}.get(tree["method"], "")
         label = f"{where}, B={budget_label(tree)}{runner}"
         if temperature == 0 and concurrency == 1 and single is not None and tree["speedup_vs_ar"]:
             rows.append(_over_baseline(f"UBTree speedup >= {GOAL_TREE_OVER_SINGLE}x the single path's (T=0)", label,

@@ -24,6 +24,9 @@ every later measurement can be paired with its AR baseline as soon as it is take
   ubtree-lookup "ubtree" on the V1 runner with the prompt-lookup branch ("prompt_lookup": true, the
                 n-gram window of --ngram-lookup-min/--ngram-lookup-max), one engine per B.
   ubtree-mrv2-lookup  the same branch on Model Runner V2 (CUDA only).
+  ubtree-mrv2-lookup-uncoupled  the same without coupled drafting ("coupled_drafting": false: at T > 0 the trees
+                are ranked by the drafter's log-probs alone, not under the target's sampling noise; what every
+                MRV2 tree method drafted before 2026-12-05).
 The tree methods pin their runner, so a method name means the same runner in every record.
 """
 from __future__ import annotations
@@ -42,14 +45,18 @@ from ubtree_vllm.config import MAX_LOOKUP_N, MAX_TREE_BUDGET, max_tree_nodes
 from ubtree_vllm.eval_datasets import EVAL_DATASETS, allowed_datasets
 from ubtree_vllm.vllm.config import TREE_ATTENTION_MODES
 
-METHODS = ("ar", "ngram", "dflash-chain", "ubtree", "ubtree-mrv2", "ubtree-lookup", "ubtree-mrv2-lookup")
+METHODS = ("ar", "ngram", "dflash-chain", "ubtree", "ubtree-mrv2", "ubtree-lookup", "ubtree-mrv2-lookup",
+           "ubtree-mrv2-lookup-uncoupled")
 # Methods that run without --drafter; their records carry drafter null.
 DRAFTER_FREE_METHODS = ("ar", "ngram")
 # Tree methods: one engine per tree budget, and the environment each engine is built under.
 TREE_METHODS = {"ubtree": {"UBTREE_VLLM_RUNNER": "v1"}, "ubtree-mrv2": {"UBTREE_VLLM_RUNNER": "mrv2"},
-                "ubtree-lookup": {"UBTREE_VLLM_RUNNER": "v1"}, "ubtree-mrv2-lookup": {"UBTREE_VLLM_RUNNER": "mrv2"}}
+                "ubtree-lookup": {"UBTREE_VLLM_RUNNER": "v1"}, "ubtree-mrv2-lookup": {"UBTREE_VLLM_RUNNER": "mrv2"},
+                "ubtree-mrv2-lookup-uncoupled": {"UBTREE_VLLM_RUNNER": "mrv2"}}
 # Tree methods with the prompt-lookup branch on (ubtree_vllm/tree/lookup.py).
-LOOKUP_METHODS = ("ubtree-lookup", "ubtree-mrv2-lookup")
+LOOKUP_METHODS = ("ubtree-lookup", "ubtree-mrv2-lookup", "ubtree-mrv2-lookup-uncoupled")
+# Tree methods drafting without the target's noise at T > 0 (drafter/coupling.py; the serving default couples)
+UNCOUPLED_METHODS = ("ubtree-mrv2-lookup-uncoupled",)
 
 
 def _tree_methods_on(methods: Sequence[str], runner: str) -> list[str]:
@@ -364,6 +371,9 @@ def ubtree_run(settings: E2ESettings, budget: int, method: str = "ubtree", tree_
         note += f" prompt-lookup branch, lookup window {settings.ngram_lookup_min}-{settings.ngram_lookup_max} tokens"
     else:  # the plain tree, whatever the serving default
         spec["prompt_lookup"] = False
+    if method in UNCOUPLED_METHODS:
+        spec["coupled_drafting"] = False
+        note += " coupled_drafting false"
     schedule = None
     if settings.budget_schedule is not None:
         spec["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in settings.budget_schedule]

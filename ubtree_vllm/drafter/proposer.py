@@ -12,6 +12,7 @@ from torch import nn
 
 from ubtree_vllm.config import UBTreeConfig
 from ubtree_vllm.drafter.config import DrafterConfig
+from ubtree_vllm.drafter.coupling import CoupledNoise, couple_edges, coupled_candidates
 from ubtree_vllm.drafter.model import DFlashBackbone
 from ubtree_vllm.selector.bigram import BigramSelector
 from ubtree_vllm.tree.lookup import inject_chain, lookup_continuation
@@ -37,12 +38,16 @@ def context_history(ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor]:
 class Candidates:
     """Top-K proposer candidates for each of the gamma block depths."""
 
-    # [N, gamma, K] int64, sorted by proposer log-prob (descending)
+    # [N, gamma, K] int64, sorted by proposer log-prob (descending; coupled: by the coupled score)
     tokens: torch.Tensor
     # [N, gamma, K] float32 full-vocabulary log-probs of those tokens
     logp: torch.Tensor
     # [N, gamma, H] proposer hidden state at each depth (input of the selector)
     hidden: torch.Tensor
+    # coupled drafting (drafter/coupling.py): [N, gamma, K] the target's noise at each candidate, and [N]
+    # temperatures; None: ranked by log-prob alone
+    noise: torch.Tensor | None = None
+    temperature: torch.Tensor | None = None
 
 
 class UBTreeDrafter(nn.Module):
@@ -118,9 +123,13 @@ class UBTreeDrafter(nn.Module):
         hidden = self.block_hidden(anchor[:, None], anchor_pos[:, None], ctx_features, ctx_pos, ctx_valid)[:, 0]
         return self.top_k_candidates(hidden, top_k)
 
-    def top_k_candidates(self, hidden: torch.Tensor, top_k: int) -> Candidates:
-        """LM head + top-K over the block's hidden states [N, gamma, H] (timed by `ubtree bench microbench`)."""
+    def top_k_candidates(self, hidden: torch.Tensor, top_k: int, noise: CoupledNoise | None = None) -> Candidates:
+        """LM head + top-K over the block's hidden states [N, gamma, H] (timed by `ubtree bench microbench`); with
+        ``noise``, the top K under the target's sampling noise (drafter/coupling.py)."""
         logp = torch.log_softmax(self.proposer_logits(hidden), dim=-1)  # [N, gamma, V]
+        if noise is not None:
+            cand_tokens, cand_logp, cand_noise = coupled_candidates(logp, top_k, noise)
+            return Candidates(cand_tokens, cand_logp, hidden, cand_noise, noise.temperature)
         # torch.topk is deterministic for identical inputs on one device; exact logit ties
         # between distinct tokens do not change which K tokens are kept except at the K-th slot.
         cand_logp, cand_tokens = torch.topk(logp, top_k, dim=-1)
@@ -147,6 +156,9 @@ class UBTreeDrafter(nn.Module):
         `chain` ([N, gamma] tokens, [N] lengths; tree/lookup.py) joins the lattice as a lookup branch."""
         root_logp, trans_logp = self.selector.score_tree_edges(anchor, cands.tokens, cands.logp, cands.hidden,
                                                                self.embed_weight)
+        if cands.noise is not None:
+            assert cands.temperature is not None, "coupled candidates carry their temperatures"
+            root_logp, trans_logp = couple_edges(root_logp, trans_logp, cands.noise, cands.temperature)
         tokens = cands.tokens
         if chain is not None:
             tokens, root_logp, trans_logp = inject_chain(tokens, root_logp, trans_logp, *chain,

@@ -97,9 +97,12 @@ MAX_TREE_BUDGET = 128
 # The lookup branch is on unless the user turns it off (H200, 2026-12-01: MRV2 B=64 with it 1.97-2.90x
 # over no speculation, without it 1.21-2.01x, same invocation; records in docs/benchmarks/records.jsonl).
 DEFAULT_PROMPT_LOOKUP = True
+# At T > 0 the trees are drafted under the target's own sampling noise (drafter/coupling.py); Model Runner V2 only
+# (the V1 runner's draws come from torch generators, which the drafter cannot know)
+DEFAULT_COUPLED_DRAFTING = True
 SPEC_KEYS = ("method", "model", "num_speculative_tokens", "beam_width", "top_k", "prompt_lookup",
              "prompt_lookup_min", "prompt_lookup_max", "num_speculative_tokens_per_batch_size", "budget_policy",
-             "tree_attention")
+             "tree_attention", "coupled_drafting")
 # How the tree budget follows the load when num_speculative_tokens_per_batch_size is not given:
 # "load_adaptive" -- on Model Runner V2, default_budget_schedule(B); "fixed" -- B at every step. The V1 runner
 # keeps B fixed unless a schedule is given (vLLM compiles only PIECEWISE graphs for a schedule there; not measured).
@@ -300,8 +303,12 @@ def parse_speculative_config(spec: Mapping[str, Any], target: TargetInfo) -> UBT
                          "longest n-gram the lookup branch matches")
     min_n = _require_int("prompt_lookup_min", spec.get("prompt_lookup_min", min(2, max_n)), 1, max_n,
                          "shortest n-gram the lookup branch matches, at most prompt_lookup_max")
+    coupled = spec.get("coupled_drafting", DEFAULT_COUPLED_DRAFTING)
+    if not isinstance(coupled, bool):
+        raise ValueError(f"speculative_config.coupled_drafting (at temperature > 0, draft under the target's own "
+                         f"sampling noise; Model Runner V2) must be true or false, got {coupled!r}")
     tree = UBTreeConfig(tree_budget=budget, beam_width=width, top_k=top_k, block_size=drafter.block_size,
-                        prompt_lookup=lookup, lookup_min_n=min_n, lookup_max_n=max_n)
+                        prompt_lookup=lookup, lookup_min_n=min_n, lookup_max_n=max_n, coupled_drafting=coupled)
     tree.check_vocab(target.vocab_size)
     policy = spec.get("budget_policy", DEFAULT_BUDGET_POLICY)
     if policy not in BUDGET_POLICIES:

@@ -74,6 +74,7 @@ from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import DFlashCudaGraphManag
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator, prepare_dflash_inputs
 
 from ubtree_vllm.config import UBTreeConfig
+from ubtree_vllm.drafter.coupling import CoupledNoise
 from ubtree_vllm.drafter.io import load_drafter
 from ubtree_vllm.drafter.proposer import UBTreeDrafter
 from ubtree_vllm.tree.lookup import lookup_continuation
@@ -114,7 +115,9 @@ def tree_rows_from_hidden(
         # [R] root tokens (any integer dtype)
         anchor: torch.Tensor,
         # the lookup branch (tree/lookup.py): chain [R, gamma] int64, chain_len [R] int64
-        chain: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        chain: tuple[torch.Tensor, torch.Tensor] | None = None,
+        # coupled drafting (drafter/coupling.py): where the target's draws take their noise; None: uncoupled
+        noise: CoupledNoise | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draft one tree per request: ``(tokens [R, B] int64, parents [R, B + 1] int32, depth [R, B + 1] int32)``.
 
     The chain of ``UBTreeDrafter.draft_tree`` after its backbone forward: target LM head +
@@ -123,7 +126,7 @@ def tree_rows_from_hidden(
     parents are node indices (-1 at the root), parents first. Fixed shapes, no host sync:
     safe to capture in a CUDA graph once the selector's tables exist (eval mode, bound).
     """
-    cands = drafter.top_k_candidates(hidden, tree_cfg.top_k)  # [R, gamma, K]
+    cands = drafter.top_k_candidates(hidden, tree_cfg.top_k, noise)  # [R, gamma, K]
     tree = drafter.tree_from_candidates(anchor.long(), cands, tree_cfg, chain)  # [R, B + 1]
     return tree.tokens[:, 1:], tree.parents.to(torch.int32), tree.depth.to(torch.int32)
 
@@ -357,12 +360,25 @@ class UBTreeSpeculator(DFlashSpeculator):
             assert self.req_states is not None, "prompt_lookup needs the runner's req_states"
             chain = lookup_chain(self.req_states.all_token_ids.gpu, self.req_states.total_len.gpu,
                                  slots.clamp(max=self.max_num_reqs - 1), self.tree_cfg)  # scratch rows: any history
-        tokens, parents, depth = tree_rows_from_hidden(self.ubtree_drafter, self.tree_cfg, hidden, anchor, chain)
+        noise = self._target_noise(num_reqs) if self.tree_cfg.coupled_drafting else None
+        tokens, parents, depth = tree_rows_from_hidden(self.ubtree_drafter, self.tree_cfg, hidden, anchor, chain,
+                                                       noise)
         self.draft_tokens[:num_reqs] = tokens  # [R, B]
         # [R, B + 1] to the requests' slots (index_copy_: no host sync, capturable); rows that are no
         # request's all land in scratch_slot
         self.topology.parents.index_copy_(0, slots, parents)
         self.topology.depth.index_copy_(0, slots, depth)
+
+    def _target_noise(self, num_reqs: int) -> CoupledNoise:
+        """Where the target's draws of this step's trees take their noise (drafter/coupling.py), from the buffers
+        ``prepare_dflash_inputs`` filled (static addresses, read inside the draft graph): sample row
+        ``r * gamma + d - 1`` holds depth d's request slot (-1: padding, any slot will do) and token position P,
+        drawn by the row at P - 1 with the request's temperature and seed (per slot)."""
+        num_rows = num_reqs * self.gamma
+        slot = self.sample_idx_mapping[:num_rows].clamp(min=0).view(num_reqs, self.gamma)[:, 0].long()  # [R]
+        key_pos = (self.sample_pos[:num_rows].long() - 1).clamp(min=0).view(num_reqs, self.gamma)  # [R, gamma]
+        return CoupledNoise(temperature=self.temperature[slot], seeds=self.seeds[slot], key_pos=key_pos,
+                            use_fp64=bool(self.use_fp64_gumbel))
 
     @torch.inference_mode()
     def propose(

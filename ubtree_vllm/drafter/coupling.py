@@ -1,0 +1,72 @@
+"""Coupled drafting: the tree ranks its candidates under the target's own sampling noise (docs/design/mrv2.md §11).
+
+At temperature T > 0, Model Runner V2 verifies a node by drawing the target's token ``argmax_v logits(v) / T +
+G(seed, pos, v)`` with noise hashed from the request's seed and the drawing row's position
+(``triton_ops/target_noise.py``), and accepts the child holding that token. The noise is a function of
+(seed, position, token) alone, so it is known when the tree is drafted, and every branch at one depth meets the
+same noise. A drafter whose log-probs ``logp_d`` approximate the target's then finds the target's draw among
+the top K of ``logp_d / T + G_d`` far more often than among the top K of ``logp_d``: with ``logp_d`` equal to
+the target's, the top 1 is the draw itself.
+
+Lossless by construction: the drafts change which tokens the tree offers, never which token the target emits at
+a position (its own draw with its own noise, the one non-speculative decoding makes with the same seed).
+
+* candidates: the top K of ``logp_d / T + G_d`` per depth (``logp_d`` itself at T = 0, so greedy drafting is
+  unchanged bit for bit);
+* edges: the selector's normalised log-probs ``log q_d(b | a)`` become ``log_softmax_b(log q_d(b | a) / T +
+  G_d(b))`` over the K candidates, so the beam and the pruning prefer the branches the noise favours.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ubtree_vllm.triton_ops.target_noise import coupled_scores
+
+
+@dataclass
+class CoupledNoise:
+    """Where the target's draws for one tree per request will take their noise."""
+
+    # [N] float: the request's temperature (0: greedy, no coupling)
+    temperature: torch.Tensor
+    # [N] int64: the request's sampling seed (vLLM MRV2's sampling_states.seeds)
+    seeds: torch.Tensor
+    # [N, gamma] int: the position of the row that draws depth d's token (anchor position + d - 1)
+    key_pos: torch.Tensor
+    # vLLM's use_fp64_gumbel: which of its two noise forms the target's sampler draws
+    use_fp64: bool = False
+
+
+def coupled_candidates(
+        # [N, gamma, V] float32 proposer log-probs
+        logp: torch.Tensor, top_k: int, noise: CoupledNoise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [N, gamma, K] int64, their log-probs [N, gamma, K] float32, their noise ``G_d`` [N, gamma, K]
+    float32, 0 at T = 0): the top K of the coupled scores per depth (module docstring). Fixed shapes, no host read."""
+    num_reqs, gamma, vocab = logp.shape
+    rows = logp.reshape(num_reqs * gamma, vocab)
+    temperature = noise.temperature[:, None].expand(num_reqs, gamma).reshape(-1)
+    seeds = noise.seeds[:, None].expand(num_reqs, gamma).reshape(-1)
+    scores = coupled_scores(rows, temperature, seeds, noise.key_pos.reshape(-1), noise.use_fp64)  # [N * gamma, V]
+    top_scores, tokens = torch.topk(scores.view(num_reqs, gamma, vocab), top_k, dim=-1)
+    cand_logp = logp.float().gather(-1, tokens)
+    temp = noise.temperature.float()[:, None, None]
+    cand_noise = torch.where(temp > 0, top_scores - cand_logp / torch.where(temp > 0, temp, 1.0), 0.0)
+    return tokens, cand_logp, cand_noise
+
+
+def couple_edges(
+        # [N, K] root -> depth-1 and [N, gamma - 1, K, K] depth d+1 -> d+2 normalised edge log-probs (the selector's)
+        root_logp: torch.Tensor, trans_logp: torch.Tensor,
+        # [N, gamma, K] the candidates' noise (coupled_candidates), [N] temperatures
+        cand_noise: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The edges under the target's noise: ``log_softmax(logq / T + G)`` over each edge row's K children where
+    T > 0; unchanged where T = 0. Shapes as given."""
+    temp = temperature.float()
+    safe = torch.where(temp > 0, temp, 1.0)
+    root = torch.log_softmax(root_logp.float() / safe[:, None] + cand_noise[:, 0], dim=-1)
+    trans = torch.log_softmax(trans_logp.float() / safe[:, None, None, None] + cand_noise[:, 1:, None, :], dim=-1)
+    coupled = temp > 0
+    return (torch.where(coupled[:, None], root, root_logp.float()),
+            torch.where(coupled[:, None, None, None], trans, trans_logp.float()))
