@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ubtree_vllm.training.ceiling import best_tree_accepted, expected_accepted
+from ubtree_vllm.training.ceiling import accepted_under_noise, best_tree_accepted, expected_accepted
 
 VOCAB = 3
 
@@ -76,7 +76,61 @@ def test_smollm2_ceiling_at_t0_is_the_greedy_chain_and_bounds_the_drafter(defaul
     tokenizer = AutoTokenizer.from_pretrained(default_target_dir)
     prompt = chat_prompt_ids(tokenizer, "Name three colors.")
     tree = UBTreeConfig(tree_budget=4, beam_width=2, top_k=8, block_size=drafter.cfg.block_size)
-    drafted, best, count = tree_ceiling(target, drafter, [prompt], 0.0, tree, every=3, max_new_tokens=7, eos=())
-    assert count == 3  # anchors at response tokens 0, 3, 6 of 8
-    assert best == pytest.approx(1 + 4)
-    assert 1.0 <= drafted <= best
+    scores = tree_ceiling(target, drafter, [prompt], 0.0, tree, every=3, max_new_tokens=7, eos=(), coupled_samples=2)
+    assert scores.num_contexts == 3  # anchors at response tokens 0, 3, 6 of 8
+    assert scores.best == pytest.approx(1 + 4)
+    assert 1.0 <= scores.drafter <= scores.best
+    assert scores.coupled is None  # T = 0: nothing to couple to
+
+
+def test_accepted_under_noise_walks_the_targets_gumbel_max_draws():
+    """root -> a (token 0) -> b (token 1); root -> c (token 2): the draw at the root picks the child, the draw at a
+    continues or stops the walk."""
+    tokens, parents, depth = [9, 0, 1, 2], [-1, 0, 1, 0], [0, 1, 2, 1]
+    probs = torch.full((4, 3), 1 / 3)
+    noise = torch.tensor([[5.0, 0.0, 0.0], [0.0, 5.0, 0.0], [0.0, 0.0, 0.0]])  # depth 1 draws 0, depth 2 draws 1
+    assert accepted_under_noise(probs, tokens, parents, depth, noise) == 2
+    noise[1] = torch.tensor([0.0, 0.0, 5.0])  # depth 2 draws 2: a has no such child
+    assert accepted_under_noise(probs, tokens, parents, depth, noise) == 1
+    noise[0] = torch.tensor([0.0, 0.0, 5.0])  # depth 1 draws 2: c, a leaf
+    assert accepted_under_noise(probs, tokens, parents, depth, noise) == 1
+    noise[0] = torch.tensor([0.0, 5.0, 0.0])  # depth 1 draws 1: no child of the root holds it
+    assert accepted_under_noise(probs, tokens, parents, depth, noise) == 0
+
+
+def test_coupled_tree_of_a_perfect_drafter_accepts_every_depth():
+    """A drafter whose candidates and edges are the target's own: under coupling its top branch is the target's
+    draw at every depth, so the walk runs the whole block (a drafter blind to the noise could not)."""
+    from ubtree_vllm.training.ceiling import coupled_tree_accepted
+    from ubtree_vllm.types import DraftContext
+
+    gamma, vocab = 3, 5
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(2))
+
+    class Scorer:
+        temperature = 1.0
+
+        def probs(self, cache, ctx_len, tokens, parents, depth):
+            return torch.softmax(logits, -1).expand(len(tokens), -1)
+
+    class Drafter:
+        cfg = type("cfg", (), {"vocab_size": vocab})
+
+        def draft_tree(self, ctx, tree, noise):
+            from ubtree_vllm.drafter.coupling import coupled_candidates
+
+            logp = torch.log_softmax(logits, -1).expand(1, gamma, vocab)
+            tokens = coupled_candidates(logp, 1, noise)[0][0, :, 0].tolist()  # the coupled top 1 per depth
+            return type("tree", (), {"tokens": torch.tensor([[7] + tokens]),
+                                     "parents": torch.tensor([list(range(-1, gamma))]),
+                                     "depth": torch.tensor([list(range(gamma + 1))])})
+
+    from ubtree_vllm.config import UBTreeConfig
+
+    ctx = DraftContext(anchor=torch.tensor([7]), anchor_pos=torch.tensor([4]), features=torch.zeros(1, 4, 1),
+                       positions=torch.arange(4)[None], valid=torch.ones(1, 4, dtype=torch.bool),
+                       tokens=torch.zeros(1, 4, dtype=torch.long))
+    tree = UBTreeConfig(tree_budget=gamma, beam_width=1, top_k=1, block_size=gamma)
+    mean = coupled_tree_accepted(Scorer(), None, 4, Drafter(), ctx, tree, samples=6,
+                                 gen=torch.Generator().manual_seed(0))
+    assert mean == gamma

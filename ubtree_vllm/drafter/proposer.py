@@ -118,10 +118,11 @@ class UBTreeDrafter(nn.Module):
         return torch.matmul(hidden, self.lm_head_weight.to(hidden.dtype).t()).float()
 
     def propose(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, ctx_features: torch.Tensor,
-                ctx_pos: torch.Tensor, ctx_valid: torch.Tensor, top_k: int) -> Candidates:
-        """One block forward for one block per request: anchor/anchor_pos [N]."""
+                ctx_pos: torch.Tensor, ctx_valid: torch.Tensor, top_k: int,
+                noise: CoupledNoise | None = None) -> Candidates:
+        """One block forward for one block per request: anchor/anchor_pos [N]; ``noise``: coupled drafting."""
         hidden = self.block_hidden(anchor[:, None], anchor_pos[:, None], ctx_features, ctx_pos, ctx_valid)[:, 0]
-        return self.top_k_candidates(hidden, top_k)
+        return self.top_k_candidates(hidden, top_k, noise)
 
     def top_k_candidates(self, hidden: torch.Tensor, top_k: int, noise: CoupledNoise | None = None) -> Candidates:
         """LM head + top-K over the block's hidden states [N, gamma, H] (timed by `ubtree bench microbench`); with
@@ -136,12 +137,14 @@ class UBTreeDrafter(nn.Module):
         return Candidates(cand_tokens, cand_logp, hidden)
 
     @torch.no_grad()
-    def draft_tree(self, ctx: DraftContext, tree_cfg: UBTreeConfig) -> DraftTree:
-        """The drafting stage of one round: proposer -> selector -> tree search."""
+    def draft_tree(self, ctx: DraftContext, tree_cfg: UBTreeConfig, noise: CoupledNoise | None = None) -> DraftTree:
+        """The drafting stage of one round: proposer -> selector -> tree search; with ``noise``, under the target's
+        sampling noise (drafter/coupling.py)."""
         if tree_cfg.block_size != self.cfg.block_size:
             raise ValueError(f"block_size must equal the drafter's block size {self.cfg.block_size}, "
                              f"got {tree_cfg.block_size}")
-        cands = self.propose(ctx.anchor, ctx.anchor_pos, ctx.features, ctx.positions, ctx.valid, tree_cfg.top_k)
+        cands = self.propose(ctx.anchor, ctx.anchor_pos, ctx.features, ctx.positions, ctx.valid, tree_cfg.top_k,
+                             noise)
         chain = None
         if tree_cfg.prompt_lookup:
             history, length = context_history(ctx)

@@ -16,6 +16,12 @@ scored at the same contexts, from the target's own T rollouts (an anchor every `
 
 A drafter far below the ceiling is the drafter's fault; a goal above the ceiling is out of reach at this B
 for this target and temperature. HF transformers, host loops (an evaluation, not the serving path).
+
+At T > 0 a third tree is scored: ``coupled``, the drafter's tree drafted under the noise the target's draws will
+take (drafter/coupling.py; Model Runner V2 serves it). Its nodes depend on the noise, so E[tau] is a Monte Carlo
+mean over ``coupled_samples`` noise draws per context (a random seed each, keys at the nodes' positions as
+serving keys them): the drafted tree's nodes are walked with the target's own Gumbel-max draws under that noise.
+The best tree's bound holds for trees drafted without knowing the noise; a coupled tree can exceed it.
 """
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ from typing import Any
 import torch
 
 from ubtree_vllm.config import UBTreeConfig
+from ubtree_vllm.drafter.coupling import CoupledNoise
+from ubtree_vllm.triton_ops.reference import gumbel_noise_reference
 from ubtree_vllm.tree.topology import ancestor_mask
 from ubtree_vllm.types import DraftContext
 
@@ -40,6 +48,18 @@ class CeilingResult:
     drafter_tau: float  # mean E[tau] of the drafter's tree
     best_tau: float  # mean E[tau] of the best tree (the ceiling)
     wall_s: float
+    coupled_tau: float | None = None  # mean tau of the coupled tree (T > 0, Monte Carlo); None: not scored
+
+
+@dataclass
+class CeilingScores:
+    """Means over the contexts of one rollout set: E[tau] of the drafter's tree, of the best tree, and (T > 0 with
+    coupled samples) the Monte Carlo tau of the coupled tree."""
+
+    drafter: float
+    best: float
+    num_contexts: int
+    coupled: float | None = None
 
 
 class TreeScorer:
@@ -75,6 +95,43 @@ def expected_accepted(probs: torch.Tensor, tokens: Sequence[int], parents: Seque
     return sum(path[1:])
 
 
+def accepted_under_noise(probs: torch.Tensor, tokens: Sequence[int], parents: Sequence[int], depth: Sequence[int],
+                         noise: torch.Tensor) -> int:
+    """Drafts the walk accepts when the target draws ``argmax(log probs[node] + noise[depth(node)])`` at each node
+    (its Gumbel-max draw; ``probs`` [n, V] the target's at temperature T, ``noise`` [gamma, V] the noise its draws
+    at depths 1..gamma take)."""
+    children: dict[int, dict[int, int]] = {}
+    for j in range(1, len(tokens)):
+        children.setdefault(parents[j], {})[tokens[j]] = j
+    node, accepted = 0, 0
+    while depth[node] < noise.shape[0]:
+        draw = int((probs[node].clamp_min(1e-30).log() + noise[depth[node]]).argmax())
+        node = children.get(node, {}).get(draw, -1)
+        if node < 0:
+            break
+        accepted += 1
+    return accepted
+
+
+def coupled_tree_accepted(scorer: TreeScorer, cache: Any, ctx_len: int, drafter: Any, draft_ctx: DraftContext,
+                          tree: UBTreeConfig, samples: int, gen: torch.Generator) -> float:
+    """Mean accepted drafts of the coupled tree over ``samples`` noise draws (module docstring)."""
+    device = draft_ctx.anchor.device
+    key_pos = ctx_len + torch.arange(tree.block_size, device=device)  # depth d is drawn by the row at ctx_len + d - 1
+    vocab = torch.arange(drafter.cfg.vocab_size, device=device)
+    total = 0
+    for _ in range(samples):
+        seed = torch.randint(0, 2 ** 62, (1,), generator=gen).to(device)
+        noise = CoupledNoise(temperature=torch.tensor([scorer.temperature], device=device), seeds=seed,
+                             key_pos=key_pos[None])
+        t = drafter.draft_tree(draft_ctx, tree, noise)
+        tokens, parents, depth = t.tokens[0].tolist(), t.parents[0].tolist(), t.depth[0].tolist()
+        keyed = gumbel_noise_reference(seed, key_pos[:, None], vocab[None, :]).float()  # [gamma, V]
+        total += accepted_under_noise(scorer.probs(cache, ctx_len, tokens, parents, depth), tokens, parents, depth,
+                                      keyed)
+    return total / samples
+
+
 def best_tree_accepted(scorer: TreeScorer, cache: Any, ctx_len: int, root: int, budget: int, max_depth: int) -> float:
     """E[accepted drafts] of the best ``budget``-node tree of depth <= max_depth (best-first)."""
     tokens, parents, depth, path = [root], [-1], [0], [1.0]
@@ -100,17 +157,20 @@ def best_tree_accepted(scorer: TreeScorer, cache: Any, ctx_len: int, root: int, 
 
 @torch.no_grad()
 def tree_ceiling(target: torch.nn.Module, drafter: Any, prompts: Sequence[Sequence[int]], temperature: float,
-                 tree: UBTreeConfig, every: int, max_new_tokens: int, eos: Sequence[int], seed: int = 0
-                 ) -> tuple[float, float, int]:
-    """(mean drafter E[tau], mean best-tree E[tau], contexts) over anchors of the target's rollouts."""
+                 tree: UBTreeConfig, every: int, max_new_tokens: int, eos: Sequence[int], seed: int = 0,
+                 coupled_samples: int = 0) -> CeilingScores:
+    """Mean drafter and best-tree E[tau] over anchors of the target's rollouts, and the coupled tree's (T > 0 and
+    ``coupled_samples`` > 0)."""
     from transformers import DynamicCache
 
     device = next(target.parameters()).device
     scorer = TreeScorer(target, temperature, tree.block_size)
     layer_ids = drafter.cfg.target_layer_ids
-    drafted = best = 0.0
+    drafted = best = coupled = 0.0
     count = 0
     torch.manual_seed(seed)
+    noise_gen = torch.Generator().manual_seed(seed)
+    score_coupled = temperature > 0 and coupled_samples > 0
     for prompt in prompts:
         sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else \
             {"do_sample": False}
@@ -132,17 +192,22 @@ def tree_ceiling(target: torch.nn.Module, drafter: Any, prompts: Sequence[Sequen
             tokens, parents, depth = t.tokens[0].tolist(), t.parents[0].tolist(), t.depth[0].tolist()
             drafted += expected_accepted(scorer.probs(cache, n, tokens, parents, depth), tokens, parents)
             best += best_tree_accepted(scorer, cache, n, root, tree.tree_budget, tree.block_size)
+            if score_coupled:
+                coupled += coupled_tree_accepted(scorer, cache, n, drafter, draft_ctx, tree, coupled_samples,
+                                                 noise_gen)
             count += 1
     if count == 0:
         raise ValueError("no context to score: every rollout ended before its first anchor")
-    return 1.0 + drafted / count, 1.0 + best / count, count
+    return CeilingScores(1.0 + drafted / count, 1.0 + best / count, count,
+                         1.0 + coupled / count if score_coupled else None)
 
 
 def evaluate_ceiling(drafter_dir: str, target: str, datasets: Sequence[str], temperatures: Sequence[float],
                      num_prompts: int | None, tree: UBTreeConfig, every: int, max_new_tokens: int, data_dir: str,
                      device: str, seed: int, records_path: str | None,
-                     log: Callable[[str], None] = print) -> list[CeilingResult]:
-    """One pair of microbench records (drafter, best) per dataset x temperature."""
+                     log: Callable[[str], None] = print, coupled_samples: int = 8) -> list[CeilingResult]:
+    """One pair of microbench records (drafter, best) per dataset x temperature, and one of the coupled tree at
+    T > 0 (``coupled_samples`` noise draws per context; 0: none)."""
     from ubtree_vllm.training.data import chat_prompt_ids
     from ubtree_vllm.training.evaluate import load_eval_prompts, load_target_and_drafter
 
@@ -160,13 +225,16 @@ def evaluate_ceiling(drafter_dir: str, target: str, datasets: Sequence[str], tem
         prompts = [chat_prompt_ids(tokenizer, text) for text in load_eval_prompts(dataset, data_dir, num_prompts)]
         for temperature in temperatures:
             started = time.monotonic()
-            drafter_tau, best_tau, count = tree_ceiling(model, drafter, prompts, float(temperature), tree, every,
-                                                        max_new_tokens, eos, seed)
+            scores = tree_ceiling(model, drafter, prompts, float(temperature), tree, every, max_new_tokens, eos, seed,
+                                  coupled_samples)
+            drafter_tau, best_tau, count = scores.drafter, scores.best, scores.num_contexts
             result = CeilingResult(dataset, float(temperature), count, drafter_tau, best_tau,
-                                   time.monotonic() - started)
+                                   time.monotonic() - started, scores.coupled)
             results.append(result)
+            coupled_text = "" if scores.coupled is None else \
+                f", coupled tree {scores.coupled:.3f} ({coupled_samples} noise draws per context)"
             log(f"eval-tau --ceiling: {dataset} T={temperature:g} B={tree.tree_budget} W={tree.beam_width}: drafter "
-                f"tree E[tau] {drafter_tau:.3f}, best tree {best_tau:.3f} over {count} contexts, "
+                f"tree E[tau] {drafter_tau:.3f}, best tree {best_tau:.3f}{coupled_text} over {count} contexts, "
                 f"{result.wall_s:.0f}s")
             if records_path:
                 from ubtree_vllm.bench.records import append_record, hardware
@@ -174,9 +242,14 @@ def evaluate_ceiling(drafter_dir: str, target: str, datasets: Sequence[str], tem
                 note = (f"expected acceptance length at {count} contexts (an anchor every {every} response tokens of "
                         f"the target's own T={temperature:g} rollouts of {len(prompts)} prompts, <= {max_new_tokens} "
                         "tokens each), target probabilities in the HF reference (training/ceiling.py)")
-                for method, value, what in (("ubtree", drafter_tau, "the drafter's tree (no lookup branch)"),
-                                            ("best-tree", best_tau, "the best tree of B nodes, depth <= gamma: "
-                                                                    "the ceiling of any drafter")):
+                scored = [("ubtree", drafter_tau, "the drafter's tree (no lookup branch)"),
+                          ("best-tree", best_tau, "the best tree of B nodes, depth <= gamma: the ceiling of any "
+                                                  "drafter that does not know the target's noise")]
+                if scores.coupled is not None:
+                    scored.append(("ubtree-coupled", scores.coupled,
+                                   f"the drafter's tree drafted under the target's sampling noise (coupled drafting, "
+                                   f"no lookup branch): mean over {coupled_samples} noise draws per context"))
+                for method, value, what in scored:
                     append_record({
                         "kind": "microbench", "metric": "expected_tau", "value": round(value, 4),
                         "unit": "tokens per round", "method": method, "target": drafter.cfg.target_name,

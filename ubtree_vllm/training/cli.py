@@ -68,6 +68,8 @@ def add_eval_tau_args(parser: argparse.ArgumentParser) -> None:
                              "(training/ceiling.py); --methods is ignored")
     parser.add_argument("--every", type=int, default=32,
                         help="--ceiling: an anchor every N response tokens of each rollout")
+    parser.add_argument("--coupled-samples", type=int, default=8,
+                        help="--ceiling at T > 0: noise draws per context for the coupled tree's tau (0: not scored)")
 
 
 def _settings(args: argparse.Namespace, section: str, flags: dict[str, object]) -> dict[str, object]:
@@ -155,10 +157,12 @@ def _run_ceiling(args: argparse.Namespace) -> int:
         results = evaluate_ceiling(args.drafter, args.target, _split(args.datasets),
                                    [float(t) for t in _split(args.temperatures)], args.num_prompts, tree, args.every,
                                    args.max_new_tokens, args.data_dir, args.device, args.seed,
-                                   None if args.no_record else args.records)
+                                   None if args.no_record else args.records, coupled_samples=args.coupled_samples)
     except (ValueError, FileNotFoundError) as exc:
         raise _command_error(exc) from exc
-    print("dataset       T    contexts  drafter tree  best tree")
+    print("dataset       T    contexts  drafter tree  best tree  coupled tree")
     for r in results:
-        print(f"{r.dataset:<12} {r.temperature:<4g} {r.num_contexts:<9d} {r.drafter_tau:<13.3f} {r.best_tau:.3f}")
+        coupled = "-" if r.coupled_tau is None else f"{r.coupled_tau:.3f}"
+        print(f"{r.dataset:<12} {r.temperature:<4g} {r.num_contexts:<9d} {r.drafter_tau:<13.3f} {r.best_tau:<10.3f} "
+              f"{coupled}")
     return 0
