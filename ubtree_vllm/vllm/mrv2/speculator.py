@@ -47,6 +47,10 @@ rows past the step's requests, and every row of a dummy run, name a scratch topo
 the draft graph gathers the lookup histories from it and scatters each tree's topology to its
 request's slot: the draft's FULL CUDA graph writes ``topology`` itself, no launch after it.
 
+With ``coupled_drafting`` (the default) each tree is drafted under the noise its request's draws will take at
+T > 0 (:meth:`UBTreeSpeculator._target_noise`, ``drafter/coupling.py``; docs/design/mrv2.md §11): the request's
+temperature and seed and the keys of its sample rows, from the buffers ``prepare_dflash_inputs`` filled.
+
 Everything inside :meth:`UBTreeSpeculator._generate_draft` is fixed-shape device work (it is
 captured in the draft's FULL CUDA graph); :meth:`propose` adds only fixed-shape launches.
 
