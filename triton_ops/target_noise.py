@@ -139,6 +139,5 @@ def coupled_scores(
 
 
 def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """True when ``@triton.jit`` produced interpreter functions (TRITON_INTERPRET=1 at import), as in tree_attention."""
+    return type(_coupled_scores_kernel).__name__ == "InterpretedFunction"

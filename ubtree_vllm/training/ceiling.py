@@ -36,8 +36,9 @@ import torch
 from ubtree_vllm.config import UBTreeConfig
 from ubtree_vllm.drafter.coupling import CoupledNoise
 from ubtree_vllm.triton_ops.reference import gumbel_noise_reference
-from ubtree_vllm.tree.topology import ancestor_mask
+from ubtree_vllm.tree.topology import DraftTree, ancestor_mask
 from ubtree_vllm.types import DraftContext
+from ubtree_vllm.verify.accept import accept_tree
 
 
 @dataclass
@@ -100,17 +101,14 @@ def accepted_under_noise(probs: torch.Tensor, tokens: Sequence[int], parents: Se
     """Drafts the walk accepts when the target draws ``argmax(log probs[node] + noise[depth(node)])`` at each node
     (its Gumbel-max draw; ``probs`` [n, V] the target's at temperature T, ``noise`` [gamma, V] the noise its draws
     at depths 1..gamma take)."""
-    children: dict[int, dict[int, int]] = {}
-    for j in range(1, len(tokens)):
-        children.setdefault(parents[j], {})[tokens[j]] = j
-    node, accepted = 0, 0
-    while depth[node] < noise.shape[0]:
-        draw = int((probs[node].clamp_min(1e-30).log() + noise[depth[node]]).argmax())
-        node = children.get(node, {}).get(draw, -1)
-        if node < 0:
-            break
-        accepted += 1
-    return accepted
+    gamma = noise.shape[0]
+    node_depth = torch.tensor(depth, device=probs.device)
+    # a node at depth d draws its child's token with depth d + 1's noise (row d); a node at depth gamma draws nothing
+    draws = (probs.clamp_min(1e-30).log() + noise[node_depth.clamp(max=gamma - 1)]).argmax(-1)  # [n]
+    tree = DraftTree(tokens=torch.tensor([list(tokens)], device=probs.device),
+                     parents=torch.tensor([list(parents)], device=probs.device), depth=node_depth[None],
+                     scores=torch.zeros(1, len(tokens), device=probs.device))
+    return int(accept_tree(tree, draws[None], gamma).num_accepted[0])
 
 
 def coupled_tree_accepted(scorer: TreeScorer, cache: Any, ctx_len: int, drafter: Any, draft_ctx: DraftContext,
