@@ -17,6 +17,12 @@ MAX_BLOCK_SIZE = 64
 PAPER_DEFAULTS = {"tree_budget": 64, "beam_width": 12, "top_k": 64, "block_size": 16}
 # Longest n-gram the prompt-lookup branch matches (one batched comparison per n).
 MAX_LOOKUP_N = 16
+# Coupled edges (drafter/coupling.py) score log_softmax(w * log q / T + G). The shipped drafter's selector is flatter
+# than the target's draws: on the CPU ceiling (HF reference, fp32, T = 1, the same noise draws for every w) w = 1.25
+# drafted trees with a higher expected tau than w = 1 on MT-Bench, Spec-Bench and HumanEval (records: method
+# ubtree-coupled, field coupled_edge_weight; docs/design/mrv2.md section 11)
+DEFAULT_COUPLED_EDGE_WEIGHT = 1.25
+MAX_COUPLED_EDGE_WEIGHT = 16.0
 
 
 def _require_int(name: str, value: Any, lo: int, hi: int | float) -> None:
@@ -24,6 +30,15 @@ def _require_int(name: str, value: Any, lo: int, hi: int | float) -> None:
         raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
     if not lo <= value <= hi:
         raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+
+
+def check_coupled_edge_weight(name: str, value: Any) -> float:
+    """A coupled edge weight: a finite number in (0, MAX_COUPLED_EDGE_WEIGHT]; ValueError names ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and 0.0 < value <= MAX_COUPLED_EDGE_WEIGHT):
+        raise ValueError(f"{name} (the weight of the selector's log-probs against the target's noise in a coupled "
+                         f"edge) must be a number in (0, {MAX_COUPLED_EDGE_WEIGHT:g}], got {value!r}")
+    return float(value)
 
 
 def max_tree_nodes(beam_width: int, top_k: int, block_size: int) -> int:
@@ -48,6 +63,8 @@ class UBTreeConfig:
     lookup_edge_logprob (<= 0; 0 keeps the branch in every tree).
     coupled_drafting: at temperature > 0 the candidates and edges are ranked under the target's own
     sampling noise (drafter/coupling.py); Model Runner V2 only (its draws are keyed by seed and position).
+    coupled_edge_weight (w > 0): a coupled edge scores ``log_softmax(w * log q / T + G)``: w > 1 trusts the
+    selector's log-probs more against the noise (drafter/coupling.py says why the default is not 1).
     """
 
     tree_budget: int = PAPER_DEFAULTS["tree_budget"]
@@ -59,6 +76,7 @@ class UBTreeConfig:
     lookup_max_n: int = 4
     lookup_edge_logprob: float = 0.0
     coupled_drafting: bool = False
+    coupled_edge_weight: float = DEFAULT_COUPLED_EDGE_WEIGHT
 
     def __post_init__(self) -> None:
         _require_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
@@ -79,6 +97,7 @@ class UBTreeConfig:
         edge = self.lookup_edge_logprob
         if isinstance(edge, bool) or not isinstance(edge, (int, float)) or not (math.isfinite(edge) and edge <= 0.0):
             raise ValueError(f"lookup_edge_logprob must be a finite log-probability <= 0, got {edge!r}")
+        check_coupled_edge_weight("coupled_edge_weight", self.coupled_edge_weight)
 
     @property
     def num_verify_tokens(self) -> int:

@@ -290,6 +290,35 @@ def test_tree_attention_mode_reaches_the_tree_engines_and_their_records(drafter_
     assert budget_label(record) == "16 (1-8:16,9-16:8,17-32:4,33-1024:2; flash_merge attention)"  # the default policy
 
 
+def test_coupled_edge_weight_reaches_the_coupled_engines_and_their_t1_records(drafter_dir, tmp_path):
+    """--coupled-edge-weight sets speculative_config.coupled_edge_weight of the coupled MRV2 methods only; the records
+    name the weight at T > 0 (where coupling drafts), the serving default when the flag is left out."""
+    from ubtree_vllm.bench.report import budget_label
+    from ubtree_vllm.config import DEFAULT_COUPLED_EDGE_WEIGHT
+
+    settings = settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree-mrv2-lookup", tree_budgets="16",
+                                           top_k=16, coupled_edge_weight="1.5"))
+    run = ubtree_run(settings, 16, "ubtree-mrv2-lookup")
+    assert run.speculative_config["coupled_edge_weight"] == 1.5 and run.coupled_edge_weight == 1.5
+    assert ubtree_run(settings, 16, "ubtree-mrv2-lookup-uncoupled").coupled_edge_weight is None
+    assert ubtree_run(settings, 16, "ubtree").coupled_edge_weight is None  # the V1 runner does not couple
+    result = RunResult(num_requests=8, output_tokens=800, wall_s=1.0, tpot_ms=1.0, tau=3.0, num_drafts=10,
+                       num_accepted=20)
+    kwargs = dict(target="t", drafter=str(drafter_dir), dataset="mt_bench", concurrency=1, max_new_tokens=100,
+                  cuda_graphs=True, speedup=1.5)
+    sampled = rec.append_record(e2e_record(run, result, temperature=1.0, **kwargs), tmp_path / "r.jsonl")
+    assert sampled["coupled_edge_weight"] == 1.5 and "coupled edge weight 1.5" in str(budget_label(sampled))
+    assert e2e_record(run, result, temperature=0.0, **kwargs)["coupled_edge_weight"] is None
+    default = ubtree_run(settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree-mrv2",
+                                                     tree_budgets="16", top_k=16)), 16, "ubtree-mrv2")
+    assert "coupled_edge_weight" not in default.speculative_config
+    assert default.coupled_edge_weight == DEFAULT_COUPLED_EDGE_WEIGHT
+    for bad in ("0", "x", "17"):
+        with pytest.raises(BenchArgumentError, match="--coupled-edge-weight"):
+            settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree-mrv2", tree_budgets="16",
+                                        top_k=16, coupled_edge_weight=bad))
+
+
 def test_tree_attention_modes_run_side_by_side_in_one_invocation(drafter_dir):
     """--tree-attention triton,flash_merge: one engine per tree method, budget and mode (an A/B beside the same ar)."""
     from ubtree_vllm.bench.settings import parse_label

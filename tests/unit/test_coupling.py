@@ -59,7 +59,7 @@ def test_greedy_rows_keep_the_top_k_by_log_prob_and_their_edges():
     assert not torch.equal(tokens[1], plain_tokens[1])  # sampled rows are re-ranked
     root = torch.log_softmax(torch.randn(num_reqs, top_k), -1)
     trans = torch.log_softmax(torch.randn(num_reqs, GAMMA - 1, top_k, top_k), -1)
-    root2, trans2 = couple_edges(root, trans, cand_noise, noise.temperature)
+    root2, trans2 = couple_edges(root, trans, cand_noise, noise.temperature, 1.0)
     assert torch.equal(root2[greedy], root[greedy]) and torch.equal(trans2[greedy], trans[greedy])
     sampled = torch.tensor([1, 3])
     torch.testing.assert_close(root2[sampled].logsumexp(-1), torch.zeros(2))
@@ -67,6 +67,25 @@ def test_greedy_rows_keep_the_top_k_by_log_prob_and_their_edges():
     t = noise.temperature[sampled]
     want = torch.log_softmax(root[sampled] / t[:, None] + cand_noise[sampled, 0], -1)
     torch.testing.assert_close(root2[sampled], want)
+
+
+def test_the_edge_weight_scales_the_selectors_log_probs_against_the_noise():
+    """log_softmax(w * log q / T + G) on sampled rows; greedy rows keep the selector's edges at every w."""
+    num_reqs, top_k, w = 3, 5, 1.25
+    noise = noise_for(num_reqs, [1.0, 0.0, 0.7], seed=3)
+    logp = torch.log_softmax(torch.randn(num_reqs, GAMMA, VOCAB, generator=torch.Generator().manual_seed(8)), -1)
+    _, _, cand_noise = coupled_candidates(logp, top_k, noise)
+    gen = torch.Generator().manual_seed(9)
+    root = torch.log_softmax(torch.randn(num_reqs, top_k, generator=gen), -1)
+    trans = torch.log_softmax(torch.randn(num_reqs, GAMMA - 1, top_k, top_k, generator=gen), -1)
+    root_w, trans_w = couple_edges(root, trans, cand_noise, noise.temperature, w)
+    t = noise.temperature.clamp(min=1e-9)
+    for r in (0, 2):
+        torch.testing.assert_close(root_w[r], torch.log_softmax(w * root[r] / t[r] + cand_noise[r, 0], -1))
+        torch.testing.assert_close(trans_w[r], torch.log_softmax(w * trans[r] / t[r] + cand_noise[r, 1:, None, :], -1))
+    assert torch.equal(root_w[1], root[1]) and torch.equal(trans_w[1], trans[1])
+    root_1, _ = couple_edges(root, trans, cand_noise, noise.temperature, 1.0)
+    assert not torch.allclose(root_w[0], root_1[0])  # the weight reaches the edges
 
 
 def test_drafted_trees_are_unchanged_at_temperature_zero_and_coupled_above():
@@ -98,3 +117,21 @@ def test_the_spec_key_takes_true_or_false(value, tmp_path):
     assert parse_speculative_config({**spec, "coupled_drafting": False}, target).tree.coupled_drafting is False
     with pytest.raises(ValueError, match=r"speculative_config.coupled_drafting .* must be true or false"):
         parse_speculative_config({**spec, "coupled_drafting": value}, target)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), 17, True, "1.5"])
+def test_the_edge_weight_key_takes_a_positive_number(value, tmp_path):
+    from ubtree_vllm.config import DEFAULT_COUPLED_EDGE_WEIGHT
+    from ubtree_vllm.drafter.io import save_drafter
+    from ubtree_vllm.drafter.proposer import UBTreeDrafter
+    from ubtree_vllm.vllm.config import TargetInfo, parse_speculative_config
+
+    from test_mrv2_speculator import drafter_config
+
+    save_drafter(UBTreeDrafter(drafter_config()), tmp_path / "d")
+    target = TargetInfo(architectures=("LlamaForCausalLM",), vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=4)
+    spec = {"method": "ubtree", "model": str(tmp_path / "d"), "num_speculative_tokens": 8}
+    assert parse_speculative_config(spec, target).tree.coupled_edge_weight == DEFAULT_COUPLED_EDGE_WEIGHT
+    assert parse_speculative_config({**spec, "coupled_edge_weight": 2}, target).tree.coupled_edge_weight == 2.0
+    with pytest.raises(ValueError, match=r"speculative_config.coupled_edge_weight .* must be a number in \(0, 16\]"):
+        parse_speculative_config({**spec, "coupled_edge_weight": value}, target)

@@ -133,4 +133,40 @@ def test_coupled_tree_of_a_perfect_drafter_accepts_every_depth():
     tree = UBTreeConfig(tree_budget=gamma, beam_width=1, top_k=1, block_size=gamma)
     mean = coupled_tree_accepted(Scorer(), None, 4, Drafter(), ctx, tree, samples=6,
                                  gen=torch.Generator().manual_seed(0))
-    assert mean == gamma
+    assert mean == {tree.coupled_edge_weight: gamma}
+
+
+def test_coupled_weights_are_scored_under_the_same_noise_draws():
+    """Each noise draw drafts one tree per coupled edge weight, with that weight and that draw's seed, so the weights
+    compare pair by pair; the means come back per weight."""
+    from ubtree_vllm.config import UBTreeConfig
+    from ubtree_vllm.training.ceiling import coupled_tree_accepted
+    from ubtree_vllm.types import DraftContext
+
+    gamma, vocab = 2, 4
+    calls = []
+
+    class Scorer:
+        temperature = 1.0
+
+        def probs(self, cache, ctx_len, tokens, parents, depth):
+            return torch.full((len(tokens), vocab), 1 / vocab)
+
+    class Drafter:
+        cfg = type("cfg", (), {"vocab_size": vocab})
+
+        def draft_tree(self, ctx, tree, noise):
+            calls.append((tree.coupled_edge_weight, int(noise.seeds[0])))
+            return type("tree", (), {"tokens": torch.tensor([[7]]), "parents": torch.tensor([[-1]]),
+                                     "depth": torch.tensor([[0]])})
+
+    ctx = DraftContext(anchor=torch.tensor([7]), anchor_pos=torch.tensor([4]), features=torch.zeros(1, 4, 1),
+                       positions=torch.arange(4)[None], valid=torch.ones(1, 4, dtype=torch.bool),
+                       tokens=torch.zeros(1, 4, dtype=torch.long))
+    tree = UBTreeConfig(tree_budget=gamma, beam_width=1, top_k=1, block_size=gamma)
+    means = coupled_tree_accepted(Scorer(), None, 4, Drafter(), ctx, tree, samples=3,
+                                  gen=torch.Generator().manual_seed(0), weights=[1.0, 2.5])
+    assert means == {1.0: 0.0, 2.5: 0.0}  # root-only trees accept nothing
+    assert [w for w, _ in calls] == [1.0, 2.5] * 3
+    seeds = [seed for _, seed in calls]
+    assert seeds[0::2] == seeds[1::2] and len(set(seeds[0::2])) == 3

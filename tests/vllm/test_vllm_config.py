@@ -202,7 +202,8 @@ def test_missing_or_broken_drafter_folder(tiny_drafter, tmp_path):
 def test_spec_keys_are_documented():
     assert set(SPEC_KEYS) == {"method", "model", "num_speculative_tokens", "beam_width", "top_k", "prompt_lookup",
                               "prompt_lookup_min", "prompt_lookup_max", "num_speculative_tokens_per_batch_size",
-                              "budget_policy", "tree_attention", "coupled_drafting"}
+                              "budget_policy", "tree_attention", "coupled_drafting",
+                              "coupled_edge_weight"}
 
 
 def test_from_vllm_config_recognises_only_the_rewritten_form(tiny_drafter):

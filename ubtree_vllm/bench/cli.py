@@ -52,6 +52,9 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated speculative_config.tree_attention modes ({', '.join(TREE_ATTENTION_MODES)}; "
                              "CUDA), each tree method runs once per mode: triton walks each tree row's context; "
                              "flash_merge has FlashAttention attend the context and adds the path")
+    parser.add_argument("--coupled-edge-weight", default=None, metavar="W",
+                        help="speculative_config.coupled_edge_weight of the coupled tree methods (ubtree-mrv2, "
+                             "ubtree-mrv2-lookup) at T > 0 (default: the serving default)")
     parser.add_argument("--beam-width", type=int, default=12, help="W (capped at B)")
     parser.add_argument("--top-k", type=int, default=64, help="K")
     parser.add_argument("--ngram-k", type=int, default=8,

@@ -124,6 +124,8 @@ def e2e_record(run: MethodRun, result: RunResult, *, target: str, drafter: str |
         "cuda_graphs": cuda_graphs, "tree_budget": run.tree_budget, "beam_width": run.beam_width,
         "top_k": run.top_k, "block_size": run.block_size, "budget_schedule": run.budget_schedule,
         "tree_attention": run.tree_attention,
+        # at T = 0 coupling changes nothing: the record names a weight only where the trees used one
+        "coupled_edge_weight": run.coupled_edge_weight if temperature > 0 else None,
         "tau": None if result.tau is None else round(result.tau, 4),
         "output_tokens_per_s": round(result.tokens_per_s, 3),
         "tpot_ms": None if result.tpot_ms is None else round(result.tpot_ms, 4),

@@ -12,6 +12,8 @@ The field set is the one of the project's benchmark-records design note:
             tree_attention (optional: the CUDA tree-attention mode when not the default "triton"),
             sampling_options (optional: the named sampling option every request carried,
             bench/sampling_options.py)
+            coupled_edge_weight (optional: the coupled edge weight w of a tree drafted under the target's
+            noise at T > 0, drafter/coupling.py)
   results:  tau, output_tokens_per_s, tpot_ms, speedup_vs_ar   (kind "e2e")
             metric, value, unit                                 (kind "microbench")
             loss, tokens_seen, wall_time_s, steps               (kind "train"; the
@@ -48,6 +50,7 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "num_prompts": _INT, "max_new_tokens": _INT, "temperature": _NUM, "batch_size": _INT,
     "concurrency": _INT, "tp": _INT, "cuda_graphs": _BOOL,
     "tree_budget": _INT, "beam_width": _INT, "top_k": _INT, "block_size": _INT, "budget_schedule": _STR, "tree_attention": _STR,
+    "coupled_edge_weight": _NUM,
     "sampling_options": _STR,
     "tau": _NUM, "output_tokens_per_s": _NUM, "tpot_ms": _NUM, "speedup_vs_ar": _NUM,
     "metric": _STR, "value": _NUM, "unit": _STR,

@@ -61,14 +61,16 @@ METHOD_ORDER = ("ar", NGRAM_METHOD, "dflash-chain", "ubtree-chain", "ubtree-sing
 # cumulative_label_rows: a train record's, or a bench record's drafter training (two trainings of one folder differ)
 _IDENTITY = ("kind", "method", "target", "drafter", "dataset", "temperature", "tree_budget", "beam_width", "top_k",
              "block_size", "batch_size", "concurrency", "tp", "cuda_graphs", "num_prompts", "max_new_tokens",
-             "hardware", "metric", "cumulative_label_rows", "budget_schedule", "tree_attention", "sampling_options")
+             "hardware", "metric", "cumulative_label_rows", "budget_schedule", "tree_attention", "sampling_options",
+             "coupled_edge_weight")
 
 
 def budget_label(r: dict[str, Any]) -> Any:
-    """The B cell: the tree budget, with the per-batch-size schedule where the run had one (load-adaptive) and the
-    tree-attention mode where it was not the default."""
-    extras = [x for x in (r.get("budget_schedule"), r.get("tree_attention") and f"{r['tree_attention']} attention")
-              if x]
+    """The B cell: the tree budget, with the per-batch-size schedule where the run had one (load-adaptive), the
+    tree-attention mode where it was not the default and the coupled edge weight where the record names one."""
+    weight = r.get("coupled_edge_weight")
+    extras = [x for x in (r.get("budget_schedule"), r.get("tree_attention") and f"{r['tree_attention']} attention",
+                          weight is not None and f"coupled edge weight {weight:g}") if x]
     return f"{r['tree_budget']} ({'; '.join(extras)})" if extras else r["tree_budget"]
 
 

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from ubtree_vllm.bench.sampling_options import check_sampling_options
-from ubtree_vllm.config import MAX_LOOKUP_N, MAX_TREE_BUDGET, max_tree_nodes
+from ubtree_vllm.config import (DEFAULT_COUPLED_EDGE_WEIGHT, MAX_LOOKUP_N, MAX_TREE_BUDGET, check_coupled_edge_weight,
+                                max_tree_nodes)
 from ubtree_vllm.eval_datasets import EVAL_DATASETS, allowed_datasets
 from ubtree_vllm.vllm.config import TREE_ATTENTION_MODES
 
@@ -89,6 +90,8 @@ class MethodRun:
     budget_schedule: str | None = None
     # speculative_config.tree_attention when not the default "triton" (None)
     tree_attention: str | None = None
+    # the coupled edge weight a coupled tree method drafts with at T > 0 (drafter/coupling.py); None: no coupling
+    coupled_edge_weight: float | None = None
 
     @property
     def uses_drafter(self) -> bool:
@@ -151,6 +154,8 @@ class E2ESettings:
     # --interleave K: every engine up at once, each cell's prompts in K chunks the engines run in turn
     # (bench/interleave.py); 1 -- one engine after the other
     interleave: int = 1
+    # --coupled-edge-weight: speculative_config.coupled_edge_weight of the coupled tree methods; None: the serving default
+    coupled_edge_weight: float | None = None
     # Drafter facts read from its config.json (None without a drafter).
     block_size: int | None = field(default=None, compare=False)
     vocab_size: int | None = field(default=None, compare=False)
@@ -166,6 +171,20 @@ def parse_list(flag: str, text: str, convert: Callable[[str], Any], what: str) -
         return tuple(convert(item) for item in items)
     except ValueError:
         raise BenchArgumentError(f"{flag} must be a comma-separated list of {what}, got {text!r}") from None
+
+
+def _edge_weight(text: str | None) -> float | None:
+    """--coupled-edge-weight: None (the serving default) or a weight in (0, MAX_COUPLED_EDGE_WEIGHT]."""
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise BenchArgumentError(f"--coupled-edge-weight must be a number, got {text!r}") from None
+    try:
+        return check_coupled_edge_weight("--coupled-edge-weight", value)
+    except ValueError as exc:
+        raise BenchArgumentError(str(exc)) from None
 
 
 def parse_budget_schedule(text: str | None) -> tuple[tuple[int, int, int], ...] | None:
@@ -352,6 +371,7 @@ def settings_from_args(args: argparse.Namespace, check_datasets: bool = True) ->
         fixed_budget=getattr(args, "fixed_budget", False),
         tree_attention=parse_list("--tree-attention", getattr(args, "tree_attention", "triton"), str, "modes"),
         interleave=getattr(args, "interleave", 1),
+        coupled_edge_weight=_edge_weight(getattr(args, "coupled_edge_weight", None)),
         sampling_options=parse_list("--sampling-options", args.sampling_options, str, "option names")
         if getattr(args, "sampling_options", None) else (),
     ), check_datasets=check_datasets)
@@ -371,9 +391,14 @@ def ubtree_run(settings: E2ESettings, budget: int, method: str = "ubtree", tree_
         note += f" prompt-lookup branch, lookup window {settings.ngram_lookup_min}-{settings.ngram_lookup_max} tokens"
     else:  # the plain tree, whatever the serving default
         spec["prompt_lookup"] = False
+    edge_weight = None
     if method in UNCOUPLED_METHODS:
         spec["coupled_drafting"] = False
         note += " coupled_drafting false"
+    elif env.get("UBTREE_VLLM_RUNNER") == "mrv2":  # coupled drafting, the serving default (no effect on V1)
+        edge_weight = DEFAULT_COUPLED_EDGE_WEIGHT
+        if settings.coupled_edge_weight is not None:
+            spec["coupled_edge_weight"] = edge_weight = settings.coupled_edge_weight
     schedule = None
     if settings.budget_schedule is not None:
         spec["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in settings.budget_schedule]
@@ -393,7 +418,7 @@ def ubtree_run(settings: E2ESettings, budget: int, method: str = "ubtree", tree_
         note += f" tree_attention={attention}"
     return MethodRun(method, spec, tree_budget=budget, beam_width=width, top_k=settings.top_k,
                      block_size=settings.block_size, note=note, env=dict(env), budget_schedule=schedule,
-                     tree_attention=attention)
+                     tree_attention=attention, coupled_edge_weight=edge_weight)
 
 
 def ngram_run(settings: E2ESettings) -> MethodRun:

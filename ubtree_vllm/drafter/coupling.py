@@ -13,8 +13,15 @@ a position (its own draw with its own noise, the one non-speculative decoding ma
 
 * candidates: the top K of ``logp_d / T + G_d`` per depth (``logp_d`` itself at T = 0, so greedy drafting is
   unchanged bit for bit);
-* edges: the selector's normalised log-probs ``log q_d(b | a)`` become ``log_softmax_b(log q_d(b | a) / T +
+* edges: the selector's normalised log-probs ``log q_d(b | a)`` become ``log_softmax_b(w * log q_d(b | a) / T +
   G_d(b))`` over the K candidates, so the beam and the pruning prefer the branches the noise favours.
+
+The edge weight ``w`` (``UBTreeConfig.coupled_edge_weight``): were ``q`` the target's distribution, ``w = 1`` would
+make an edge the exact probability that the target's draw takes it. The shipped selector's ``q`` is flatter than the
+target's (it must hedge over paths it cannot see), so at ``w = 1`` the noise outweighs it, and the CPU ceiling
+(``ubtree eval-tau --ceiling --coupled-edge-weights``, the same noise draws for every ``w``) scores trees drafted at
+``w`` = 1.25 above those at 1 on all three sets (config.DEFAULT_COUPLED_EDGE_WEIGHT). The candidates (the top K of
+``logp / T + G``) do not depend on ``w``.
 """
 from __future__ import annotations
 
@@ -60,13 +67,15 @@ def couple_edges(
         # [N, K] root -> depth-1 and [N, gamma - 1, K, K] depth d+1 -> d+2 normalised edge log-probs (the selector's)
         root_logp: torch.Tensor, trans_logp: torch.Tensor,
         # [N, gamma, K] the candidates' noise (coupled_candidates), [N] temperatures
-        cand_noise: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The edges under the target's noise: ``log_softmax(logq / T + G)`` over each edge row's K children where
+        cand_noise: torch.Tensor, temperature: torch.Tensor,
+        # w > 0, the selector's weight against the noise (module docstring)
+        weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The edges under the target's noise: ``log_softmax(w * logq / T + G)`` over each edge row's K children where
     T > 0; unchanged where T = 0. Shapes as given."""
     temp = temperature.float()
-    safe = torch.where(temp > 0, temp, 1.0)
-    root = torch.log_softmax(root_logp.float() / safe[:, None] + cand_noise[:, 0], dim=-1)
-    trans = torch.log_softmax(trans_logp.float() / safe[:, None, None, None] + cand_noise[:, 1:, None, :], dim=-1)
+    scale = weight / torch.where(temp > 0, temp, 1.0)  # [N]
+    root = torch.log_softmax(root_logp.float() * scale[:, None] + cand_noise[:, 0], dim=-1)
+    trans = torch.log_softmax(trans_logp.float() * scale[:, None, None, None] + cand_noise[:, 1:, None, :], dim=-1)
     coupled = temp > 0
     return (torch.where(coupled[:, None], root, root_logp.float()),
             torch.where(coupled[:, None, None, None], trans, trans_logp.float()))

@@ -161,7 +161,8 @@ class UBTreeDrafter(nn.Module):
                                                                self.embed_weight)
         if cands.noise is not None:
             assert cands.temperature is not None, "coupled candidates carry their temperatures"
-            root_logp, trans_logp = couple_edges(root_logp, trans_logp, cands.noise, cands.temperature)
+            root_logp, trans_logp = couple_edges(root_logp, trans_logp, cands.noise, cands.temperature,
+                                                 tree_cfg.coupled_edge_weight)
         tokens = cands.tokens
         if chain is not None:
             tokens, root_logp, trans_logp = inject_chain(tokens, root_logp, trans_logp, *chain,

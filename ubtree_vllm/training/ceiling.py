@@ -21,10 +21,13 @@ At T > 0 a third tree is scored: ``coupled``, the drafter's tree drafted under t
 take (drafter/coupling.py; Model Runner V2 serves it). Its nodes depend on the noise, so E[tau] is a Monte Carlo
 mean over ``coupled_samples`` noise draws per context (a random seed each, keys at the nodes' positions as
 serving keys them): the drafted tree's nodes are walked with the target's own Gumbel-max draws under that noise.
-The best tree's bound holds for trees drafted without knowing the noise; a coupled tree can exceed it.
+It is scored at each of ``coupled_weights`` (the coupled edge weight w), every w under the same noise draws, so
+the weights compare pair by pair. The best tree's bound holds for trees drafted without knowing the noise; a
+coupled tree can exceed it.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 from collections.abc import Callable, Sequence
@@ -49,18 +52,19 @@ class CeilingResult:
     drafter_tau: float  # mean E[tau] of the drafter's tree
     best_tau: float  # mean E[tau] of the best tree (the ceiling)
     wall_s: float
-    coupled_tau: float | None = None  # mean tau of the coupled tree (T > 0, Monte Carlo); None: not scored
+    # mean tau of the coupled tree per coupled edge weight (T > 0, Monte Carlo); None: not scored
+    coupled_tau: dict[float, float] | None = None
 
 
 @dataclass
 class CeilingScores:
     """Means over the contexts of one rollout set: E[tau] of the drafter's tree, of the best tree, and (T > 0 with
-    coupled samples) the Monte Carlo tau of the coupled tree."""
+    coupled samples) the Monte Carlo tau of the coupled tree at each coupled edge weight."""
 
     drafter: float
     best: float
     num_contexts: int
-    coupled: float | None = None
+    coupled: dict[float, float] | None = None
 
 
 class TreeScorer:
@@ -112,22 +116,27 @@ def accepted_under_noise(probs: torch.Tensor, tokens: Sequence[int], parents: Se
 
 
 def coupled_tree_accepted(scorer: TreeScorer, cache: Any, ctx_len: int, drafter: Any, draft_ctx: DraftContext,
-                          tree: UBTreeConfig, samples: int, gen: torch.Generator) -> float:
-    """Mean accepted drafts of the coupled tree over ``samples`` noise draws (module docstring)."""
+                          tree: UBTreeConfig, samples: int, gen: torch.Generator,
+                          weights: Sequence[float] | None = None) -> dict[float, float]:
+    """Mean accepted drafts of the coupled tree over ``samples`` noise draws, per coupled edge weight (default: the
+    tree's own), every weight under the same draws (module docstring)."""
     device = draft_ctx.anchor.device
     key_pos = ctx_len + torch.arange(tree.block_size, device=device)  # depth d is drawn by the row at ctx_len + d - 1
     vocab = torch.arange(drafter.cfg.vocab_size, device=device)
-    total = 0
+    trees = {float(w): dataclasses.replace(tree, coupled_edge_weight=float(w))
+             for w in (weights or (tree.coupled_edge_weight,))}
+    total = dict.fromkeys(trees, 0)
     for _ in range(samples):
         seed = torch.randint(0, 2 ** 62, (1,), generator=gen).to(device)
         noise = CoupledNoise(temperature=torch.tensor([scorer.temperature], device=device), seeds=seed,
                              key_pos=key_pos[None])
-        t = drafter.draft_tree(draft_ctx, tree, noise)
-        tokens, parents, depth = t.tokens[0].tolist(), t.parents[0].tolist(), t.depth[0].tolist()
         keyed = gumbel_noise_reference(seed, key_pos[:, None], vocab[None, :]).float()  # [gamma, V]
-        total += accepted_under_noise(scorer.probs(cache, ctx_len, tokens, parents, depth), tokens, parents, depth,
-                                      keyed)
-    return total / samples
+        for weight, weighted in trees.items():
+            t = drafter.draft_tree(draft_ctx, weighted, noise)
+            tokens, parents, depth = t.tokens[0].tolist(), t.parents[0].tolist(), t.depth[0].tolist()
+            total[weight] += accepted_under_noise(scorer.probs(cache, ctx_len, tokens, parents, depth), tokens,
+                                                  parents, depth, keyed)
+    return {weight: count / samples for weight, count in total.items()}
 
 
 def best_tree_accepted(scorer: TreeScorer, cache: Any, ctx_len: int, root: int, budget: int, max_depth: int) -> float:
@@ -156,15 +165,17 @@ def best_tree_accepted(scorer: TreeScorer, cache: Any, ctx_len: int, root: int, 
 @torch.no_grad()
 def tree_ceiling(target: torch.nn.Module, drafter: Any, prompts: Sequence[Sequence[int]], temperature: float,
                  tree: UBTreeConfig, every: int, max_new_tokens: int, eos: Sequence[int], seed: int = 0,
-                 coupled_samples: int = 0) -> CeilingScores:
-    """Mean drafter and best-tree E[tau] over anchors of the target's rollouts, and the coupled tree's (T > 0 and
-    ``coupled_samples`` > 0)."""
+                 coupled_samples: int = 0, coupled_weights: Sequence[float] | None = None) -> CeilingScores:
+    """Mean drafter and best-tree E[tau] over anchors of the target's rollouts, and the coupled tree's at each of
+    ``coupled_weights`` (default: the tree's own weight; T > 0 and ``coupled_samples`` > 0)."""
     from transformers import DynamicCache
 
     device = next(target.parameters()).device
     scorer = TreeScorer(target, temperature, tree.block_size)
     layer_ids = drafter.cfg.target_layer_ids
-    drafted = best = coupled = 0.0
+    drafted = best = 0.0
+    weights = [float(w) for w in (coupled_weights or (tree.coupled_edge_weight,))]
+    coupled = dict.fromkeys(weights, 0.0)
     count = 0
     torch.manual_seed(seed)
     noise_gen = torch.Generator().manual_seed(seed)
@@ -191,21 +202,24 @@ def tree_ceiling(target: torch.nn.Module, drafter: Any, prompts: Sequence[Sequen
             drafted += expected_accepted(scorer.probs(cache, n, tokens, parents, depth), tokens, parents)
             best += best_tree_accepted(scorer, cache, n, root, tree.tree_budget, tree.block_size)
             if score_coupled:
-                coupled += coupled_tree_accepted(scorer, cache, n, drafter, draft_ctx, tree, coupled_samples,
-                                                 noise_gen)
+                for weight, accepted in coupled_tree_accepted(scorer, cache, n, drafter, draft_ctx, tree,
+                                                              coupled_samples, noise_gen, weights).items():
+                    coupled[weight] += accepted
             count += 1
     if count == 0:
         raise ValueError("no context to score: every rollout ended before its first anchor")
     return CeilingScores(1.0 + drafted / count, 1.0 + best / count, count,
-                         1.0 + coupled / count if score_coupled else None)
+                         {w: 1.0 + c / count for w, c in coupled.items()} if score_coupled else None)
 
 
 def evaluate_ceiling(drafter_dir: str, target: str, datasets: Sequence[str], temperatures: Sequence[float],
                      num_prompts: int | None, tree: UBTreeConfig, every: int, max_new_tokens: int, data_dir: str,
                      device: str, seed: int, records_path: str | None,
-                     log: Callable[[str], None] = print, coupled_samples: int = 8) -> list[CeilingResult]:
-    """One pair of microbench records (drafter, best) per dataset x temperature, and one of the coupled tree at
-    T > 0 (``coupled_samples`` noise draws per context; 0: none)."""
+                     log: Callable[[str], None] = print, coupled_samples: int = 8,
+                     coupled_weights: Sequence[float] | None = None) -> list[CeilingResult]:
+    """One pair of microbench records (drafter, best) per dataset x temperature, and at T > 0 one of the coupled tree
+    per coupled edge weight (``coupled_weights``, default the tree's own; ``coupled_samples`` noise draws per
+    context; 0: none)."""
     from ubtree_vllm.training.data import chat_prompt_ids
     from ubtree_vllm.training.evaluate import load_eval_prompts, load_target_and_drafter
 
@@ -224,13 +238,14 @@ def evaluate_ceiling(drafter_dir: str, target: str, datasets: Sequence[str], tem
         for temperature in temperatures:
             started = time.monotonic()
             scores = tree_ceiling(model, drafter, prompts, float(temperature), tree, every, max_new_tokens, eos, seed,
-                                  coupled_samples)
+                                  coupled_samples, coupled_weights)
             drafter_tau, best_tau, count = scores.drafter, scores.best, scores.num_contexts
             result = CeilingResult(dataset, float(temperature), count, drafter_tau, best_tau,
                                    time.monotonic() - started, scores.coupled)
             results.append(result)
             coupled_text = "" if scores.coupled is None else \
-                f", coupled tree {scores.coupled:.3f} ({coupled_samples} noise draws per context)"
+                ", coupled tree " + ", ".join(f"{tau:.3f} at w={w:g}" for w, tau in scores.coupled.items()) + \
+                f" ({coupled_samples} noise draws per context)"
             log(f"eval-tau --ceiling: {dataset} T={temperature:g} B={tree.tree_budget} W={tree.beam_width}: drafter "
                 f"tree E[tau] {drafter_tau:.3f}, best tree {best_tau:.3f}{coupled_text} over {count} contexts, "
                 f"{result.wall_s:.0f}s")
@@ -240,14 +255,15 @@ def evaluate_ceiling(drafter_dir: str, target: str, datasets: Sequence[str], tem
                 note = (f"expected acceptance length at {count} contexts (an anchor every {every} response tokens of "
                         f"the target's own T={temperature:g} rollouts of {len(prompts)} prompts, <= {max_new_tokens} "
                         "tokens each), target probabilities in the HF reference (training/ceiling.py)")
-                scored = [("ubtree", drafter_tau, "the drafter's tree (no lookup branch)"),
+                scored = [("ubtree", drafter_tau, "the drafter's tree (no lookup branch)", None),
                           ("best-tree", best_tau, "the best tree of B nodes, depth <= gamma: the ceiling of any "
-                                                  "drafter that does not know the target's noise")]
-                if scores.coupled is not None:
-                    scored.append(("ubtree-coupled", scores.coupled,
+                                                  "drafter that does not know the target's noise", None)]
+                for weight, tau in (scores.coupled or {}).items():
+                    scored.append(("ubtree-coupled", tau,
                                    f"the drafter's tree drafted under the target's sampling noise (coupled drafting, "
-                                   f"no lookup branch): mean over {coupled_samples} noise draws per context"))
-                for method, value, what in scored:
+                                   f"coupled edge weight {weight:g}, no lookup branch): mean over {coupled_samples} "
+                                   f"noise draws per context, the same draws for every weight", weight))
+                for method, value, what, weight in scored:
                     append_record({
                         "kind": "microbench", "metric": "expected_tau", "value": round(value, 4),
                         "unit": "tokens per round", "method": method, "target": drafter.cfg.target_name,
@@ -255,5 +271,6 @@ def evaluate_ceiling(drafter_dir: str, target: str, datasets: Sequence[str], tem
                         "max_new_tokens": max_new_tokens, "temperature": float(temperature), "batch_size": 1,
                         "tp": 1, "cuda_graphs": False, "hardware": hardware(dev.type),
                         "tree_budget": tree.tree_budget, "beam_width": tree.beam_width, "top_k": tree.top_k,
-                        "block_size": tree.block_size, "notes": f"{what}; {note}"}, path=records_path)
+                        "block_size": tree.block_size, "coupled_edge_weight": weight, "notes": f"{what}; {note}"},
+                        path=records_path)
     return results

@@ -70,6 +70,9 @@ def add_eval_tau_args(parser: argparse.ArgumentParser) -> None:
                         help="--ceiling: an anchor every N response tokens of each rollout")
     parser.add_argument("--coupled-samples", type=int, default=8,
                         help="--ceiling at T > 0: noise draws per context for the coupled tree's tau (0: not scored)")
+    parser.add_argument("--coupled-edge-weights", default=None, metavar="W[,W...]",
+                        help="--ceiling at T > 0: score the coupled tree at each coupled edge weight w, all under the "
+                             "same noise draws (default: the serving default, config.DEFAULT_COUPLED_EDGE_WEIGHT)")
 
 
 def _settings(args: argparse.Namespace, section: str, flags: dict[str, object]) -> dict[str, object]:
@@ -125,6 +128,13 @@ def _split(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _number(flag: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+
+
 def run_eval_tau(args: argparse.Namespace) -> int:
     from ubtree_vllm.training.evaluate import evaluate
 
@@ -146,7 +156,7 @@ def run_eval_tau(args: argparse.Namespace) -> int:
 
 
 def _run_ceiling(args: argparse.Namespace) -> int:
-    from ubtree_vllm.config import UBTreeConfig
+    from ubtree_vllm.config import UBTreeConfig, check_coupled_edge_weight
     from ubtree_vllm.drafter.config import DrafterConfig
     from ubtree_vllm.training.ceiling import evaluate_ceiling
 
@@ -154,15 +164,19 @@ def _run_ceiling(args: argparse.Namespace) -> int:
         gamma = DrafterConfig.load(args.drafter).block_size
         tree = UBTreeConfig(tree_budget=args.tree_budget, beam_width=min(args.beam_width, args.tree_budget),
                             top_k=args.top_k, block_size=gamma)
+        weights = None if args.coupled_edge_weights is None else \
+            [check_coupled_edge_weight("--coupled-edge-weights", _number("--coupled-edge-weights", w))
+             for w in _split(args.coupled_edge_weights)]
         results = evaluate_ceiling(args.drafter, args.target, _split(args.datasets),
                                    [float(t) for t in _split(args.temperatures)], args.num_prompts, tree, args.every,
                                    args.max_new_tokens, args.data_dir, args.device, args.seed,
-                                   None if args.no_record else args.records, coupled_samples=args.coupled_samples)
+                                   None if args.no_record else args.records, coupled_samples=args.coupled_samples,
+                                   coupled_weights=weights)
     except (ValueError, FileNotFoundError) as exc:
         raise _command_error(exc) from exc
     print("dataset       T    contexts  drafter tree  best tree  coupled tree")
     for r in results:
-        coupled = "-" if r.coupled_tau is None else f"{r.coupled_tau:.3f}"
+        coupled = "-" if r.coupled_tau is None else ", ".join(f"{tau:.3f} (w={w:g})" for w, tau in r.coupled_tau.items())
         print(f"{r.dataset:<12} {r.temperature:<4g} {r.num_contexts:<9d} {r.drafter_tau:<13.3f} {r.best_tau:<10.3f} "
               f"{coupled}")
     return 0

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from ubtree_vllm.config import MAX_LOOKUP_N, PAPER_DEFAULTS, UBTreeConfig, max_tree_nodes
+from ubtree_vllm.config import (DEFAULT_COUPLED_EDGE_WEIGHT, MAX_LOOKUP_N, PAPER_DEFAULTS, UBTreeConfig,
+                                 check_coupled_edge_weight, max_tree_nodes)
 from ubtree_vllm.drafter.config import CONFIG_FILE, WEIGHTS_FILE, DrafterConfig
 
 METHOD = "ubtree"
@@ -102,7 +103,7 @@ DEFAULT_PROMPT_LOOKUP = True
 DEFAULT_COUPLED_DRAFTING = True
 SPEC_KEYS = ("method", "model", "num_speculative_tokens", "beam_width", "top_k", "prompt_lookup",
              "prompt_lookup_min", "prompt_lookup_max", "num_speculative_tokens_per_batch_size", "budget_policy",
-             "tree_attention", "coupled_drafting")
+             "tree_attention", "coupled_drafting", "coupled_edge_weight")
 # How the tree budget follows the load when num_speculative_tokens_per_batch_size is not given:
 # "load_adaptive" -- on Model Runner V2, default_budget_schedule(B); "fixed" -- B at every step. The V1 runner
 # keeps B fixed unless a schedule is given (vLLM compiles only PIECEWISE graphs for a schedule there; not measured).
@@ -307,8 +308,11 @@ def parse_speculative_config(spec: Mapping[str, Any], target: TargetInfo) -> UBT
     if not isinstance(coupled, bool):
         raise ValueError(f"speculative_config.coupled_drafting (at temperature > 0, draft under the target's own "
                          f"sampling noise; Model Runner V2) must be true or false, got {coupled!r}")
+    edge_weight = check_coupled_edge_weight("speculative_config.coupled_edge_weight",
+                                            spec.get("coupled_edge_weight", DEFAULT_COUPLED_EDGE_WEIGHT))
     tree = UBTreeConfig(tree_budget=budget, beam_width=width, top_k=top_k, block_size=drafter.block_size,
-                        prompt_lookup=lookup, lookup_min_n=min_n, lookup_max_n=max_n, coupled_drafting=coupled)
+                        prompt_lookup=lookup, lookup_min_n=min_n, lookup_max_n=max_n, coupled_drafting=coupled,
+                        coupled_edge_weight=edge_weight)
     tree.check_vocab(target.vocab_size)
     policy = spec.get("budget_policy", DEFAULT_BUDGET_POLICY)
     if policy not in BUDGET_POLICIES:
