@@ -16,7 +16,8 @@ _CELL = ("dataset", "temperature", "concurrency")
 # The e2e record fields a derived microbench record copies (what ran, on which drafter and its training).
 CARRIED = ("method", "target", "drafter", "dataset", "num_prompts", "max_new_tokens", "temperature", "batch_size",
            "concurrency", "tp", "cuda_graphs", "tree_budget", "beam_width", "top_k", "block_size",
-           "budget_schedule", "tree_attention", "cumulative_label_rows", "cumulative_distinct_tokens")
+           "budget_schedule", "tree_attention", "coupled_edge_weight", "cumulative_label_rows",
+           "cumulative_distinct_tokens")
 
 
 def round_cost_records(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
