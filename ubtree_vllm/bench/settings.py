@@ -391,11 +391,12 @@ def ubtree_run(settings: E2ESettings, budget: int, method: str = "ubtree", tree_
         note += f" prompt-lookup branch, lookup window {settings.ngram_lookup_min}-{settings.ngram_lookup_max} tokens"
     else:  # the plain tree, whatever the serving default
         spec["prompt_lookup"] = False
+    on_mrv2 = env.get("UBTREE_VLLM_RUNNER") == "mrv2"
     edge_weight = None
     if method in UNCOUPLED_METHODS:
         spec["coupled_drafting"] = False
         note += " coupled_drafting false"
-    elif env.get("UBTREE_VLLM_RUNNER") == "mrv2":  # coupled drafting, the serving default (no effect on V1)
+    elif on_mrv2:  # coupled drafting, the serving default (no effect on V1)
         edge_weight = DEFAULT_COUPLED_EDGE_WEIGHT
         if settings.coupled_edge_weight is not None:
             spec["coupled_edge_weight"] = edge_weight = settings.coupled_edge_weight
@@ -407,7 +408,7 @@ def ubtree_run(settings: E2ESettings, budget: int, method: str = "ubtree", tree_
     elif settings.fixed_budget:
         spec["budget_policy"] = "fixed"
         note += " fixed budget (budget_policy fixed)"
-    elif env.get("UBTREE_VLLM_RUNNER") == "mrv2":  # the serving default: budget_policy load_adaptive
+    elif on_mrv2:  # the serving default: budget_policy load_adaptive
         from ubtree_vllm.vllm.config import default_budget_schedule
 
         schedule = schedule_text(default_budget_schedule(budget))

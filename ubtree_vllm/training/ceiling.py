@@ -174,8 +174,7 @@ def tree_ceiling(target: torch.nn.Module, drafter: Any, prompts: Sequence[Sequen
     scorer = TreeScorer(target, temperature, tree.block_size)
     layer_ids = drafter.cfg.target_layer_ids
     drafted = best = 0.0
-    weights = [float(w) for w in (coupled_weights or (tree.coupled_edge_weight,))]
-    coupled = dict.fromkeys(weights, 0.0)
+    coupled: dict[float, float] = {}  # coupled edge weight -> accepted drafts summed over the contexts
     count = 0
     torch.manual_seed(seed)
     noise_gen = torch.Generator().manual_seed(seed)
@@ -203,8 +202,8 @@ def tree_ceiling(target: torch.nn.Module, drafter: Any, prompts: Sequence[Sequen
             best += best_tree_accepted(scorer, cache, n, root, tree.tree_budget, tree.block_size)
             if score_coupled:
                 for weight, accepted in coupled_tree_accepted(scorer, cache, n, drafter, draft_ctx, tree,
-                                                              coupled_samples, noise_gen, weights).items():
-                    coupled[weight] += accepted
+                                                              coupled_samples, noise_gen, coupled_weights).items():
+                    coupled[weight] = coupled.get(weight, 0.0) + accepted
             count += 1
     if count == 0:
         raise ValueError("no context to score: every rollout ended before its first anchor")

@@ -128,13 +128,6 @@ def _split(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def _number(flag: str, text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"{flag} takes comma-separated numbers, got {text!r}") from None
-
-
 def run_eval_tau(args: argparse.Namespace) -> int:
     from ubtree_vllm.training.evaluate import evaluate
 
@@ -156,6 +149,7 @@ def run_eval_tau(args: argparse.Namespace) -> int:
 
 
 def _run_ceiling(args: argparse.Namespace) -> int:
+    from ubtree_vllm.bench.settings import parse_list
     from ubtree_vllm.config import UBTreeConfig, check_coupled_edge_weight
     from ubtree_vllm.drafter.config import DrafterConfig
     from ubtree_vllm.training.ceiling import evaluate_ceiling
@@ -165,8 +159,8 @@ def _run_ceiling(args: argparse.Namespace) -> int:
         tree = UBTreeConfig(tree_budget=args.tree_budget, beam_width=min(args.beam_width, args.tree_budget),
                             top_k=args.top_k, block_size=gamma)
         weights = None if args.coupled_edge_weights is None else \
-            [check_coupled_edge_weight("--coupled-edge-weights", _number("--coupled-edge-weights", w))
-             for w in _split(args.coupled_edge_weights)]
+            [check_coupled_edge_weight("--coupled-edge-weights", w)
+             for w in parse_list("--coupled-edge-weights", args.coupled_edge_weights, float, "numbers")]
         results = evaluate_ceiling(args.drafter, args.target, _split(args.datasets),
                                    [float(t) for t in _split(args.temperatures)], args.num_prompts, tree, args.every,
                                    args.max_new_tokens, args.data_dir, args.device, args.seed,
