@@ -28,9 +28,10 @@ the forward) and each replay fills only the step's tree rows.
 Split context. At batch 1 that grid is tiny (SmolLM2 at B = 64: 5 tiles x 3 kv heads, 15
 programs on 132 SMs) and each program walks the whole context, so the launch takes as long as
 one sequential walk. When the grid has fewer programs than the device has SMs, the launcher
-splits every request's context into ``NUM_SPLITS`` chunks (a third grid axis, ``BLOCK_N``-aligned
-chunk boundaries; the last split also takes the path rows): each program writes its
-unnormalised partial (running max and sum in base 2, fp32 accumulator) to a scratch buffer, and
+gives it ``NUM_SPLITS`` programs per tile and head (a third grid axis): all but the last split
+every request's context into ``BLOCK_N``-aligned chunks, and the last walks this forward's path
+rows alone, beside them rather than after one of them. Each program writes its unnormalised
+partial (running max and sum in base 2, fp32 accumulator) to a scratch buffer, and
 ``_tree_attention_combine_kernel`` merges the splits of each live entry and head by
 log-sum-exp into ``out``. The split count depends on host-known shapes only (M, H_kv, the SM
 count), so a captured graph replays the same launches; with one split the kernel writes ``out``
@@ -80,6 +81,11 @@ if triton is not None:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         return m_new, l_i, acc
 
+    @triton.jit
+    def _bit_or(a, b):
+        """Combine function of an OR-reduction (tl.reduce)."""
+        return a | b
+
     # Per-step values are not specialised on (Triton would compile a variant per value class at run time):
     # the entry count and the split-partial strides that scale with it.
     @triton.jit(do_not_specialize=["num_entries", "stride_pa_split", "stride_pm_split", "stride_cl_h"])
@@ -105,6 +111,7 @@ if triton is not None:
             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, HEAD_SIZE: tl.constexpr,
             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
             NUM_SPLITS: tl.constexpr, CONTEXT_GIVEN: tl.constexpr, PATH_PAD: tl.constexpr):
+        tl.static_assert(BLOCK_N <= 64, "a path row tile is one 64-bit mask per query vector")
         # One tile = ROWS consecutive entries x the GROUP query heads of one kv head, flattened
         # into BLOCK_M = ROWS * GROUP_PAD query vectors m = (entry e(m), head g(m)).
         tile = tl.program_id(0)
@@ -148,7 +155,9 @@ if triton is not None:
                 ctx_lo = 0
             else:
                 # (a) this split's chunk of the committed context, BLOCK_N tokens at a time through the block table.
-                chunk = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+                # With several splits the last one takes no context (its chunk starts past it): it walks the path
+                # rows alone, beside the context chunks instead of after one of them.
+                chunk = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS - 1 if NUM_SPLITS > 1 else 1), BLOCK_N) * BLOCK_N
                 ctx_lo = split * chunk
                 ctx_hi = tl.minimum(context_len, ctx_lo + chunk)
             for start in range(ctx_lo, ctx_hi, BLOCK_N):
@@ -170,14 +179,14 @@ if triton is not None:
             # the rows of its own path: dense tiles instead of one dependent gather per path entry.
             # Only in the last split.
             if split == NUM_SPLITS - 1:
-                # the vectors' paths, loaded once ([BLOCK_M, PATH_PAD] int32 rows, -1 padded): the masks below
-                # take their columns from registers, with no dependent load per path entry and row tile
+                # the vectors' paths, loaded once ([BLOCK_M, PATH_PAD] int32 rows, -1 padded)
                 offs_p = tl.arange(0, PATH_PAD)
                 path = tl.load(row_path_ptr + entry[:, None] * stride_path_row + offs_p[None, :],
                                mask=sel[:, None] & (offs_p[None, :] < path_len), other=-1).to(tl.int32)
                 lo = tl.min(tl.where(sel, tl.max(tl.where(offs_p[None, :] == 0, path, -1), axis=1),
                                      2147483647), axis=0).to(tl.int64)
                 hi = tl.max(tl.max(path, axis=1), axis=0).to(tl.int64)
+                offs_n64 = offs_n.to(tl.int64)
                 for row_start in range(lo, hi + 1, BLOCK_N):
                     rows = row_start + offs_n  # [BLOCK_N]
                     in_tile = rows <= hi
@@ -185,12 +194,14 @@ if triton is not None:
                                 mask=in_tile[:, None], other=0.0)  # [BLOCK_N, D]
                     v = tl.load(value_ptr + (rows * stride_v_t + kv_head * stride_v_h)[:, None] + offs_d[None, :],
                                 mask=in_tile[:, None], other=0.0)
-                    rows32 = rows.to(tl.int32)
-                    on_path = tl.zeros([ROWS * GROUP_PAD, BLOCK_N], dtype=tl.int32)
-                    for j in range(0, path_len):
-                        path_row = tl.max(tl.where(offs_p[None, :] == j, path, -1), axis=1)  # [BLOCK_M] column j
-                        on_path = on_path | (path_row[:, None] == rows32[None, :]).to(tl.int32)  # -1 matches no row
-                    m_i, l_i, acc = _online_softmax_tile(q, k, v, on_path != 0, m_i, l_i, acc, qk_scale,
+                    # each vector's path rows inside this tile as one 64-bit mask (bit n: row row_start + n), one
+                    # OR-reduction over the path's columns; then the [BLOCK_M, BLOCK_N] mask is a shift per entry
+                    rel = path.to(tl.int64) - row_start  # [BLOCK_M, PATH_PAD]
+                    hit = (path >= 0) & (rel >= 0) & (rel < BLOCK_N)  # -1 padding matches no row
+                    bits = tl.reduce(tl.where(hit, tl.full([], 1, tl.int64) << tl.where(hit, rel, 0), 0), 1,
+                                     _bit_or)  # [BLOCK_M] int64
+                    on_path = ((bits[:, None] >> offs_n64[None, :]) & 1) != 0  # [BLOCK_M, BLOCK_N]
+                    m_i, l_i, acc = _online_softmax_tile(q, k, v, on_path, m_i, l_i, acc, qk_scale,
                                                          DOT_PRECISION)
             mine = (sel & (g < GROUP))[:, None]
             if NUM_SPLITS == 1:

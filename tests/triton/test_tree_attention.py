@@ -167,12 +167,14 @@ def test_path_longer_than_one_path_tile():
     assert_rows_match(got, ref, case, atol=1e-4, rtol=1e-4)
 
 
-def test_random_tree_wider_than_one_row_tile():
+@pytest.mark.parametrize("head_size", [32, 256])
+def test_random_tree_wider_than_one_row_tile(head_size):
     """80 nodes with random parents-first parents (a B = 64-sized tree and more): every node's
-    ancestors are spread over two BLOCK_N tiles of fresh rows, each masked per query row."""
+    ancestors are spread over two BLOCK_N = 64 tiles of fresh rows (three of BLOCK_N = 32 at head
+    size 256), each masked per query row by its path's bits in the tile."""
     gen = torch.Generator().manual_seed(5)
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, 80)]
-    case = make_case([(9, parents), (0, [-1, 0])], num_heads=4, num_kv_heads=2, head_size=32)
+    case = make_case([(9, parents), (0, [-1, 0])], num_heads=4, num_kv_heads=2, head_size=head_size)
     got, ref = run_both(case)
     assert_rows_match(got, ref, case, atol=1e-4, rtol=1e-4)
 
