@@ -5,9 +5,14 @@ Installed into an in-process engine's :class:`ubtree_vllm.vllm.proposer.UBTreePr
 *second* depth-1 node (so accepted nodes never sit at their depth and the KV commit has
 to move them), and with probability ``corrupt_prob`` per round it is cut at a random
 depth (partial acceptance). Verification must still produce exactly the reference.
+
+It also keeps, per reference, the rounds it drafted from the reference (:meth:`ReferenceOracle.on_reference_rounds`):
+once an output leaves the reference (a bf16 near-tie, say) there is nothing to copy, and vLLM's engine-wide
+acceptance counters then mix in rounds no oracle could draft well.
 """
 from __future__ import annotations
 
+import math
 import random
 from typing import Any, Sequence
 
@@ -31,6 +36,8 @@ class ReferenceOracle:
         self.rng = random.Random(seed)
         self.generator = torch.Generator().manual_seed(seed)
         self.calls = 0
+        # reference index -> (len(sofar), drafted from the reference) per propose call for its request
+        self.trace: dict[int, list[tuple[int, bool]]] = {}
 
     def truth(self, sofar: list[int]) -> list[int]:
         """The reference tokens after ``sofar`` (random tokens where there is no reference)."""
@@ -42,6 +49,27 @@ class ReferenceOracle:
                 return nxt + [self.rng.randrange(self.vocab_size) for _ in range(gamma - len(nxt))]
         return [self.rng.randrange(self.vocab_size) for _ in range(gamma)]
 
+    def _note_round(self, sofar: list[int]) -> None:
+        """Record a round starting at ``sofar`` (committed tokens + anchor) for the request of the longest reference
+        prompt ``sofar`` starts with (none: not recorded). Prompts must be distinct, one request each at a time."""
+        matches = [i for i, (prompt, _) in enumerate(self.references) if sofar[:len(prompt)] == prompt]
+        if not matches:
+            return
+        index = max(matches, key=lambda i: len(self.references[i][0]))
+        prompt, cont = self.references[index]
+        done = len(sofar) - len(prompt)
+        on_reference = sofar[len(prompt):] == cont[:done] and done < len(cont)  # and a reference token left to copy
+        self.trace.setdefault(index, []).append((len(sofar), on_reference))
+
+    def on_reference_rounds(self) -> tuple[int, float]:
+        """(rounds, tau): the rounds that started on their reference and have a later call for the same request, and
+        their mean committed tokens (accepted drafts + 1: the growth of ``sofar`` up to that call; nan if none).
+        A call at an unchanged length is another call for the same step, not a round; a shorter one is a later
+        request for the same prompt."""
+        committed = [b - a for trace in self.trace.values()
+                     for (a, on_reference), (b, _) in zip(trace, trace[1:]) if on_reference and b > a]
+        return len(committed), (sum(committed) / len(committed) if committed else math.nan)
+
     def propose(self, ctx: DraftContext) -> DraftTree:
         self.calls += 1
         cfg = self.tree_cfg
@@ -50,6 +78,7 @@ class ReferenceOracle:
         for n in range(ctx.anchor.shape[0]):
             length = int(ctx.anchor_pos[n])
             sofar = ctx.tokens[n, :length].tolist() + [int(ctx.anchor[n])]
+            self._note_round(sofar)
             truth = self.truth(sofar)
             if self.rng.random() < self.corrupt_prob:
                 cut = self.rng.randrange(gamma)
