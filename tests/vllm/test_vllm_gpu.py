@@ -192,12 +192,15 @@ def test_float32_greedy_is_token_identical_smollm2(runner, default_target_dir, t
 
 
 # Hybrid and MLA targets on CUDA (issue 17), opt-in with UBTREE_CUDA_HYBRIDS=1 (the V1 runner, PIECEWISE graphs):
-# Qwen3-Next (Gated DeltaNet, ubtree_vllm/vllm/recurrent/gdn_cuda.py), NemotronH and Falcon-H1 (Mamba2,
+# Qwen3-Next (Gated DeltaNet, ubtree_vllm/vllm/recurrent/gdn_cuda.py; also with dense MLPs only: with its 4-expert
+# top-2 MoE UBTree diverged once beyond a near-tie on the H100, 2026-12-06, and a read of the tree form found no
+# bookkeeping fault, so a routing flip is suspected), NemotronH and Falcon-H1 (Mamba2,
 # ubtree_vllm/vllm/recurrent/mamba2.py), DeepSeek-V2 (multi-head latent attention on FLASH_ATTN_MLA,
 # ubtree_vllm/vllm/attention/flash_mla.py; loaded in bf16; also with dense MLPs only, to tell MoE routing flips
 # from the MLA tree path) and Ling-3.0 (Kimi Delta Attention, ubtree_vllm/vllm/recurrent/kda_cuda.py, and MLA;
 # weights drawn by vLLM, scaled so its layers shape the output: SCALED_DUMMY_FORMAT)
 HYBRIDS = {"qwen3_next": save_tiny_qwen3_next, "nemotron_h": save_tiny_nemotron_h, "falcon_h1": save_tiny_falcon_h1,
+           "qwen3_next_dense": lambda path, **kw: save_tiny_qwen3_next(path, moe=False, **kw),
            # vLLM's MLA prefill on the H200 takes DeepSeek's nope / v head dims (128) only
            "deepseek_v2": lambda path, **kw: save_tiny_deepseek_v2(path, nope_dim=128, v_dim=128, **kw),
            "deepseek_v2_dense": lambda path, **kw: save_tiny_deepseek_v2(path, nope_dim=128, v_dim=128, moe=False,
@@ -212,7 +215,8 @@ HYBRIDS = {"qwen3_next": save_tiny_qwen3_next, "nemotron_h": save_tiny_nemotron_
 HYBRID_LOAD = {"ling": dict(load_format=SCALED_DUMMY_FORMAT, attention_backend="FLASH_ATTN_MLA"),
                "deepseek_v2": dict(attention_backend="FLASH_ATTN_MLA"),  # the reference's too: the UBTree engine's
                "deepseek_v2_dense": dict(attention_backend="FLASH_ATTN_MLA"),
-               "qwen3_next": dict(additional_config={"gdn_prefill_backend": "triton"})}
+               "qwen3_next": dict(additional_config={"gdn_prefill_backend": "triton"}),
+               "qwen3_next_dense": dict(additional_config={"gdn_prefill_backend": "triton"})}
 # their engines: no prefix caching (UBTree refuses it for recurrent states), the tiny models' 1024 positions, and
 # the reference engine runs as the UBTree engine is made to (the V1 runner, PIECEWISE graphs; fixture below): with
 # vLLM's defaults it would run FULL graphs (and Model Runner V2 for DeepSeek-V2), whose attention splits the context

@@ -71,8 +71,9 @@ def save_tiny_qwen(path: Path, family: str, *, vocab_size: int = 512, seed: int 
 
 
 @torch.no_grad()
-def save_tiny_qwen3_next(path: Path, *, vocab_size: int = 512, seed: int = 0) -> Path:
-    """A random bf16 Qwen3-Next: hidden 64, layers linear / full / linear / full, 4 experts (top 2).
+def save_tiny_qwen3_next(path: Path, *, vocab_size: int = 512, seed: int = 0, moe: bool = True) -> Path:
+    """A random bf16 Qwen3-Next: hidden 64, layers linear / full / linear / full, 4 experts (top 2); dense MLPs in
+    every layer when not ``moe`` (``mlp_only_layers``).
 
     bf16 and 128-dim linear heads because vLLM's CPU GDN kernels accept nothing else."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -84,7 +85,7 @@ def save_tiny_qwen3_next(path: Path, *, vocab_size: int = 512, seed: int = 0) ->
                           linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
                           linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                           shared_expert_intermediate_size=64, max_position_embeddings=1024, tie_word_embeddings=False,
-                          initializer_range=0.1)
+                          initializer_range=0.1, mlp_only_layers=[] if moe else [0, 1, 2, 3])
     Qwen3NextForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     return Path(path)
 
