@@ -28,14 +28,25 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 if triton is not None:
     @triton.jit
     def _select_into(values, index, taken, count, out_scores, out_index, slot_offs, SLOTS: tl.constexpr):
-        """Pick the ``count`` best untaken entries of ``values`` (ties: lowest ``index``) into slots 0..count-1."""
-        big = tl.full([], 1 << 30, tl.int32)
+        """Pick the ``count`` best untaken entries of ``values`` (ties: lowest ``index``) into slots 0..count-1.
+
+        Each entry becomes one int64 key that orders as (value, then -index), so a pick is one max-reduction:
+        the float's bits made sign-ordered (-0.0 as +0.0, which compares equal to it) in the high word, and
+        2^31 - 1 - index in the low word (indices of untaken entries are distinct and in [0, 2^31))."""
+        bits = values.to(tl.int32, bitcast=True)
+        bits = tl.where(bits == -2147483648, 0, bits)  # -0.0
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
+        low = (2147483647 - index).to(tl.int64)
+        none = tl.full([], -9223372036854775807 - 1, tl.int64)
+        keys = tl.where(taken, none, (ordered.to(tl.int64) << 32) | low)
         for j in range(SLOTS):
             live = j < count
-            best = tl.max(tl.where(taken, float("-inf"), values), axis=0)
-            pick = tl.min(tl.where((~taken) & (values == best), index, big), axis=0)
-            taken = taken | ((index == pick) & live)
-            out_scores = tl.where((slot_offs == j) & live, best, out_scores)
+            best = tl.max(keys, axis=0)
+            keys = tl.where((keys == best) & live, none, keys)
+            high = (best >> 32).to(tl.int32)
+            score = tl.where(high >= 0, high, high ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+            pick = (2147483647 - (best & 0x7FFFFFFF)).to(tl.int32)
+            out_scores = tl.where((slot_offs == j) & live, score, out_scores)
             out_index = tl.where((slot_offs == j) & live, pick, out_index)
         return out_scores, out_index
 
