@@ -76,7 +76,8 @@
 #            STAGE_CONCURRENCY, default 1, e.g. 1,32 with BENCH_PROMPTS >= 32; BUDGET_SCHEDULE as for sweep)
 #   roundprof `ubtree bench e2e --profile`: torch.profiler tables (host API calls, device busy time, stage host/device
 #            ms, top ops) per engine step of METHODS (default ar,ngram,ubtree-mrv2,ubtree-mrv2-lookup, B=64) on
-#            PROFILE_PROMPTS (default 2) MT-Bench prompts at STAGE_CONCURRENCY (default 1), T=PROFILE_TEMPS (default 0); into
+#            PROFILE_PROMPTS (default 2) MT-Bench prompts at STAGE_CONCURRENCY (default 1), T=PROFILE_TEMPS (default 0),
+#            each cell also with every sampling option of OPTIONS (e.g. json_schema: where a grammar's round time goes); into
 #            $OUT/roundprof-tables.tar, each engine's first Chrome trace in $OUT/roundprof-traces.tar.partNN
 #   options  `ubtree bench e2e --sampling-options`: what each sampling option (OPTIONS, default all of
 #            bench/sampling_options.py) adds per round, ar, ngram and ubtree-mrv2-lookup B=64 (METHODS, BUDGETS) on
@@ -310,7 +311,7 @@ for phase in "$@"; do
         --gpu-memory-utilization 0.25 --profile runs/roundprof \
         --datasets mt_bench --temperatures "${PROFILE_TEMPS:-0}" --num-prompts "${PROFILE_PROMPTS:-2}" --max-new-tokens 256 \
         --methods "${METHODS:-ar,ngram,ubtree-mrv2,ubtree-mrv2-lookup}" --tree-budgets "${BUDGETS:-64}" \
-        --beam-width 12 --top-k 64 --concurrency "${STAGE_CONCURRENCY:-1}" \
+        --beam-width 12 --top-k 64 --concurrency "${STAGE_CONCURRENCY:-1}" ${OPTIONS:+--sampling-options "$OPTIONS"} \
         ${BUDGET_SCHEDULE:+--budget-schedule "$BUDGET_SCHEDULE"} ${TREE_ATTENTION:+--tree-attention "$TREE_ATTENTION"}
       # files come back at most 16 MB each: the tables in one tar, the traces split into 15 MB parts (cat them)
       mkdir -p "$OUT" && tar -cf "$OUT/roundprof-tables.tar" -C runs/roundprof $(cd runs/roundprof && ls *.txt)

@@ -14,6 +14,8 @@ from ubtree_vllm.vllm.stage_clock import StageClock
 
 def test_run_name_names_engine_and_cell():
     assert run_name("ubtree-mrv2:64", "mt_bench", 0.0, 1) == "ubtree-mrv2-B64_mt_bench_T0_c1"
+    assert run_name("ubtree-mrv2:64", "mt_bench", 0.0, 1, "json_schema") == \
+        "ubtree-mrv2-B64_mt_bench_T0_c1_json_schema"
     assert run_name("ar", "humaneval", 1.0, 32) == "ar_humaneval_T1_c32"
     assert run_name("ubtree-mrv2-lookup:64@flash_merge", "mt_bench", 0.0, 1) == \
         "ubtree-mrv2-lookup-B64-flash_merge_mt_bench_T0_c1"
@@ -67,6 +69,11 @@ def test_ranges_mode_neither_syncs_nor_sums(monkeypatch):
         StageClock.from_env(torch.device("cpu"))
 
 
-def test_profile_is_its_own_mode():
+def test_profile_is_its_own_mode_but_takes_sampling_options():
     with pytest.raises(BenchArgumentError, match="--profile"):
         validate(E2ESettings(methods=("ar",), stage_timing=True, profile_dir="x"))
+    with pytest.raises(BenchArgumentError, match="--profile and --agreement"):
+        validate(E2ESettings(methods=("ar",), temperatures=(0.0,), agreement=True, profile_dir="x"))
+    # each option's rounds profiled beside the cell without one (tables only)
+    both = validate(E2ESettings(methods=("ar",), profile_dir="x", sampling_options=("json_schema",)))
+    assert both.profile_dir == "x" and both.sampling_options == ("none", "json_schema")

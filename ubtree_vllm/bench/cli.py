@@ -100,7 +100,8 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
                              "instead of e2e records")
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="run every measurement under torch.profiler and write per-step host/device tables "
-                             "(and each engine's first Chrome trace) to DIR instead of records (bench/profile.py; "
+                             "(and each engine's first Chrome trace per sampling option) to DIR instead of records; "
+                             "with --sampling-options, each option's runs too (bench/profile.py; "
                              "needs the engine in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0)")
 
 

@@ -26,7 +26,8 @@ decode steps against the ar run of the same cell (bench/round_cost.py). With `--
 the runs append stage-time records instead of e2e records (bench/stage_timing.py); with
 `--agreement`, greedy-divergence records against ar (bench/agreement.py); with `--profile DIR`,
 torch.profiler tables per run and no records (bench/profile.py); with `--sampling-options`, each cell once
-without an option and once per option, and the options' cost records (bench/sampling_options.py).
+without an option and once per option, and the options' cost records (bench/sampling_options.py); with both
+`--profile` and `--sampling-options`, each option's runs profiled (tables named by the option), no records.
 """
 from __future__ import annotations
 
@@ -363,7 +364,7 @@ def _measure_engine(engine: Engine, settings: E2ESettings, prompt_sets: Sequence
     llm, label = engine.llm, engine.label
     profiling = settings.profile_dir is not None
     clocked = settings.stage_timing and uses_runner_clock(engine.run)
-    traced = False  # --profile: the first run of each engine also writes its Chrome trace
+    traced: set[str | None] = set()  # --profile: each engine's first run per sampling option also writes its trace
     warm_up(llm, prompt_sets, settings)
     for concurrency in settings.concurrency:
         if concurrency > 1:  # the batch sizes and mixed steps this concurrency runs, unmeasured
@@ -373,19 +374,19 @@ def _measure_engine(engine: Engine, settings: E2ESettings, prompt_sets: Sequence
                 read_stage_times(llm, reset=True)
             outputs: list[Any] = []
             steps = [0]
-            name = run_name(label, prompt_set.dataset, temperature, concurrency)
-            profile = (profiled(Path(settings.profile_dir), name, steps, trace=not traced) if profiling
+            name = run_name(label, prompt_set.dataset, temperature, concurrency, option)
+            extra = sampling_kwargs(option, settings.max_new_tokens) if option else None
+            profile = (profiled(Path(settings.profile_dir), name, steps, trace=option not in traced) if profiling
                        else contextlib.nullcontext())
             with profile:
-                result = measure(llm, prompt_set, temperature, concurrency, settings.max_new_tokens, outputs,
-                                 sampling_kwargs(option, settings.max_new_tokens) if option else None)
+                result = measure(llm, prompt_set, temperature, concurrency, settings.max_new_tokens, outputs, extra)
                 steps[0] = result.engine_steps
-            traced = True
+            traced.add(option)
             if profiling:  # the same cell again under cProfile alone: the host code's shares
                 py_steps = [0]
                 with python_profiled(Path(settings.profile_dir), name, py_steps):
-                    py_steps[0] = measure(llm, prompt_set, temperature, concurrency,
-                                          settings.max_new_tokens).engine_steps
+                    py_steps[0] = measure(llm, prompt_set, temperature, concurrency, settings.max_new_tokens,
+                                          None, extra).engine_steps
             times = read_stage_times(llm, reset=True) if clocked else None
             yield from recorder.take(engine, prompt_set, temperature, concurrency, option, result, outputs, times,
                                      records=not profiling)

@@ -45,14 +45,15 @@ TOP_OPS = 30
 TOP_FUNCTIONS = 60
 
 
-def run_name(label: str, dataset: str, temperature: float, concurrency: int) -> str:
+def run_name(label: str, dataset: str, temperature: float, concurrency: int, option: str | None = None) -> str:
     """File stem of one profiled run: the engine label ('ubtree-mrv2:64' -> 'ubtree-mrv2-B64',
-    'ubtree-mrv2:64@flash_merge' -> 'ubtree-mrv2-B64-flash_merge'), cell."""
+    'ubtree-mrv2:64@flash_merge' -> 'ubtree-mrv2-B64-flash_merge'), cell, and the sampling option its requests
+    carried (--sampling-options), if any."""
     from ubtree_vllm.bench.settings import parse_label
 
     method, budget, mode = parse_label(label)
     engine = (f"{method}-B{budget}" if budget else method) + ("" if mode == "triton" else f"-{mode}")
-    return f"{engine}_{dataset}_T{temperature:g}_c{concurrency}"
+    return f"{engine}_{dataset}_T{temperature:g}_c{concurrency}" + (f"_{option}" if option else "")
 
 
 @contextlib.contextmanager

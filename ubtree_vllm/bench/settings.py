@@ -267,9 +267,11 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
         if settings.temperatures != (0.0,):
             raise BenchArgumentError(f"--agreement compares greedy outputs: --temperatures must be 0, got "
                                      f"{','.join(str(t) for t in settings.temperatures)}")
+    # --sampling-options with --profile: each option's rounds profiled (tables named by the option), no records
     modes = [flag for flag, on in (("--profile", settings.profile_dir is not None), ("--agreement", settings.agreement),
                                    ("--stage-timing", settings.stage_timing),
-                                   ("--sampling-options", bool(settings.sampling_options))) if on]
+                                   ("--sampling-options", bool(settings.sampling_options)
+                                    and settings.profile_dir is None)) if on]
     if len(modes) > 1:
         raise BenchArgumentError(f"{' and '.join(modes)} are separate modes; pass one")
     if settings.interleave < 1:
