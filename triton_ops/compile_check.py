@@ -140,7 +140,7 @@ def compile_tree_accept(max_depth: int, num_nodes: int, arch: int) -> int:
 
 
 _TREE_SEARCH_POINTERS = {"anchor_ptr": "*i64", "cand_ptr": "*i64", "root_ptr": "*fp32", "trans_ptr": "*fp32",
-                         "scratch_ptr": "*i32", "out_tokens_ptr": "*i64", "out_parents_ptr": "*i64",
+                         "scratch_ptr": "*i32", "key_scratch_ptr": "*i64", "out_tokens_ptr": "*i64", "out_parents_ptr": "*i64",
                          "out_depth_ptr": "*i64", "out_scores_ptr": "*fp32"}
 
 

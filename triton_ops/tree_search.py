@@ -8,8 +8,10 @@ the best ``w_1 = min(W, K)`` root edges; depth d the best ``w_d = min(W, K * w_{
 equal scores, the lowest index -- the stable-sort rule of ``build_tree`` -- so the output is
 identical to it, tie-breaking included, for finite scores.
 
-Scratch: a ``[N, M_PAD]`` int32 buffer maps each kept node's depth-major index to its new
-index so children can look their parent up (written, then read after a barrier). The launcher
+Scratch: a ``[N, M_PAD]`` int64 buffer holds the nodes' ordering keys, from which each node's
+rank among all nodes is counted (written, then read after a barrier); a ``[N, M_PAD]`` int32
+buffer maps each kept node's depth-major index to its new index so children can look their
+parent up (likewise). The launcher
 reads no device value; the grid is ``(N,)``.
 Test oracle: :func:`ubtree_vllm.tree.search.build_tree`.
 """
@@ -27,18 +29,23 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 if triton is not None:
     @triton.jit
-    def _select_into(values, index, taken, count, out_scores, out_index, slot_offs, SLOTS: tl.constexpr):
-        """Pick the ``count`` best untaken entries of ``values`` (ties: lowest ``index``) into slots 0..count-1.
+    def _order_keys(values, index, taken):
+        """One int64 key per entry that orders as (value, then -index); taken entries get the smallest int64.
 
-        Each entry becomes one int64 key that orders as (value, then -index), so a pick is one max-reduction:
-        the float's bits made sign-ordered (-0.0 as +0.0, which compares equal to it) in the high word, and
+        The float's bits made sign-ordered (-0.0 as +0.0, which compares equal to it) in the high word, and
         2^31 - 1 - index in the low word (indices of untaken entries are distinct and in [0, 2^31))."""
         bits = values.to(tl.int32, bitcast=True)
         bits = tl.where(bits == -2147483648, 0, bits)  # -0.0
         ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
         low = (2147483647 - index).to(tl.int64)
+        return tl.where(taken, tl.full([], -9223372036854775807 - 1, tl.int64), (ordered.to(tl.int64) << 32) | low)
+
+    @triton.jit
+    def _select_into(values, index, taken, count, out_scores, out_index, slot_offs, SLOTS: tl.constexpr):
+        """Pick the ``count`` best untaken entries of ``values`` (ties: lowest ``index``) into slots 0..count-1:
+        each pick is one max-reduction over the entries' keys (:func:`_order_keys`)."""
         none = tl.full([], -9223372036854775807 - 1, tl.int64)
-        keys = tl.where(taken, none, (ordered.to(tl.int64) << 32) | low)
+        keys = _order_keys(values, index, taken)
         for j in range(SLOTS):
             live = j < count
             best = tl.max(keys, axis=0)
@@ -55,10 +62,10 @@ if triton is not None:
             anchor_ptr, cand_ptr, root_ptr, trans_ptr,
             stride_anchor, stride_cand_n, stride_cand_d, stride_root_n,
             stride_trans_n, stride_trans_d, stride_trans_a,
-            scratch_ptr, stride_scratch,
+            scratch_ptr, stride_scratch, key_scratch_ptr, stride_key_scratch,
             out_tokens_ptr, out_parents_ptr, out_depth_ptr, out_scores_ptr, stride_out,
             GAMMA: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr,
-            BUDGET: tl.constexpr, M_PAD: tl.constexpr, B_PAD: tl.constexpr):
+            BUDGET: tl.constexpr, M_PAD: tl.constexpr, CHUNK: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
         offs_k = tl.arange(0, K_PAD)
         offs_w = tl.arange(0, W_PAD)
@@ -112,14 +119,19 @@ if triton is not None:
             node_valid = node_valid | hit
             offset = base
             base += width
-        # Global pruning: the best BUDGET nodes (ties: lower depth-major index), renumbered 1..B by rank.
-        offs_b = tl.arange(0, B_PAD)
-        _, kept_index = _select_into(node_score, offs_m, ~node_valid, BUDGET,
-                                     tl.full([B_PAD], float("-inf"), tl.float32), tl.zeros([B_PAD], tl.int32),
-                                     offs_b, BUDGET)
-        match = (offs_m[:, None] == kept_index[None, :]) & (offs_b[None, :] < BUDGET)  # [M_PAD, B_PAD]
-        kept = tl.sum(match.to(tl.int32), axis=1) > 0  # [M_PAD]
-        new_index = tl.sum(tl.where(match, offs_b[None, :] + 1, 0), axis=1)  # rank + 1 at the kept nodes
+        # Global pruning: the best BUDGET nodes (ties: lower depth-major index), renumbered 1..B by rank. A node's
+        # rank is the number of valid nodes whose key is larger (keys of valid nodes are distinct), counted against
+        # the keys in CHUNK-sized pieces read back from key_scratch: no sequential pick per kept node.
+        keys = _order_keys(node_score, offs_m, ~node_valid)  # [M_PAD]
+        tl.store(key_scratch_ptr + n * stride_key_scratch + offs_m, keys)
+        tl.debug_barrier()
+        offs_c = tl.arange(0, CHUNK)
+        rank = tl.zeros([M_PAD], tl.int32)
+        for c in range(0, M_PAD, CHUNK):
+            other = tl.load(key_scratch_ptr + n * stride_key_scratch + c + offs_c)  # [CHUNK]
+            rank += tl.sum((other[None, :] > keys[:, None]).to(tl.int32), axis=1)
+        kept = node_valid & (rank < BUDGET)  # [M_PAD]
+        new_index = tl.where(kept, rank + 1, 0)  # rank + 1 at the kept nodes
         tl.store(scratch_ptr + n * stride_scratch + offs_m, new_index)
         tl.debug_barrier()
         parent_new = tl.load(scratch_ptr + n * stride_scratch + tl.maximum(node_parent, 0), mask=kept, other=0)
@@ -142,7 +154,7 @@ def launch_meta(gamma: int, top_k: int, beam_width: int, tree_budget: int) -> di
     nodes = max_tree_nodes(beam_width, top_k, gamma)
     return {"GAMMA": gamma, "K": top_k, "K_PAD": triton.next_power_of_2(top_k), "W": beam_width,
             "W_PAD": triton.next_power_of_2(beam_width), "BUDGET": tree_budget,
-            "M_PAD": triton.next_power_of_2(nodes), "B_PAD": triton.next_power_of_2(tree_budget)}
+            "M_PAD": triton.next_power_of_2(nodes), "CHUNK": min(32, triton.next_power_of_2(nodes))}
 
 
 def tree_search(
@@ -176,11 +188,12 @@ def tree_search(
         return out[0], out[1], out[2], out[3]
     meta = launch_meta(gamma, top_k, beam_width, tree_budget)
     scratch = torch.empty((num_reqs, meta["M_PAD"]), dtype=torch.int32, device=device)
+    key_scratch = torch.empty((num_reqs, meta["M_PAD"]), dtype=torch.int64, device=device)
     trans = trans_logp if gamma > 1 else root_logp.new_empty((num_reqs, 1, top_k, top_k))
     _tree_search_kernel[(num_reqs,)](
         anchor, cand_tokens, root_logp, trans,
         anchor.stride(0), cand_tokens.stride(0), cand_tokens.stride(1), root_logp.stride(0),
         trans.stride(0), trans.stride(1), trans.stride(2),
-        scratch, scratch.stride(0),
+        scratch, scratch.stride(0), key_scratch, key_scratch.stride(0),
         out[0], out[1], out[2], out[3], out[0].stride(0), **meta)
     return out[0], out[1], out[2], out[3]
