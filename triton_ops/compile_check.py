@@ -84,6 +84,25 @@ def compile_node_inputs(arch: int) -> int:
                     lambda name: pointers.get(name, "*i32") if name.endswith("_ptr") else "i32", arch)
 
 
+def compile_lookup_chain(min_n: int, max_n: int, gamma: int, arch: int) -> tuple[int, int]:
+    """`_lookup_scan_kernel` and `_lookup_finalize_kernel` with MRV2's dtypes (int32 token history and lengths,
+    int64 slots); returns their cubin sizes."""
+    from ubtree_vllm.triton_ops.lookup_chain import BLOCK_L
+
+    pointers = {"token_ids_ptr": "*i32", "total_len_ptr": "*i32", "slots_ptr": "*i64", "scratch_ptr": "*i64",
+                "chain_ptr": "*i64", "chain_len_ptr": "*i64"}
+
+    def kind(name: str) -> str:
+        return pointers[name] if name.endswith("_ptr") else "i32"
+
+    scan = _compile("lookup_chain", "_lookup_scan_kernel",
+                    {"MIN_N": min_n, "MAX_N": max_n, "MAX_N_PAD": 1 << (max_n - 1).bit_length(), "BLOCK_L": BLOCK_L},
+                    kind, arch)
+    finalize = _compile("lookup_chain", "_lookup_finalize_kernel",
+                        {"GAMMA": gamma, "GAMMA_PAD": 1 << (gamma - 1).bit_length(), "BLOCKS_PAD": 8}, kind, arch)
+    return scan, finalize
+
+
 def compile_coupled_scores(use_fp64: bool, arch: int) -> int:
     """`_coupled_scores_kernel` with the speculator's dtypes (fp32 log-probs and temperatures, int64 seeds and
     positions); returns the cubin size."""
@@ -282,6 +301,8 @@ def main() -> int:
               f"block {block_size} {splits} splits: cubin {size} bytes, combine cubin {combine} bytes")
     size = compile_node_inputs(args.arch)
     print(f"node_inputs sm_{args.arch}: cubin {size} bytes")
+    scan, finalize = compile_lookup_chain(2, 4, 16, args.arch)
+    print(f"lookup_chain sm_{args.arch} n 2..4 gamma 16: scan cubin {scan} bytes, finalize cubin {finalize} bytes")
     for use_fp64 in (False, True):
         size = compile_coupled_scores(use_fp64, args.arch)
         print(f"coupled_scores sm_{args.arch}{' fp64 noise' if use_fp64 else ''}: cubin {size} bytes")

@@ -82,6 +82,7 @@ from ubtree_vllm.drafter.coupling import CoupledNoise
 from ubtree_vllm.drafter.io import load_drafter
 from ubtree_vllm.drafter.proposer import UBTreeDrafter
 from ubtree_vllm.tree.lookup import lookup_continuation
+from ubtree_vllm.triton_ops.lookup_chain import lookup_chain_rows
 from ubtree_vllm.vllm.config import ADDITIONAL_CONFIG_KEY, UBTreeVllmConfig, from_vllm_config
 from ubtree_vllm.vllm.mrv2.rejection_sampler import TreeTopology
 from ubtree_vllm.vllm.stage_clock import StageClock
@@ -142,8 +143,12 @@ def lookup_chain(
         total_len: torch.Tensor,
         # [R] int64 request state slots of the batch rows
         slots: torch.Tensor, tree_cfg: UBTreeConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The lookup branch of each batch row: ``lookup_continuation`` over its request's history
-    (one gather of the rows, then fixed-shape device work). Returns chain [R, gamma] int64, chain_len [R]."""
+    """The lookup branch of each batch row: ``lookup_continuation`` over its request's history; on CUDA two Triton
+    launches (``triton_ops.lookup_chain``), else one gather of the rows, then fixed-shape torch work. Returns chain
+    [R, gamma] int64, chain_len [R]."""
+    if all_token_ids.is_cuda:
+        return lookup_chain_rows(all_token_ids, total_len, slots, tree_cfg.block_size, tree_cfg.lookup_min_n,
+                                 tree_cfg.lookup_max_n)
     history = all_token_ids[slots].long()  # [R, L]
     length = total_len[slots].long().clamp(0, history.shape[1])  # [R]
     return lookup_continuation(history, length, tree_cfg.block_size, tree_cfg.lookup_min_n, tree_cfg.lookup_max_n)
