@@ -17,8 +17,10 @@ Public launchers only:
   :func:`commit_accepted_paths` (the accepted paths' KV in every layer, their hidden-row
   permutation and linear positions), :func:`node_inputs` (each logits row's token and position for
   the sampler).
-* :func:`lookup_chain_rows` -- the prompt-lookup branch's chain of every batch row from MRV2's token history
-  (``vllm.mrv2.speculator.lookup_chain`` on CUDA; oracle ``tree.lookup.lookup_continuation``).
+* :func:`lookup_chain_rows`, :func:`inject_chain_lattice` -- the prompt-lookup branch: each batch row's chain
+  from MRV2's token history (``vllm.mrv2.speculator.lookup_chain`` on CUDA; oracle
+  ``tree.lookup.lookup_continuation``) and its injection into the candidate lattice
+  (``tree.lookup.inject_lookup_chain`` on CUDA; oracle ``tree.lookup.inject_chain``).
 * :func:`coupled_scores` -- the drafter's log-probs under the target's own keyed Gumbel noise (coupled drafting
   at T > 0, ``drafter/coupling.py``; twin ``reference.coupled_scores_reference``).
 * :func:`tree_penalties`, :func:`tree_bad_words` -- presence/frequency/repetition penalties and bad words
@@ -48,7 +50,7 @@ set before triton is first imported.
 from ubtree_vllm.triton_ops.accepted_rows import commit_accepted_paths
 from ubtree_vllm.triton_ops.head_loss_rows import head_loss_rows
 from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers, kv_path_commit
-from ubtree_vllm.triton_ops.lookup_chain import lookup_chain_rows
+from ubtree_vllm.triton_ops.lookup_chain import inject_chain_lattice, lookup_chain_rows
 from ubtree_vllm.triton_ops.node_inputs import node_inputs
 from ubtree_vllm.triton_ops.target_noise import coupled_scores
 from ubtree_vllm.triton_ops.tree_accept import tree_accept, tree_accept_rows
@@ -58,6 +60,6 @@ from ubtree_vllm.triton_ops.tree_layout import tree_layout
 from ubtree_vllm.triton_ops.tree_penalties import tree_penalties
 from ubtree_vllm.triton_ops.tree_search import tree_search
 
-__all__ = ["commit_accepted_paths", "coupled_scores", "head_loss_rows", "kv_cache_pointers", "kv_path_commit",
-           "lookup_chain_rows", "node_inputs", "tree_accept", "tree_accept_rows", "tree_attention", "tree_bad_words", "tree_layout",
-           "tree_penalties", "tree_search"]
+__all__ = ["commit_accepted_paths", "coupled_scores", "head_loss_rows", "inject_chain_lattice", "kv_cache_pointers",
+           "kv_path_commit", "lookup_chain_rows", "node_inputs", "tree_accept", "tree_accept_rows", "tree_attention",
+           "tree_bad_words", "tree_layout", "tree_penalties", "tree_search"]

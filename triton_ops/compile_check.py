@@ -103,6 +103,19 @@ def compile_lookup_chain(min_n: int, max_n: int, gamma: int, arch: int) -> tuple
     return scan, finalize
 
 
+def compile_inject_chain(gamma: int, top_k: int, arch: int) -> int:
+    """`_inject_chain_kernel` with the drafter's dtypes (int64 candidates and chains, fp32 edges); returns the cubin
+    size."""
+    pointers = {"cand_ptr": "*i64", "root_ptr": "*fp32", "trans_ptr": "*fp32", "chain_ptr": "*i64",
+                "chain_len_ptr": "*i64", "out_tokens_ptr": "*i64", "out_root_ptr": "*fp32", "out_trans_ptr": "*fp32"}
+
+    def kind(name: str) -> str:
+        return pointers[name] if name.endswith("_ptr") else "fp32" if name in ("edge_logprob", "neg_inf") else "i64"
+
+    return _compile("lookup_chain", "_inject_chain_kernel",
+                    {"GAMMA": gamma, "K": top_k, "K_PAD": 1 << (top_k - 1).bit_length()}, kind, arch)
+
+
 def compile_coupled_scores(use_fp64: bool, arch: int) -> int:
     """`_coupled_scores_kernel` with the speculator's dtypes (fp32 log-probs and temperatures, int64 seeds and
     positions); returns the cubin size."""
@@ -303,6 +316,8 @@ def main() -> int:
     print(f"node_inputs sm_{args.arch}: cubin {size} bytes")
     scan, finalize = compile_lookup_chain(2, 4, 16, args.arch)
     print(f"lookup_chain sm_{args.arch} n 2..4 gamma 16: scan cubin {scan} bytes, finalize cubin {finalize} bytes")
+    size = compile_inject_chain(16, 64, args.arch)
+    print(f"inject_chain sm_{args.arch} gamma 16 K 64: cubin {size} bytes")
     for use_fp64 in (False, True):
         size = compile_coupled_scores(use_fp64, args.arch)
         print(f"coupled_scores sm_{args.arch}{' fp64 noise' if use_fp64 else ''}: cubin {size} bytes")

@@ -15,10 +15,16 @@ history), ``chain_len`` how many there are (0: nothing matched).
 2. ``_lookup_finalize_kernel``, grid ``(R,)``: the row's best score, decoded into (n, p), then the
    chain gathered from the history.
 
-The launcher reads no device value (the grid depends on the buffer's width L, not on the lengths),
-so it is safe inside a CUDA-graph capture. Test oracle: ``tree.lookup.lookup_continuation`` over the
-gathered rows (``tests/triton/test_lookup_chain.py``). Same scoring as vLLM 0.32's n-gram speculator
-(``v1/worker/gpu/spec_decode/ngram``), written for the lookup branch's contract.
+3. ``_inject_chain_kernel``, grid ``(R, gamma)`` (launcher :func:`inject_chain_lattice`, the fused form of
+   ``tree.lookup.inject_chain``: ~35 small torch kernels): program (b, d) writes depth d's candidates with the
+   chain token in its slot, and the edges into depth d (the root's at d = 0) with the chain's edges raised to
+   ``edge_logprob`` and a replaced slot's other edges at the dtype's minimum.
+
+The launchers read no device value (the grid depends on the buffer's width L, not on the lengths),
+so it is safe inside a CUDA-graph capture. Test oracles: ``tree.lookup.lookup_continuation`` over the
+gathered rows and ``tree.lookup.inject_chain`` (``tests/triton/test_lookup_chain.py``). The scan scores
+matches as vLLM 0.32's n-gram speculator does (``v1/worker/gpu/spec_decode/ngram``), written for the lookup
+branch's contract.
 """
 from __future__ import annotations
 
@@ -80,6 +86,99 @@ if triton is not None:
         chain = tl.load(token_ids_ptr + slot * stride_tok + idx, mask=valid, other=0).to(tl.int64)
         tl.store(chain_ptr + b * GAMMA + offs_d, chain, mask=offs_d < GAMMA)
         tl.store(chain_len_ptr + b, tl.sum(valid.to(tl.int64), axis=0))
+
+
+    @triton.jit
+    def _chain_slot(cand_ptr, stride_cand_d, chain_ptr, chain_len, d, offs_k, K: tl.constexpr):
+        """Depth d's chain slot: (candidate row [K_PAD] int64, chain token, slot, on, replaced) with slot the
+        candidate equal to the chain token, else K - 1; on: the chain reaches depth d; replaced: on and not
+        proposed (the slot's token is the chain's)."""
+        row = tl.load(cand_ptr + d * stride_cand_d + offs_k, mask=offs_k < K, other=-1)
+        token = tl.load(chain_ptr + d)
+        hit = (row == token) & (offs_k < K)
+        first = tl.min(tl.where(hit, offs_k, K), axis=0)  # candidates are distinct within a depth
+        present = first < K
+        slot = tl.where(present, first, K - 1)
+        on = d < chain_len
+        return row, token, slot, on, on & (first >= K)
+
+    @triton.jit
+    def _inject_chain_kernel(cand_ptr, stride_cand_n, stride_cand_d, root_ptr, stride_root_n, trans_ptr,
+                             stride_trans_n, stride_trans_d, stride_trans_a, chain_ptr, stride_chain_n, chain_len_ptr,
+                             out_tokens_ptr, out_root_ptr, out_trans_ptr, edge_logprob, neg_inf,
+                             GAMMA: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        d = tl.program_id(1)
+        offs_k = tl.arange(0, K_PAD)
+        in_k = offs_k < K
+        cand = cand_ptr + b * stride_cand_n
+        chain = chain_ptr + b * stride_chain_n
+        chain_len = tl.load(chain_len_ptr + b)
+        row, token, slot, on, replaced = _chain_slot(cand, stride_cand_d, chain, chain_len, d, offs_k, K)
+        mine = (offs_k == slot) & on  # [K_PAD] the chain token's slot at this depth
+        tl.store(out_tokens_ptr + (b * GAMMA + d) * K + offs_k, tl.where(mine, token, row), mask=in_k)
+        if d == 0:  # the root's edges: the chain's first edge raised (or set, into a replaced slot)
+            root = tl.load(root_ptr + b * stride_root_n + offs_k, mask=in_k, other=0.0)
+            root_edge = tl.where(replaced, edge_logprob, tl.maximum(root, edge_logprob))
+            tl.store(out_root_ptr + b * K + offs_k, tl.where(mine, root_edge, root), mask=in_k)
+        else:  # edges from depth d - 1 (slot a) into depth d (slot b): trans[:, d - 1]
+            _, _, prev_slot, prev_on, prev_replaced = _chain_slot(cand, stride_cand_d, chain, chain_len, d - 1,
+                                                                  offs_k, K)
+            src = offs_k[:, None] == prev_slot  # [K_PAD, 1]
+            dst = offs_k[None, :] == slot  # [1, K_PAD]
+            in_tile = in_k[:, None] & in_k[None, :]
+            trans = tl.load(trans_ptr + b * stride_trans_n + (d - 1) * stride_trans_d + offs_k[:, None] * stride_trans_a
+                            + offs_k[None, :], mask=in_tile, other=0.0)
+            cut = (dst & replaced) | (src & prev_replaced)  # a replaced slot keeps only the chain's edges
+            fresh = replaced | prev_replaced
+            chain_edge = tl.where(fresh, edge_logprob, tl.maximum(trans, edge_logprob))
+            out = tl.where(src & dst & on, chain_edge, tl.where(cut, neg_inf, trans))
+            tl.store(out_trans_ptr + ((b * (GAMMA - 1) + d - 1) * K + offs_k[:, None]) * K + offs_k[None, :], out,
+                     mask=in_tile)
+
+
+def inject_chain_lattice(
+        # [N, gamma, K] int64 candidates (distinct within a depth)
+        cand_tokens: torch.Tensor,
+        # [N, K] / [N, gamma - 1, K, K] float32 edge log-probs (unit last-dim stride; views allowed)
+        root_logp: torch.Tensor, trans_logp: torch.Tensor,
+        # [N, gamma] int64 chain tokens, [N] int64 valid lengths
+        chain: torch.Tensor, chain_len: torch.Tensor,
+        edge_logprob: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``tree.lookup.inject_chain`` in one launch: (tokens, root_logp, trans_logp), new contiguous tensors of the
+    inputs' shapes; the inputs are not modified."""
+    if edge_logprob > 0.0:
+        raise ValueError(f"edge_logprob must be <= 0 (a log-probability), got {edge_logprob}")
+    num_reqs, gamma, top_k = cand_tokens.shape
+    assert cand_tokens.dtype == torch.int64 and cand_tokens.stride(2) == 1, (
+        f"cand_tokens must be int64 with a unit last-dim stride, got {cand_tokens.dtype} "
+        f"strides {cand_tokens.stride()}")
+    assert root_logp.shape == (num_reqs, top_k) and trans_logp.shape == (num_reqs, max(gamma - 1, 0), top_k, top_k), (
+        f"root_logp must be [N, K], trans_logp [N, gamma - 1, K, K]; got {tuple(root_logp.shape)}, "
+        f"{tuple(trans_logp.shape)}")
+    for name, t in (("root_logp", root_logp), ("trans_logp", trans_logp)):
+        assert t.dtype == torch.float32 and t.stride(-1) == 1, (
+            f"{name} must be float32 with a unit last-dim stride, got {t.dtype} strides {t.stride()}")
+    assert chain.shape == (num_reqs, gamma) and chain.stride(1) == 1 and chain_len.shape == (num_reqs,), (
+        f"chain must be [N, gamma] (unit last-dim stride), chain_len [N]; got {tuple(chain.shape)}, "
+        f"{tuple(chain_len.shape)}")
+    for name, t in (("root_logp", root_logp), ("trans_logp", trans_logp), ("chain", chain),
+                    ("chain_len", chain_len)):
+        assert t.device == cand_tokens.device, f"{name} is on {t.device}, cand_tokens on {cand_tokens.device}"
+    tokens = torch.empty((num_reqs, gamma, top_k), dtype=torch.long, device=cand_tokens.device)
+    root = torch.empty((num_reqs, top_k), dtype=torch.float32, device=cand_tokens.device)
+    trans = torch.empty((num_reqs, max(gamma - 1, 0), top_k, top_k), dtype=torch.float32, device=cand_tokens.device)
+    if num_reqs == 0:
+        return tokens, root, trans
+    if triton is None:
+        raise RuntimeError("inject_chain_lattice needs Triton, which is not installed (use tree.lookup.inject_chain)")
+    trans_in = trans_logp if gamma > 1 else root_logp.new_empty((num_reqs, 1, top_k, top_k))
+    _inject_chain_kernel[(num_reqs, gamma)](
+        cand_tokens, cand_tokens.stride(0), cand_tokens.stride(1), root_logp, root_logp.stride(0),
+        trans_in, trans_in.stride(0), trans_in.stride(1), trans_in.stride(2), chain, chain.stride(0), chain_len,
+        tokens, root, trans, float(edge_logprob), torch.finfo(torch.float32).min,
+        GAMMA=gamma, K=top_k, K_PAD=triton.next_power_of_2(top_k))
+    return tokens, root, trans
 
 
 def lookup_chain_rows(

@@ -1,5 +1,6 @@
 """triton_ops.lookup_chain against ``tree.lookup.lookup_continuation`` (itself checked against a brute-force search
-in tests/unit/test_tree_lookup.py) over the gathered history rows, as the MRV2 speculator gathered them.
+in tests/unit/test_tree_lookup.py) over the gathered history rows, as the MRV2 speculator gathered them, and its
+injection kernel against ``tree.lookup.inject_chain``.
 
 Without CUDA the kernels run under the Triton interpreter on CPU tensors."""
 from __future__ import annotations
@@ -7,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ubtree_vllm.tree.lookup import lookup_continuation
-from ubtree_vllm.triton_ops.lookup_chain import BLOCK_L, lookup_chain_rows
+from ubtree_vllm.tree.lookup import inject_chain, lookup_continuation
+from ubtree_vllm.triton_ops.lookup_chain import BLOCK_L, inject_chain_lattice, lookup_chain_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -73,3 +74,26 @@ def test_no_rows_and_bad_lengths():
     assert chain.shape == (0, 4) and chain_len.shape == (0,)
     with pytest.raises(ValueError, match="min_n"):
         lookup_chain_rows(token_ids, total_len, torch.zeros(1, dtype=torch.long, device=DEVICE), 4, 3, 2)
+
+
+@pytest.mark.parametrize("gamma,top_k,edge_logprob", [(5, 6, 0.0), (16, 64, -0.3), (1, 4, 0.0), (3, 5, -1.0)])
+def test_injection_matches_inject_chain(gamma, top_k, edge_logprob):
+    gen = torch.Generator().manual_seed(gamma * 7 + top_k)
+    num_reqs, vocab = 6, max(3 * top_k, 12)
+    cand = torch.stack([torch.stack([torch.randperm(vocab, generator=gen)[:top_k] for _ in range(gamma)])
+                        for _ in range(num_reqs)])
+    # the edges as the selector hands them over: views of one [N, gamma, K, K] tensor
+    logp = torch.log_softmax(torch.randn(num_reqs, gamma, top_k, top_k, generator=gen), -1)
+    root, trans = logp[:, 0, 0], logp[:, 1:]
+    chain = torch.randint(vocab, (num_reqs, gamma), generator=gen)
+    chain[0] = vocab + torch.arange(gamma)  # proposed at no depth: the last slot replaced at every depth, whose
+    logp[0, :, :, top_k - 1] = -0.01  # selector scores (above edge_logprob) must not survive into the chain's edges
+    chain[1] = cand[1, :, top_k // 2]  # proposed at every depth
+    chain[2, 1:] = cand[2, 1:, 0]  # replaced at depth 1 only
+    chain_len = torch.tensor([gamma, gamma, gamma, 0, max(gamma - 1, 0), 1])[:num_reqs]
+    want = inject_chain(cand, root, trans, chain, chain_len, edge_logprob)
+    got = inject_chain_lattice(cand.to(DEVICE), root.to(DEVICE), trans.to(DEVICE), chain.to(DEVICE),
+                               chain_len.to(DEVICE), edge_logprob)
+    for name, w, g in zip(("tokens", "root_logp", "trans_logp"), want, got):
+        assert torch.equal(g.cpu(), w), name
+    assert not torch.equal(want[0], cand) and not torch.equal(want[1], root)  # the chains changed the lattice

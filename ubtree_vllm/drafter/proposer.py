@@ -15,7 +15,7 @@ from ubtree_vllm.drafter.config import DrafterConfig
 from ubtree_vllm.drafter.coupling import CoupledNoise, couple_edges, coupled_candidates
 from ubtree_vllm.drafter.model import DFlashBackbone
 from ubtree_vllm.selector.bigram import BigramSelector
-from ubtree_vllm.tree.lookup import inject_chain, lookup_continuation
+from ubtree_vllm.tree.lookup import inject_lookup_chain, lookup_continuation
 from ubtree_vllm.tree.search import construct_tree
 from ubtree_vllm.tree.topology import DraftTree
 from ubtree_vllm.types import DraftContext
@@ -165,6 +165,6 @@ class UBTreeDrafter(nn.Module):
                                                  tree_cfg.coupled_edge_weight)
         tokens = cands.tokens
         if chain is not None:
-            tokens, root_logp, trans_logp = inject_chain(tokens, root_logp, trans_logp, *chain,
-                                                         edge_logprob=tree_cfg.lookup_edge_logprob)
+            tokens, root_logp, trans_logp = inject_lookup_chain(tokens, root_logp, trans_logp, *chain,
+                                                                edge_logprob=tree_cfg.lookup_edge_logprob)
         return construct_tree(anchor, tokens, root_logp, trans_logp, tree_cfg)

@@ -101,3 +101,16 @@ def inject_chain(cand_tokens: torch.Tensor, root_logp: torch.Tensor, trans_logp:
         fresh = (replaced[:, :-1] | replaced[:, 1:])[:, :, None, None]
         trans = torch.where(chain_edge, chain_score(trans_logp, fresh), trans)
     return tokens, root, trans
+
+
+def inject_lookup_chain(cand_tokens: torch.Tensor, root_logp: torch.Tensor, trans_logp: torch.Tensor,
+                        chain: torch.Tensor, chain_len: torch.Tensor, edge_logprob: float = 0.0
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`inject_chain`'s lattice; on CUDA from one Triton launch (``triton_ops/lookup_chain.py``, identical
+    outputs) instead of ~35 small kernels. Arguments as :func:`inject_chain`."""
+    if not cand_tokens.is_cuda:
+        return inject_chain(cand_tokens, root_logp, trans_logp, chain, chain_len, edge_logprob)
+    from ubtree_vllm.triton_ops.lookup_chain import inject_chain_lattice
+
+    return inject_chain_lattice(cand_tokens, root_logp.float(), trans_logp.float(), chain.long(), chain_len.long(),
+                                edge_logprob)
