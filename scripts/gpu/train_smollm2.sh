@@ -99,6 +99,7 @@
 #   projection  `ubtree bench microbench --which projection`: the round cost on a dummy Qwen3-8B with an untrained
 #            drafter of its shape, B = PROJECTION_BUDGETS (default 16,32,64; one engine each) at 1 and 32 requests in
 #            flight (report: projected speedups)
+# scripts/gpu/run_phases.sh runs several phases in one device call and returns the records and the log through $OUT.
 # Records go to $RECORDS (default docs/benchmarks/records.jsonl; on the device use runs/records.jsonl,
 # which survives between calls of one warm session, and append it to the local file afterwards).
 # The device copy has no .git: pass UBTREE_COMMIT=<local HEAD> so records name the commit.
