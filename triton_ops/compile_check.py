@@ -90,7 +90,7 @@ def compile_lookup_chain(min_n: int, max_n: int, gamma: int, arch: int) -> tuple
     from ubtree_vllm.triton_ops.lookup_chain import BLOCK_L
 
     pointers = {"token_ids_ptr": "*i32", "total_len_ptr": "*i32", "slots_ptr": "*i64", "scratch_ptr": "*i64",
-                "chain_ptr": "*i64", "chain_len_ptr": "*i64"}
+                "stage_ptr": "*i32", "chain_ptr": "*i64", "chain_len_ptr": "*i64"}
 
     def kind(name: str) -> str:
         return pointers[name] if name.endswith("_ptr") else "i32"

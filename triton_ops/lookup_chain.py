@@ -11,7 +11,8 @@ history), ``chain_len`` how many there are (0: nothing matched).
 
 1. ``_lookup_scan_kernel``, grid ``(R, cdiv(L, BLOCK_L))``: each block of start positions scores its
    matches ``n * (L + 1) + p + 1`` (longer n first, then later p; 0 for none) and writes its maximum
-   to ``scratch[b, block]``; blocks past the history write 0 without reading it.
+   to ``scratch[b, block]``; blocks past the history write 0 without reading it. A block reads each of its
+   history tokens once (into a device-memory stage: MRV2 keeps the history in pinned host memory).
 2. ``_lookup_finalize_kernel``, grid ``(R,)``: the row's best score, decoded into (n, p), then the
    chain gathered from the history.
 
@@ -40,8 +41,8 @@ BLOCK_L = 1024  # start positions per scan program
 
 if triton is not None:
     @triton.jit
-    def _lookup_scan_kernel(token_ids_ptr, stride_tok, total_len_ptr, slots_ptr, scratch_ptr, stride_scratch, width,
-                            MIN_N: tl.constexpr, MAX_N: tl.constexpr, MAX_N_PAD: tl.constexpr,
+    def _lookup_scan_kernel(token_ids_ptr, stride_tok, total_len_ptr, slots_ptr, scratch_ptr, stride_scratch,
+                            stage_ptr, width, MIN_N: tl.constexpr, MAX_N: tl.constexpr, MAX_N_PAD: tl.constexpr,
                             BLOCK_L: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         blk = tl.program_id(1).to(tl.int64)
@@ -56,13 +57,22 @@ if triton is not None:
         offs_s = tl.arange(0, MAX_N_PAD)
         suffix_pos = length - MAX_N + offs_s
         suffix = tl.load(row + suffix_pos, mask=(offs_s < MAX_N) & (suffix_pos >= 0), other=-1)
-        start = blk * BLOCK_L + tl.arange(0, BLOCK_L)  # [BLOCK_L]
+        # The block's tokens and the MAX_N after it, read from the history once (vLLM keeps it in pinned host
+        # memory, read over the bus, for every method but n-gram) into this program's stage in device memory,
+        # where the shifted reads below hit the cache; -2 past the history (-1 pads the suffix: never equal).
+        offs_l = tl.arange(0, BLOCK_L)
+        start = blk * BLOCK_L + offs_l  # [BLOCK_L]
+        stage = stage_ptr + (b * tl.num_programs(1) + blk) * (BLOCK_L + MAX_N_PAD)
+        tl.store(stage + offs_l, tl.load(row + start, mask=start < length, other=-2))
+        halo = blk * BLOCK_L + BLOCK_L + offs_s
+        tl.store(stage + BLOCK_L + offs_s, tl.load(row + halo, mask=halo < length, other=-2))
+        tl.debug_barrier()
         best = tl.zeros([BLOCK_L], tl.int64)
         for n in tl.static_range(MIN_N, MAX_N + 1):
             match = start + n < length  # a token follows the match (so length >= n + 1: the suffix exists)
             for j in tl.static_range(0, n):
                 want = tl.sum(tl.where(offs_s == MAX_N - n + j, suffix, 0), axis=0)  # history[length - n + j]
-                tok = tl.load(row + start + j, mask=match, other=0)
+                tok = tl.load(stage + offs_l + j)
                 match = match & (tok == want)
             best = tl.maximum(best, tl.where(match, n * (width + 1) + start + 1, 0))  # n ascending: later n wins
         tl.store(out, tl.max(best, axis=0))
@@ -211,9 +221,11 @@ def lookup_chain_rows(
                            "(use tree.lookup.lookup_continuation)")
     num_blocks = triton.cdiv(width, BLOCK_L)
     scratch = torch.empty((num_rows, num_blocks), dtype=torch.long, device=device)
+    max_n_pad = triton.next_power_of_2(max_n)
+    stage = torch.empty((num_rows, num_blocks, BLOCK_L + max_n_pad), dtype=token_ids.dtype, device=device)
     _lookup_scan_kernel[(num_rows, num_blocks)](
-        token_ids, token_ids.stride(0), total_len, slots, scratch, scratch.stride(0), width,
-        MIN_N=min_n, MAX_N=max_n, MAX_N_PAD=triton.next_power_of_2(max_n), BLOCK_L=BLOCK_L)
+        token_ids, token_ids.stride(0), total_len, slots, scratch, scratch.stride(0), stage, width,
+        MIN_N=min_n, MAX_N=max_n, MAX_N_PAD=max_n_pad, BLOCK_L=BLOCK_L)
     _lookup_finalize_kernel[(num_rows,)](
         token_ids, token_ids.stride(0), total_len, slots, scratch, scratch.stride(0), chain, chain_len, width,
         num_blocks, GAMMA=gamma, GAMMA_PAD=triton.next_power_of_2(gamma),
