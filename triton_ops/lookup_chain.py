@@ -1,6 +1,6 @@
-"""The prompt-lookup branch's chain of every batch row in two launches (the fused form of
+"""The prompt-lookup branch in Triton: every batch row's chain in two launches (the fused form of
 ``tree.lookup.lookup_continuation`` over MRV2's token history: ~10 torch kernels per n-gram length,
-each over the whole history buffer).
+each over the whole history buffer), and its injection into the candidate lattice in one.
 
 Row b reads request slot ``slots[b]``: its history is ``token_ids[slot, :length]`` with
 ``length = min(total_len[slot], L)``, ending at the anchor. For n = ``MAX_N`` down to ``MIN_N``, a
@@ -15,14 +15,13 @@ history), ``chain_len`` how many there are (0: nothing matched).
    history tokens once (into a device-memory stage: MRV2 keeps the history in pinned host memory).
 2. ``_lookup_finalize_kernel``, grid ``(R,)``: the row's best score, decoded into (n, p), then the
    chain gathered from the history.
-
 3. ``_inject_chain_kernel``, grid ``(R, gamma)`` (launcher :func:`inject_chain_lattice`, the fused form of
    ``tree.lookup.inject_chain``: ~35 small torch kernels): program (b, d) writes depth d's candidates with the
    chain token in its slot, and the edges into depth d (the root's at d = 0) with the chain's edges raised to
    ``edge_logprob`` and a replaced slot's other edges at the dtype's minimum.
 
-The launchers read no device value (the grid depends on the buffer's width L, not on the lengths),
-so it is safe inside a CUDA-graph capture. Test oracles: ``tree.lookup.lookup_continuation`` over the
+The launchers read no device value (the scan's grid depends on the buffer's width L, not on the
+lengths), so they are safe inside a CUDA-graph capture. Test oracles: ``tree.lookup.lookup_continuation`` over the
 gathered rows and ``tree.lookup.inject_chain`` (``tests/triton/test_lookup_chain.py``). The scan scores
 matches as vLLM 0.32's n-gram speculator does (``v1/worker/gpu/spec_decode/ngram``), written for the lookup
 branch's contract.
