@@ -96,7 +96,6 @@ if triton is not None:
         tl.store(chain_ptr + b * GAMMA + offs_d, chain, mask=offs_d < GAMMA)
         tl.store(chain_len_ptr + b, tl.sum(valid.to(tl.int64), axis=0))
 
-
     @triton.jit
     def _chain_slot(cand_ptr, stride_cand_d, chain_ptr, chain_len, d, offs_k, K: tl.constexpr):
         """Depth d's chain slot: (candidate row [K_PAD] int64, chain token, slot, on, replaced) with slot the
@@ -131,7 +130,7 @@ if triton is not None:
             root_edge = tl.where(replaced, edge_logprob, tl.maximum(root, edge_logprob))
             tl.store(out_root_ptr + b * K + offs_k, tl.where(mine, root_edge, root), mask=in_k)
         else:  # edges from depth d - 1 (slot a) into depth d (slot b): trans[:, d - 1]
-            _, _, prev_slot, prev_on, prev_replaced = _chain_slot(cand, stride_cand_d, chain, chain_len, d - 1,
+            _, _, prev_slot, _, prev_replaced = _chain_slot(cand, stride_cand_d, chain, chain_len, d - 1,
                                                                   offs_k, K)
             src = offs_k[:, None] == prev_slot  # [K_PAD, 1]
             dst = offs_k[None, :] == slot  # [1, K_PAD]

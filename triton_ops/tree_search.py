@@ -28,9 +28,11 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None
 
 if triton is not None:
+    _NO_KEY = tl.constexpr(-(1 << 63))  # the key of a taken entry: below every real one
+
     @triton.jit
     def _order_keys(values, index, taken):
-        """One int64 key per entry that orders as (value, then -index); taken entries get the smallest int64.
+        """One int64 key per entry that orders as (value, then -index); taken entries get ``_NO_KEY``, the smallest int64.
 
         The float's bits made sign-ordered (-0.0 as +0.0, which compares equal to it) in the high word, and
         2^31 - 1 - index in the low word (indices of untaken entries are distinct and in [0, 2^31))."""
@@ -38,18 +40,17 @@ if triton is not None:
         bits = tl.where(bits == -2147483648, 0, bits)  # -0.0
         ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
         low = (2147483647 - index).to(tl.int64)
-        return tl.where(taken, tl.full([], -9223372036854775807 - 1, tl.int64), (ordered.to(tl.int64) << 32) | low)
+        return tl.where(taken, tl.full([], _NO_KEY, tl.int64), (ordered.to(tl.int64) << 32) | low)
 
     @triton.jit
     def _select_into(values, index, taken, count, out_scores, out_index, slot_offs, SLOTS: tl.constexpr):
         """Pick the ``count`` best untaken entries of ``values`` (ties: lowest ``index``) into slots 0..count-1:
         each pick is one max-reduction over the entries' keys (:func:`_order_keys`)."""
-        none = tl.full([], -9223372036854775807 - 1, tl.int64)
         keys = _order_keys(values, index, taken)
         for j in range(SLOTS):
             live = j < count
             best = tl.max(keys, axis=0)
-            keys = tl.where((keys == best) & live, none, keys)
+            keys = tl.where((keys == best) & live, tl.full([], _NO_KEY, tl.int64), keys)
             high = (best >> 32).to(tl.int32)
             score = tl.where(high >= 0, high, high ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
             pick = (2147483647 - (best & 0x7FFFFFFF)).to(tl.int32)
