@@ -15,6 +15,8 @@ from ubtree_vllm import cli
 from ubtree_vllm.bench import records as rec
 from ubtree_vllm.bench.attention_bench import (MAX_DEPTH, TREE_NODES, AttentionTiming, attention_records,
                                                tree_inputs)
+from ubtree_vllm.bench.attention_numerics import (SMOLLM2_ATTENTION, NumericsResult, bf16_ulp, numerics_records,
+                                                  path_sequences, path_sequences_reference, ulp_errors)
 from ubtree_vllm.bench.microbench import (MICROBENCHES, MicrobenchSettings, check_selection, parse_which,
                                           run_microbenches, summary_fields)
 from ubtree_vllm.bench.settings import BenchArgumentError
@@ -99,6 +101,64 @@ def test_attention_records_without_flash_attention_keep_the_triton_time_and_say_
     assert "FlashAttention unavailable, only the Triton time recorded: ImportError: no FA" in record["notes"]
 
 
+# ---- tree-attention-numerics: the pure parts ---------------------------------------------------------------
+
+def test_bf16_ulp_is_the_spacing_of_bfloat16_at_the_value():
+    x = torch.tensor([1.0, 1.5, -0.75, 3.0e-3, 0.0, 2.0 ** 100])
+    ulp = bf16_ulp(x)
+    assert ulp.tolist()[:3] == [2.0 ** -7, 2.0 ** -7, 2.0 ** -8] and ulp[5] == 2.0 ** 93
+    assert ulp[3] == 2.0 ** (-9 - 7) and ulp[4] == 2.0 ** (-126 - 7)  # 3e-3 in [2^-9, 2^-8); zero: smallest normal
+    values = torch.randn(10_000, generator=torch.Generator().manual_seed(0)) * 7
+    rounding = ulp_errors(values.bfloat16(), values)
+    assert 0.2 < rounding.mean() < 0.3 and rounding.max() <= 0.5  # round-to-nearest: at most half a spacing
+
+
+@pytest.mark.parametrize("context_len", [0, 32])
+def test_path_sequences_hold_each_tree_row_as_a_lone_decode_of_context_then_path(context_len):
+    from ubtree_vllm.triton_ops.reference import tree_attention_reference
+    from ubtree_vllm.triton_ops.tree_attention_inputs import make_inputs
+
+    parents = random_parents(20, 6, 4, torch.Generator().manual_seed(1))
+    inputs = make_inputs([(context_len, parents)], device="cpu", dtype=torch.float32, num_heads=6, num_kv_heads=2,
+                         head_size=32, block_size=16, extra_path_pad=0, prefill_rows=0)
+    seqs = path_sequences(inputs, context_len)
+    depth = [len(path_to(parents, n)) - 1 for n in range(1, len(parents))]
+    assert seqs.seq_lens.tolist() == [context_len + d + 1 for d in depth]
+    assert torch.equal(seqs.block_table[:, :context_len // 16],
+                       inputs.block_table[[0] * 20, :context_len // 16])  # the context's pages, shared
+    assert torch.equal(seqs.key_cache[:inputs.key_cache.shape[0]], inputs.key_cache)  # the original cache, then paths'
+    rows = inputs.row_index.long()
+    tree = tree_attention_reference(*inputs.args(), torch.zeros_like(inputs.query))[rows]
+    assert torch.equal(path_sequences_reference(seqs, inputs.scale), tree)  # the same numbers in the same order
+
+
+def test_path_sequences_need_whole_context_pages_of_one_request():
+    from ubtree_vllm.triton_ops.tree_attention_inputs import make_inputs
+
+    inputs = make_inputs([(20, [-1, 0, 1])], device="cpu", prefill_rows=0)
+    with pytest.raises(ValueError, match="multiple of the page size 16"):
+        path_sequences(inputs, 20)
+    with pytest.raises(ValueError, match="committed context 32"):
+        path_sequences(inputs, 32)
+
+
+def test_numerics_records_give_three_errors_and_the_mismatch_per_shape_and_context():
+    errors = {"tree": torch.tensor([0.25, 0.5, 1.0]), "merge": torch.tensor([0.25, 0.25, 0.5]),
+              "plain": torch.tensor([0.0, 0.5, 0.5])}
+    rows = numerics_records([NumericsResult(SMOLLM2_ATTENTION, 512, errors, 0.125)], "1x test GPU")
+    assert [(r["metric"], r["value"], r["unit"]) for r in rows] == [
+        ("tree_attention_error_ulp", round(1.75 / 3, 5), "ulp"), ("flash_merge_error_ulp", round(1.0 / 3, 5), "ulp"),
+        ("plain_attention_error_ulp", round(1.0 / 3, 5), "ulp"), ("tree_plain_mismatch", 0.125, "fraction")]
+    assert {r["target"] for r in rows} == {"smollm2-135m (context 512)"}
+    assert "9 query heads, 3 KV heads, head size 64" in rows[0]["notes"] and "tree: p99.9" in rows[0]["notes"]
+    assert all(full(r)["kind"] == "microbench" for r in rows)
+
+
+def test_tree_attention_numerics_refuses_contexts_off_the_page_size():
+    with pytest.raises(BenchArgumentError, match="multiple of the page size 16 for tree-attention-numerics"):
+        MICROBENCHES["tree-attention-numerics"].run(MicrobenchSettings(context_lens=(512, 100)))
+
+
 def test_write_target_config_is_qwen3_8b(tmp_path):
     config = json.loads((write_target_config(tmp_path / "t") / "config.json").read_text())
     expected = {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -155,17 +215,18 @@ def test_time_launches_on_cpu_gives_one_sample_per_iteration():
 
 def test_which_all_is_every_entry_and_only_the_drafter_entries_need_the_drafter():
     assert parse_which("all") == tuple(MICROBENCHES) == ("draft-postprocess", "tree-attention-vs-flash",
-                                                         "verify-forward", "draft-stage", "projection", "grammar-rows",
-                                                         "tree-linear-state")
+                                                         "tree-attention-numerics", "verify-forward", "draft-stage",
+                                                         "projection", "grammar-rows", "tree-linear-state")
     assert parse_which("verify-forward, draft-postprocess") == ("verify-forward", "draft-postprocess")
     assert [n for n, m in MICROBENCHES.items() if m.uses_drafter] == ["draft-postprocess", "draft-stage"]
-    assert [n for n, m in MICROBENCHES.items() if m.gpu_only] == ["tree-attention-vs-flash", "verify-forward",
-                                                                  "projection", "tree-linear-state"]
+    assert [n for n, m in MICROBENCHES.items() if m.gpu_only] == ["tree-attention-vs-flash", "tree-attention-numerics",
+                                                                  "verify-forward", "projection", "tree-linear-state"]
 
 
 @pytest.mark.parametrize("names,pattern", [
     (("verify",), r"--which: unknown microbenchmark 'verify'; allowed: draft-postprocess, tree-attention-vs-flash, "
-                  r"verify-forward, draft-stage, projection, grammar-rows, tree-linear-state, all"),
+                  r"tree-attention-numerics, verify-forward, draft-stage, projection, grammar-rows, tree-linear-state, "
+                  r"all"),
     (("draft-postprocess", "draft-postprocess"), r"--which lists a microbenchmark twice"),
     (("draft-postprocess",), r"--drafter is required for --which draft-postprocess"),
 ])
@@ -183,7 +244,8 @@ def test_bad_which_value_is_a_one_line_cli_error(capsys):
                                                "draft-postprocess")
 
 
-@pytest.mark.parametrize("name", ["tree-attention-vs-flash", "verify-forward", "projection", "tree-linear-state"])
+@pytest.mark.parametrize("name", ["tree-attention-vs-flash", "tree-attention-numerics", "verify-forward", "projection",
+                                  "tree-linear-state"])
 def test_gpu_only_entries_name_themselves_without_cuda_and_run_nothing(name, monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     path = tmp_path / "records.jsonl"
@@ -211,7 +273,18 @@ def test_tree_attention_vs_flash_on_gpu(tmp_path):
     assert metrics.count("tree_attention_ms") == 2 and all(r["value"] > 0 for r in rows)
     if "flash_attention_ms" not in metrics:
         pytest.fail(f"FlashAttention did not run on this GPU: {rows[0]['notes']}")
-    assert metrics == ["tree_attention_ms", "flash_attention_ms", "tree_attention_over_flash"] * 2
+    assert metrics == ["tree_attention_ms", "flash_attention_ms", "tree_attention_over_flash", "flash_merge_ms",
+                       "flash_merge_over_flash"] * 2
+
+
+@pytest.mark.gpu
+def test_tree_attention_numerics_on_gpu(tmp_path):
+    rows = run_microbenches(("tree-attention-numerics",), MicrobenchSettings(context_lens=(64,)), tmp_path / "r.jsonl")
+    per_case = ["tree_attention_error_ulp", "flash_merge_error_ulp", "plain_attention_error_ulp", "tree_plain_mismatch"]
+    assert [r["metric"] for r in rows] == per_case * 2  # Qwen3-8B's shape, then SmolLM2's
+    assert [r["target"] for r in rows[::4]] == ["qwen3-8b (context 64)", "smollm2-135m (context 64)"]
+    errors = [r["value"] for r in rows if r["unit"] == "ulp"]
+    assert all(0 < e < 4 for e in errors), errors  # bf16 outputs of an fp32-accumulating kernel: about 1/4 ulp
 
 
 @pytest.mark.gpu

@@ -15,8 +15,8 @@ from ubtree_vllm.vllm.config import TREE_ATTENTION_MODES
 DEFAULT_RECORDS = "docs/benchmarks/records.jsonl"
 # Names of bench/microbench.py:MICROBENCHES (kept here so building the parser imports no torch;
 # tests/unit/test_bench.py checks that both lists agree).
-MICROBENCH_NAMES = ("draft-postprocess", "tree-attention-vs-flash", "verify-forward", "draft-stage", "projection",
-                    "grammar-rows", "tree-linear-state")
+MICROBENCH_NAMES = ("draft-postprocess", "tree-attention-vs-flash", "tree-attention-numerics", "verify-forward",
+                    "draft-stage", "projection", "grammar-rows", "tree-linear-state")
 
 
 def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
@@ -112,7 +112,8 @@ def _add_microbench_args(parser: argparse.ArgumentParser) -> None:
                              f"(default: {MICROBENCH_NAMES[0]}; the others need a CUDA device)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cpu")
     parser.add_argument("--context-lens", default="512,2048",
-                        help="comma-separated context lengths of tree-attention-vs-flash")
+                        help="comma-separated context lengths of tree-attention-vs-flash and tree-attention-numerics "
+                             "(multiples of 16 for the latter)")
     parser.add_argument("--iters", type=int, default=50, help="timed rounds (after --warmup)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed rounds first")
     parser.add_argument("--tree-budget", type=int, default=64, help="B (draft-postprocess, grammar-rows, tree-linear-state)")

@@ -10,6 +10,9 @@ running any. Entries:
   draft-postprocess        (CPU or GPU, uses --drafter) below
   tree-attention-vs-flash  (GPU only) bench/attention_bench.py: Triton tree attention vs
                            vLLM's FlashAttention on a Qwen3-8B layer, per --context-lens
+  tree-attention-numerics  (GPU only) bench/attention_numerics.py: the tree rows' attention (Triton, flash_merge)
+                           and plain decoding's FlashAttention for the same tokens, each against fp32, in
+                           bf16 ulps, at Qwen3-8B's and SmolLM2's attention shapes, per --context-lens
   verify-forward           (GPU only) bench/verify_bench.py: one vLLM forward of 65 vs 17
                            new tokens on a dummy Qwen3-8B over a cached 1024-token context
   projection               (GPU only) bench/projection.py: UBTree's round cost in plain steps on a dummy
@@ -267,6 +270,19 @@ def tree_attention_vs_flash(settings: MicrobenchSettings) -> list[dict[str, Any]
     return attention_records(timings, iters=settings.iters, warmup=settings.warmup, hardware=hardware(device.type))
 
 
+def tree_attention_numerics(settings: MicrobenchSettings) -> list[dict[str, Any]]:
+    """Records of the tree rows' attention error against fp32 and plain decoding's, per shape and context (GPU only)."""
+    from ubtree_vllm.bench.attention_numerics import SHAPES, measure, numerics_records
+
+    page = min(shape.block_size for shape in SHAPES)
+    if not settings.context_lens or any(c < 0 or c % page for c in settings.context_lens):
+        raise BenchArgumentError(f"--context-lens: each value must be a multiple of the page size {page} for "
+                                 f"tree-attention-numerics, got {list(settings.context_lens)}")
+    device = _cuda_device(settings, "tree-attention-numerics")
+    results = [measure(shape, c, device, settings.seed) for shape in SHAPES for c in settings.context_lens]
+    return numerics_records(results, hardware(device.type))
+
+
 def verify_forward(settings: MicrobenchSettings) -> list[dict[str, Any]]:
     """Records of the 65- vs 17-token verification forward on a dummy Qwen3-8B (GPU only)."""
     from ubtree_vllm.bench.verify_bench import (CONTEXT_LEN, time_verify_forward, verify_records,
@@ -323,6 +339,7 @@ class Microbench:
 MICROBENCHES: dict[str, Microbench] = {
     "draft-postprocess": Microbench(draft_postprocess, gpu_only=False, uses_drafter=True),
     "tree-attention-vs-flash": Microbench(tree_attention_vs_flash, gpu_only=True, uses_drafter=False),
+    "tree-attention-numerics": Microbench(tree_attention_numerics, gpu_only=True, uses_drafter=False),
     "verify-forward": Microbench(verify_forward, gpu_only=True, uses_drafter=False),
     "draft-stage": Microbench(draft_stage, gpu_only=False, uses_drafter=True),
     "projection": Microbench(projection, gpu_only=True, uses_drafter=False),
