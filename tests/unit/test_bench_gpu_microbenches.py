@@ -15,8 +15,10 @@ from ubtree_vllm import cli
 from ubtree_vllm.bench import records as rec
 from ubtree_vllm.bench.attention_bench import (MAX_DEPTH, TREE_NODES, AttentionTiming, attention_records,
                                                tree_inputs)
-from ubtree_vllm.bench.attention_numerics import (SMOLLM2_ATTENTION, NumericsResult, bf16_ulp, numerics_records,
-                                                  path_sequences, path_sequences_reference, ulp_errors)
+from ubtree_vllm.bench.attention_bench import QWEN3_8B_ATTENTION
+from ubtree_vllm.bench.attention_numerics import (SMOLLM2_ATTENTION, VERIFY_ROWS, NumericsResult, bf16_ulp,
+                                                  linear_layers, linear_records, numerics_records, path_sequences,
+                                                  path_sequences_reference, rows_mismatch, ulp_errors)
 from ubtree_vllm.bench.microbench import (MICROBENCHES, MicrobenchSettings, check_selection, parse_which,
                                           run_microbenches, summary_fields)
 from ubtree_vllm.bench.settings import BenchArgumentError
@@ -154,6 +156,32 @@ def test_numerics_records_give_three_errors_and_the_mismatch_per_shape_and_conte
     assert all(full(r)["kind"] == "microbench" for r in rows)
 
 
+def test_rows_mismatch_counts_the_elements_whose_bits_change_with_the_row_count(monkeypatch):
+    x = torch.randint(-3, 4, (65, 32)).float()
+    weight = torch.randint(-3, 4, (48, 32)).float()
+    assert rows_mismatch(x, weight, 17) == 0.0  # small integers: every sum is exact in any order
+    linear = torch.nn.functional.linear
+
+    def batch_dependent(rows, w):  # a library whose multi-row kernel rounds the first output column differently
+        out = linear(rows, w)
+        if rows.shape[0] > 1:
+            out[:, 0] += 1
+        return out
+
+    monkeypatch.setattr(torch.nn.functional, "linear", batch_dependent)
+    assert rows_mismatch(x, weight, 9) == pytest.approx(1 / 48)
+
+
+def test_linear_records_cover_each_layer_of_the_shape_at_each_verification_width():
+    assert linear_layers(SMOLLM2_ATTENTION) == {"qkv_proj": (576, 960), "o_proj": (576, 576),
+                                                "gate_up_proj": (576, 3072), "down_proj": (1536, 576)}
+    assert linear_layers(QWEN3_8B_ATTENTION)["qkv_proj"] == (4096, 6144)
+    rows = linear_records(SMOLLM2_ATTENTION, torch.device("cpu"), "CPU (test)")
+    assert [r["target"] for r in rows[:3]] == [f"smollm2-135m qkv_proj (rows {m})" for m in VERIFY_ROWS]
+    assert len(rows) == 12 and {r["metric"] for r in rows} == {"linear_rows_mismatch"}
+    assert all(0 <= r["value"] <= 1 and r["unit"] == "fraction" for r in rows)
+
+
 def test_tree_attention_numerics_refuses_contexts_off_the_page_size():
     with pytest.raises(BenchArgumentError, match="multiple of the page size 16 for tree-attention-numerics"):
         MICROBENCHES["tree-attention-numerics"].run(MicrobenchSettings(context_lens=(512, 100)))
@@ -281,7 +309,8 @@ def test_tree_attention_vs_flash_on_gpu(tmp_path):
 def test_tree_attention_numerics_on_gpu(tmp_path):
     rows = run_microbenches(("tree-attention-numerics",), MicrobenchSettings(context_lens=(64,)), tmp_path / "r.jsonl")
     per_case = ["tree_attention_error_ulp", "flash_merge_error_ulp", "plain_attention_error_ulp", "tree_plain_mismatch"]
-    assert [r["metric"] for r in rows] == per_case * 2  # Qwen3-8B's shape, then SmolLM2's
+    assert [r["metric"] for r in rows] == per_case * 2 + ["linear_rows_mismatch"] * 24  # 2 shapes x 4 layers x 3 M
+    assert all(0 <= r["value"] <= 1 for r in rows[8:])
     assert [r["target"] for r in rows[::4]] == ["qwen3-8b (context 64)", "smollm2-135m (context 64)"]
     errors = [r["value"] for r in rows if r["unit"] == "ulp"]
     assert all(0 < e < 4 for e in errors), errors  # bf16 outputs of an fp32-accumulating kernel: about 1/4 ulp

@@ -24,8 +24,16 @@ element of every tree row; the notes give the 99.9th percentile and the maximum)
   tree_plain_mismatch        fraction of elements where tree and plain differ (unit "fraction")
 
 A tree kernel no farther from exact than plain decoding's FlashAttention means attention is not what makes outputs
-part more often; the other suspects are the linear layers' batch shapes (65 rows per request instead of 1) and the
-KV written for accepted nodes. GPU only (FlashAttention); the pure helpers here are tested on the CPU.
+part more often. The other suspect is the linear layers' batch shape: a verification multiplies 1 + B rows per
+request where plain decoding multiplies one, and the GEMM a library picks (and its accumulation order) depends on the
+row count, so the same row can come out with other bits, in the hidden states and in the K/V cached for accepted
+nodes. Per shape, for each of the target's linear layers (q/k/v, o, gate/up, down) and row counts M = 9, 17, 65
+(vLLM's n-gram at k = 8, a 16-token chain, a 64-node tree):
+
+  linear_rows_mismatch   fraction of output elements of ``F.linear(x[:M], W)`` (bf16) that differ from the same
+                         rows multiplied one at a time (unit "fraction"; target "<shape> <layer> (rows M)")
+
+GPU only (FlashAttention, cuBLAS); the pure helpers here are tested on the CPU.
 """
 from __future__ import annotations
 
@@ -40,6 +48,9 @@ from ubtree_vllm.bench.attention_bench import QWEN3_8B_ATTENTION, AttentionShape
 SMOLLM2_ATTENTION = AttentionShape("smollm2-135m", num_heads=9, num_kv_heads=3, head_size=64, block_size=16,
                                    dtype=torch.bfloat16)
 SHAPES = (QWEN3_8B_ATTENTION, SMOLLM2_ATTENTION)
+# shape name -> (hidden size, MLP intermediate size) of the target (config.json)
+LINEAR_SIZES = {"qwen3-8b": (4096, 12288), "smollm2-135m": (576, 1536)}
+VERIFY_ROWS = (9, 17, 65)  # n-gram k = 8, a 16-token chain, a 64-node tree: rows per request of one verification
 BF16_MANTISSA_BITS = 7
 _MIN_EXPONENT = -125  # frexp exponent of bf16's smallest normal (2^-126 = 0.5 * 2^-125)
 
@@ -188,4 +199,37 @@ def numerics_records(results: Sequence[NumericsResult], hardware: str) -> list[d
             "metric": metric, "value": round(value, 5), "unit": unit, "batch_size": 1, "tree_budget": 64,
             "block_size": 16, "cuda_graphs": False, "hardware": hardware, "notes": notes,
         } for metric, value, unit in values]
+    return records
+
+
+def linear_layers(shape: AttentionShape) -> dict[str, tuple[int, int]]:
+    """layer name -> (in features, out features) of one decoder layer's linear layers (vLLM's merged forms)."""
+    hidden, intermediate = LINEAR_SIZES[shape.name]
+    qkv = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_size
+    return {"qkv_proj": (hidden, qkv), "o_proj": (shape.num_heads * shape.head_size, hidden),
+            "gate_up_proj": (hidden, 2 * intermediate), "down_proj": (intermediate, hidden)}
+
+
+def rows_mismatch(x: torch.Tensor, weight: torch.Tensor, num_rows: int) -> float:
+    """Fraction of ``F.linear(x[:num_rows], weight)``'s elements that differ from the same rows multiplied alone."""
+    together = torch.nn.functional.linear(x[:num_rows], weight)
+    alone = torch.cat([torch.nn.functional.linear(x[i:i + 1], weight) for i in range(num_rows)])
+    return float((together != alone).float().mean())
+
+
+def linear_records(shape: AttentionShape, device: torch.device, hardware: str, seed: int = 0) -> list[dict[str, Any]]:
+    """linear_rows_mismatch of each linear layer of ``shape`` at every VERIFY_ROWS count (module docstring)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    records = []
+    for layer, (fan_in, fan_out) in linear_layers(shape).items():
+        x = torch.randn(max(VERIFY_ROWS), fan_in, generator=gen, device=device).to(torch.bfloat16)
+        weight = (torch.randn(fan_out, fan_in, generator=gen, device=device) * fan_in ** -0.5).to(torch.bfloat16)
+        for num_rows in VERIFY_ROWS:
+            records.append({
+                "kind": "microbench", "method": "ubtree", "target": f"{shape.name} {layer} (rows {num_rows})",
+                "metric": "linear_rows_mismatch", "value": round(rows_mismatch(x, weight, num_rows), 5),
+                "unit": "fraction", "batch_size": 1, "cuda_graphs": False, "hardware": hardware,
+                "notes": (f"F.linear of {num_rows} standard-normal bf16 rows through a {fan_in} -> {fan_out} bf16 "
+                          f"weight (std fan_in^-1/2) against the same rows one at a time, as plain decoding "
+                          f"multiplies them; fraction of output elements whose bits differ")})
     return records

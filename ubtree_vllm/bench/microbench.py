@@ -12,7 +12,8 @@ running any. Entries:
                            vLLM's FlashAttention on a Qwen3-8B layer, per --context-lens
   tree-attention-numerics  (GPU only) bench/attention_numerics.py: the tree rows' attention (Triton, flash_merge)
                            and plain decoding's FlashAttention for the same tokens, each against fp32, in
-                           bf16 ulps, at Qwen3-8B's and SmolLM2's attention shapes, per --context-lens
+                           bf16 ulps, at Qwen3-8B's and SmolLM2's attention shapes, per --context-lens; and
+                           how often a linear layer's output bits change with the verification's row count
   verify-forward           (GPU only) bench/verify_bench.py: one vLLM forward of 65 vs 17
                            new tokens on a dummy Qwen3-8B over a cached 1024-token context
   projection               (GPU only) bench/projection.py: UBTree's round cost in plain steps on a dummy
@@ -272,7 +273,7 @@ def tree_attention_vs_flash(settings: MicrobenchSettings) -> list[dict[str, Any]
 
 def tree_attention_numerics(settings: MicrobenchSettings) -> list[dict[str, Any]]:
     """Records of the tree rows' attention error against fp32 and plain decoding's, per shape and context (GPU only)."""
-    from ubtree_vllm.bench.attention_numerics import SHAPES, measure, numerics_records
+    from ubtree_vllm.bench.attention_numerics import SHAPES, linear_records, measure, numerics_records
 
     page = min(shape.block_size for shape in SHAPES)
     if not settings.context_lens or any(c < 0 or c % page for c in settings.context_lens):
@@ -280,7 +281,8 @@ def tree_attention_numerics(settings: MicrobenchSettings) -> list[dict[str, Any]
                                  f"tree-attention-numerics, got {list(settings.context_lens)}")
     device = _cuda_device(settings, "tree-attention-numerics")
     results = [measure(shape, c, device, settings.seed) for shape in SHAPES for c in settings.context_lens]
-    return numerics_records(results, hardware(device.type))
+    linear = [r for shape in SHAPES for r in linear_records(shape, device, hardware(device.type), settings.seed)]
+    return numerics_records(results, hardware(device.type)) + linear
 
 
 def verify_forward(settings: MicrobenchSettings) -> list[dict[str, Any]]:
