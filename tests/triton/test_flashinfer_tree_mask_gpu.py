@@ -13,21 +13,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (FlashInfer)", allow_module_level=True)
 flashinfer = pytest.importorskip("flashinfer")
 
+from ubtree_vllm.bench.flashinfer_tree import plan_tree_prefill
 from ubtree_vllm.triton_ops.reference import tree_attention_reference
-from ubtree_vllm.triton_ops.tree_attention_inputs import TreeAttentionInputs, make_inputs, path_to
+from ubtree_vllm.triton_ops.tree_attention_inputs import TreeAttentionInputs, make_inputs
 
 # (committed context length, parents of the tree's nodes, root first), as in test_tree_attention.py
 REQUESTS = [(0, [-1, 0, 0, 1]), (5, [-1, 0, 1, 2, 0, 4]), (37, [-1, 0, 0, 0]), (70, [-1, 0, 1])]
-
-
-def tree_mask(context_len: int, parents: list[int]) -> torch.Tensor:
-    """[n, context_len + n] bool: every node sees the whole context and its ancestors-or-self."""
-    n = len(parents)
-    mask = torch.zeros(n, context_len + n, dtype=torch.bool)
-    mask[:, :context_len] = True
-    for node in range(n):
-        mask[node, [context_len + a for a in path_to(parents, node)]] = True
-    return mask
 
 
 def write_tree_rows_to_cache(case: TreeAttentionInputs) -> None:
@@ -43,20 +34,9 @@ def write_tree_rows_to_cache(case: TreeAttentionInputs) -> None:
 
 
 def flashinfer_tree_attention(case: TreeAttentionInputs) -> torch.Tensor:
-    """[T, H, D] every row through BatchPrefillWithPagedKVCacheWrapper with the trees' custom mask (NHD pages)."""
-    block_size = case.key_cache.shape[1]
-    kv_lens = [context_len + len(parents) for context_len, parents in REQUESTS]
-    pages = [-(-n // block_size) for n in kv_lens]
-    kv_indptr = torch.tensor([0] + pages, dtype=torch.int32).cumsum(0).int()
-    kv_indices = torch.cat([case.block_table[r, :p].cpu() for r, p in enumerate(pages)]).int()
-    last_page_len = torch.tensor([n - (p - 1) * block_size for n, p in zip(kv_lens, pages)], dtype=torch.int32)
-    mask = torch.cat([tree_mask(c, parents).flatten() for c, parents in REQUESTS])
-    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+    """[T, H, D] every row through FlashInfer's paged prefill with the trees' custom mask (bench/flashinfer_tree.py)."""
     try:
-        wrapper.plan(case.query_start_loc.cpu(), kv_indptr, kv_indices, last_page_len, case.query.shape[1],
-                     case.key.shape[1], case.query.shape[2], block_size, custom_mask=mask.cuda(),
-                     sm_scale=case.scale, q_data_type=case.query.dtype, kv_data_type=case.key_cache.dtype)
+        wrapper = plan_tree_prefill(case, REQUESTS)
         return wrapper.run(case.query, (case.key_cache.contiguous(), case.value_cache.contiguous()))
     except (RuntimeError, OSError) as error:  # JIT: no nvcc / ninja / CUDA headers on this machine
         pytest.skip(f"FlashInfer cannot build or run its prefill kernel here: {error}")

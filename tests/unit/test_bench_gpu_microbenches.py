@@ -103,6 +103,39 @@ def test_attention_records_without_flash_attention_keep_the_triton_time_and_say_
     assert "FlashAttention unavailable, only the Triton time recorded: ImportError: no FA" in record["notes"]
 
 
+def test_attention_records_carry_flashinfer_times_or_say_why_it_did_not_run():
+    ran = attention_records([AttentionTiming(512, 0.03, 0.02, None, GRAPH_CLOCK, merge_ms=0.025, flashinfer_ms=0.03,
+                                             flashinfer_plan_ms=0.2)], iters=5, warmup=1, hardware="h")
+    assert [(r["metric"], r["value"]) for r in ran][-3:] == [("flashinfer_custom_mask_ms", 0.03),
+                                                            ("flashinfer_custom_mask_over_flash", 1.5),
+                                                            ("flashinfer_plan_ms", 0.2)]
+    missed = attention_records([AttentionTiming(512, 0.03, 0.02, None, GRAPH_CLOCK, merge_ms=0.025,
+                                                flashinfer_error="RuntimeError: nvcc not found")],
+                               iters=5, warmup=1, hardware="h")
+    assert not any(r["metric"].startswith("flashinfer") for r in missed)
+    assert "FlashInfer's custom-mask prefill did not run: RuntimeError: nvcc not found" in missed[0]["notes"]
+
+
+def test_flashinfer_tree_mask_and_page_layout():
+    from ubtree_vllm.bench.flashinfer_tree import paged_kv_layout, tree_mask, tree_prefill_plan_args
+    from ubtree_vllm.triton_ops.tree_attention_inputs import make_inputs
+
+    mask = tree_mask(3, [-1, 0, 0, 1])
+    assert mask.tolist() == [[True, True, True, True, False, False, False],
+                             [True, True, True, True, True, False, False],
+                             [True, True, True, True, False, True, False],
+                             [True, True, True, True, True, False, True]]
+    indptr, indices, last = paged_kv_layout(torch.tensor([[7, 2, 9], [4, 5, 6]]), [17, 16], 16)
+    assert indptr.tolist() == [0, 2, 3] and indices.tolist() == [7, 2, 4] and last.tolist() == [1, 16]
+    requests = [(20, [-1, 0, 1]), (0, [-1, 0])]
+    inputs = make_inputs(requests, device="cpu", prefill_rows=0)
+    args = tree_prefill_plan_args(inputs, requests, device="cpu")
+    assert args["qo_indptr"].tolist() == [0, 3, 5] and args["paged_kv_indptr"].tolist() == [0, 2, 3]
+    assert args["custom_mask"].numel() == 3 * 23 + 2 * 2 and args["page_size"] == 16
+    with pytest.raises(ValueError, match="prefill_rows=0"):
+        tree_prefill_plan_args(make_inputs(requests, device="cpu", prefill_rows=2), requests, device="cpu")
+
+
 # ---- tree-attention-numerics: the pure parts ---------------------------------------------------------------
 
 def test_bf16_ulp_is_the_spacing_of_bfloat16_at_the_value():
@@ -301,8 +334,11 @@ def test_tree_attention_vs_flash_on_gpu(tmp_path):
     assert metrics.count("tree_attention_ms") == 2 and all(r["value"] > 0 for r in rows)
     if "flash_attention_ms" not in metrics:
         pytest.fail(f"FlashAttention did not run on this GPU: {rows[0]['notes']}")
-    assert metrics == ["tree_attention_ms", "flash_attention_ms", "tree_attention_over_flash", "flash_merge_ms",
-                       "flash_merge_over_flash"] * 2
+    per_context = ["tree_attention_ms", "flash_attention_ms", "tree_attention_over_flash", "flash_merge_ms",
+                   "flash_merge_over_flash"]
+    if "flashinfer_custom_mask_ms" in metrics:  # where FlashInfer could compile its kernel
+        per_context += ["flashinfer_custom_mask_ms", "flashinfer_custom_mask_over_flash", "flashinfer_plan_ms"]
+    assert metrics == per_context * 2
 
 
 @pytest.mark.gpu

@@ -20,13 +20,20 @@ heads, head size 128, bf16, KV page size 16) over a committed context of C token
                       committed context alone (`vllm/attention/flash.py:flash_context_attention`),
                       then the kernel adding each tree row's path (`context_out` / `context_lse`)
   flash_merge_over_flash  its ratio to flash_attention_ms (the layer then costs about 1 + this)
+  flashinfer_custom_mask_ms  FlashInfer's paged prefill over all 65 rows in one call with the tree's custom mask
+                      (bench/flashinfer_tree.py: each row the context and its root -> node path), the whole
+                      layer's attention in one launch (issue 19's alternative to FlashAttention + the Triton kernel)
+  flashinfer_custom_mask_over_flash  its ratio to flash_attention_ms (the layer costs about this)
+  flashinfer_plan_ms  host time of FlashInfer's `plan` for that step (once per step, shared by the layers;
+                      serving would pay it every step, from host-known K/V lengths)
 
 The tree is random (`triton_ops.tree_attention_inputs.random_parents`, window 12 = the
 default beam width); the inputs are those of the kernel tests (`make_inputs`), standard
 normal. Each kernel is timed on the device alone (bench/timing.py `time_launches`: CUDA
 graph replays, median). Neither launch writes the new K/V into the cache (vLLM does that
 before attention in both cases). If FlashAttention cannot be imported or called, only the
-Triton time is recorded and the notes say why.
+Triton time is recorded and the notes say why; likewise FlashInfer (it compiles its kernel on
+first use, which needs a CUDA toolkit).
 """
 from __future__ import annotations
 
@@ -66,15 +73,24 @@ class AttentionTiming:
     flash_error: str | None
     clock: str
     merge_ms: float | None = None  # tree_attention "flash_merge"; None with flash_ms
+    flashinfer_ms: float | None = None  # FlashInfer custom-mask prefill; None when it could not run
+    flashinfer_plan_ms: float | None = None  # its host plan time
+    flashinfer_error: str | None = None
+
+
+def bench_parents(seed: int = 0) -> list[int]:
+    """The bench tree's parents, root first: TREE_NODES random nodes, depth <= MAX_DEPTH, window PARENT_WINDOW."""
+    from ubtree_vllm.triton_ops.tree_attention_inputs import random_parents
+
+    return random_parents(TREE_NODES, MAX_DEPTH, PARENT_WINDOW, torch.Generator().manual_seed(seed))
 
 
 def tree_inputs(context_len: int, device: torch.device, shape: AttentionShape = QWEN3_8B_ATTENTION,
                 seed: int = 0) -> Any:
-    """`TreeAttentionInputs` of one request: C context tokens, root + TREE_NODES random tree nodes."""
-    from ubtree_vllm.triton_ops.tree_attention_inputs import make_inputs, random_parents
+    """`TreeAttentionInputs` of one request: C context tokens, root + TREE_NODES random tree nodes (bench_parents)."""
+    from ubtree_vllm.triton_ops.tree_attention_inputs import make_inputs
 
-    parents = random_parents(TREE_NODES, MAX_DEPTH, PARENT_WINDOW, torch.Generator().manual_seed(seed))
-    return make_inputs([(context_len, parents)], device=device, num_heads=shape.num_heads,
+    return make_inputs([(context_len, bench_parents(seed))], device=device, num_heads=shape.num_heads,
                        num_kv_heads=shape.num_kv_heads, head_size=shape.head_size, block_size=shape.block_size,
                        dtype=shape.dtype, extra_path_pad=0, index_dtype=torch.int32, prefill_rows=0, seed=seed)
 
@@ -123,7 +139,40 @@ def time_tree_vs_flash(context_len: int, device: torch.device, iters: int, warmu
         merge_ms = statistics.median(merge_times)
         if flash_clock != clock:
             clock = f"Triton: {clock}; FlashAttention: {flash_clock}"
-    return AttentionTiming(context_len, statistics.median(tree_times), flash_ms, error, clock, merge_ms)
+    fi_ms, fi_plan_ms, fi_error, fi_clock = time_flashinfer(inputs, context_len, seed, device, iters, warmup)
+    if fi_clock is not None and fi_clock not in clock:
+        clock = f"{clock}; FlashInfer: {fi_clock}"
+    return AttentionTiming(context_len, statistics.median(tree_times), flash_ms, error, clock, merge_ms, fi_ms,
+                           fi_plan_ms, fi_error)
+
+
+def time_flashinfer(inputs: Any, context_len: int, seed: int, device: torch.device, iters: int,
+                    warmup: int) -> tuple[float | None, float | None, str | None, str | None]:
+    """(device ms of FlashInfer's custom-mask prefill over every row, host ms of its plan, None, clock label), or
+    (None, None, why, None) where it cannot run."""
+    import time
+
+    from ubtree_vllm.bench.flashinfer_tree import plan_tree_prefill, tree_prefill_plan_args
+    from ubtree_vllm.bench.timing import time_launches
+
+    requests = [(context_len, bench_parents(seed))]
+    try:
+        wrapper = plan_tree_prefill(inputs, requests, device=device)
+        caches = (inputs.key_cache.contiguous(), inputs.value_cache.contiguous())  # NHD pages
+        out = torch.empty_like(inputs.query)
+        launch = lambda: wrapper.run(inputs.query, caches, out=out)  # noqa: E731 (out: mutable)
+        launch()
+        torch.cuda.synchronize(device)
+    except Exception as exc:  # ImportError; FlashInfer's JIT without a CUDA toolkit; anything its kernels raise
+        return None, None, " ".join(f"{type(exc).__name__}: {exc}".split())[:300], None
+    times, clock = time_launches(launch, device, iters, warmup)
+    args = tree_prefill_plan_args(inputs, requests, device=device)
+    plans = []
+    for _ in range(max(iters // 5, 3)):
+        start = time.perf_counter()
+        wrapper.plan(**args)
+        plans.append(1000.0 * (time.perf_counter() - start))
+    return statistics.median(times), statistics.median(plans), None, clock
 
 
 def merge_launch(inputs: Any, out: torch.Tensor) -> Callable[[], Any]:
@@ -166,6 +215,13 @@ def attention_records(timings: Sequence[AttentionTiming], *, iters: int, warmup:
                        ("tree_attention_over_flash", t.tree_ms / t.flash_ms, "x")]
         if t.merge_ms is not None:
             values += [("flash_merge_ms", t.merge_ms, "ms"), ("flash_merge_over_flash", t.merge_ms / t.flash_ms, "x")]
+        if t.flashinfer_ms is not None:
+            values.append(("flashinfer_custom_mask_ms", t.flashinfer_ms, "ms"))
+            if t.flash_ms is not None:
+                values.append(("flashinfer_custom_mask_over_flash", t.flashinfer_ms / t.flash_ms, "x"))
+            values.append(("flashinfer_plan_ms", t.flashinfer_plan_ms, "ms"))
+        else:
+            notes += f"; FlashInfer's custom-mask prefill did not run: {t.flashinfer_error}"
         records += [{
             "kind": "microbench", "method": "ubtree", "target": f"{shape.name} (context {t.context_len})",
             "metric": metric, "value": round(value, 5), "unit": unit, "batch_size": 1,

@@ -111,7 +111,7 @@ def _add_microbench_args(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated microbenchmarks: {', '.join(MICROBENCH_NAMES)}, or 'all' "
                              f"(default: {MICROBENCH_NAMES[0]}; the others need a CUDA device)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cpu")
-    parser.add_argument("--context-lens", default="512,2048",
+    parser.add_argument("--context-lens", default="512,2048,8192",
                         help="comma-separated context lengths of tree-attention-vs-flash and tree-attention-numerics "
                              "(multiples of 16 for the latter)")
     parser.add_argument("--iters", type=int, default=50, help="timed rounds (after --warmup)")

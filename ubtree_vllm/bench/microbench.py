@@ -86,7 +86,7 @@ class MicrobenchSettings:
     num_reqs: int = 1
     seed: int = 0
     # tree-attention-vs-flash: committed context lengths
-    context_lens: tuple[int, ...] = (512, 2048)
+    context_lens: tuple[int, ...] = (512, 2048, 8192)
     # verify-forward, projection: Qwen3-8B config.json overrides (tests: fewer layers) and vLLM engine overrides
     verify_config_overrides: Mapping[str, Any] | None = None
     verify_engine_kwargs: Mapping[str, Any] | None = None
