@@ -56,10 +56,10 @@
 #            slice's drafter) which drafter the tree methods use; BENCH_COMPARE=DIR[,DIR] runs them again with those
 #            drafters in the same invocation (--compare-drafters: one ar/ngram baseline, one machine); TREE_ATTENTION=flash_merge (bench, sweep, stages, roundprof) sets
 #            --tree-attention
-#            INTERLEAVE=K (bench, sweep, options) starts every engine at once (one process each) and runs each cell's prompts in K
+#            INTERLEAVE=K (bench, sweep, options, agreement) starts every engine at once (one process each) and runs each cell's prompts in K
 #            chunks, the engines in turn (bench/interleave.py: machine drift falls on every method alike); their
 #            memory shares add up, so set GPU_MEM (default 0.25 per engine) to about 0.85 / engines.
-#            KV_BYTES=N (bench, sweep, options) fixes each engine's KV cache (--kv-cache-memory-bytes, e.g. 6442450944):
+#            KV_BYTES=N (bench, sweep, options, agreement) fixes each engine's KV cache (--kv-cache-memory-bytes, e.g. 6442450944):
 #            vLLM then skips memory profiling and the interleaved engines start side by side (four started one after
 #            the other took the whole 560 s call on 2026-12-05); pass a small GPU_MEM too (0.1: vLLM's start-up
 #            check wants that share free)
@@ -326,7 +326,8 @@ for phase in "$@"; do
         --beam-width 12 --top-k 64 --concurrency 1 ;;
     agreement)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
-        --gpu-memory-utilization 0.25 --agreement \
+        --gpu-memory-utilization "${GPU_MEM:-0.25}" --agreement \
+        ${INTERLEAVE:+--interleave "$INTERLEAVE"} ${KV_BYTES:+--kv-cache-memory-bytes "$KV_BYTES"} \
         --datasets "${BENCH_DATASETS:-spec_bench,mt_bench,humaneval}" --temperatures 0 \
         --num-prompts "${AGREE_PROMPTS:-48}" --max-new-tokens 256 --methods "${METHODS:-ar,ngram,dflash-chain,ubtree-mrv2}" \
         --tree-budgets "${BUDGETS:-64}" --beam-width 12 --top-k 64 --concurrency 1 ;;
