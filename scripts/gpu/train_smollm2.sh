@@ -55,7 +55,8 @@
 #            each call stays < 10 minutes; BENCH_DRAFTER (default the committed drafter; e.g. /tmp/kept-drafter, a
 #            slice's drafter) which drafter the tree methods use; BENCH_COMPARE=DIR[,DIR] runs them again with those
 #            drafters in the same invocation (--compare-drafters: one ar/ngram baseline, one machine); TREE_ATTENTION=flash_merge (bench, sweep, stages, roundprof) sets
-#            --tree-attention
+#            --tree-attention;
+#            BEAM_WIDTH=W (bench, sweep, stages, roundprof, options, agreement) sets the tree methods' beam width (default 12)
 #            INTERLEAVE=K (bench, sweep, options, agreement) starts every engine at once (one process each) and runs each cell's prompts in K
 #            chunks, the engines in turn (bench/interleave.py: machine drift falls on every method alike); their
 #            memory shares add up, so set GPU_MEM (default 0.25 per engine) to about 0.85 / engines.
@@ -282,7 +283,7 @@ for phase in "$@"; do
         --num-prompts "${BENCH_PROMPTS:-10}" \
         --max-new-tokens 256 --methods "${METHODS:-ar,ngram,dflash-chain,ubtree-mrv2,ubtree}" \
         --tree-budgets "${BUDGETS:-16,32,64}" ${TREE_ATTENTION:+--tree-attention "$TREE_ATTENTION"} \
-        --beam-width 12 --top-k 64 --concurrency 1 ;;
+        --beam-width "${BEAM_WIDTH:-12}" --top-k 64 --concurrency 1 ;;
     hybridbench)  # issue 17: the cost of forking recurrent states per node, on a random hybrid (bench/random_hybrid.py)
       FAM="${HYBRID_FAMILY:-qwen3-next}"
       ubtree bench random-hybrid --out /tmp/hybrid --family "$FAM"
@@ -296,7 +297,7 @@ for phase in "$@"; do
         --gpu-memory-utilization "${GPU_MEM:-0.25}" ${INTERLEAVE:+--interleave "$INTERLEAVE"} ${KV_BYTES:+--kv-cache-memory-bytes "$KV_BYTES"} \
         --datasets "${SWEEP_DATASETS:-mt_bench}" --temperatures "${SWEEP_TEMPS:-0}" --num-prompts "${SWEEP_PROMPTS:-64}" \
         --max-new-tokens 256 --methods "${SWEEP_METHODS:-ar,ngram,ubtree-mrv2}" \
-        --tree-budgets "${SWEEP_BUDGETS:-64}" --beam-width 12 --top-k 64 --concurrency "${SWEEP_CONCURRENCY:-1,4,16,32}" \
+        --tree-budgets "${SWEEP_BUDGETS:-64}" --beam-width "${BEAM_WIDTH:-12}" --top-k 64 --concurrency "${SWEEP_CONCURRENCY:-1,4,16,32}" \
         ${BUDGET_SCHEDULE:+--budget-schedule "$BUDGET_SCHEDULE"} ${SWEEP_FIXED:+--fixed-budget} \
         ${TREE_ATTENTION:+--tree-attention "$TREE_ATTENTION"} ;;
     stages)
@@ -304,7 +305,7 @@ for phase in "$@"; do
         --gpu-memory-utilization 0.25 --stage-timing \
         --datasets "${BENCH_DATASETS:-mt_bench}" --temperatures "${BENCH_TEMPS:-0}" --num-prompts "${BENCH_PROMPTS:-4}" \
         --max-new-tokens 256 --methods "${METHODS:-ar,ubtree,ubtree-mrv2}" --tree-budgets "${BUDGETS:-16,64}" \
-        --beam-width 12 --top-k 64 --concurrency "${STAGE_CONCURRENCY:-1}" \
+        --beam-width "${BEAM_WIDTH:-12}" --top-k 64 --concurrency "${STAGE_CONCURRENCY:-1}" \
         ${BUDGET_SCHEDULE:+--budget-schedule "$BUDGET_SCHEDULE"} ${TREE_ATTENTION:+--tree-attention "$TREE_ATTENTION"} ;;
     roundprof)
       rm -rf runs/roundprof
@@ -312,7 +313,7 @@ for phase in "$@"; do
         --gpu-memory-utilization 0.25 --profile runs/roundprof \
         --datasets mt_bench --temperatures "${PROFILE_TEMPS:-0}" --num-prompts "${PROFILE_PROMPTS:-2}" --max-new-tokens 256 \
         --methods "${METHODS:-ar,ngram,ubtree-mrv2,ubtree-mrv2-lookup}" --tree-budgets "${BUDGETS:-64}" \
-        --beam-width 12 --top-k 64 --concurrency "${STAGE_CONCURRENCY:-1}" ${OPTIONS:+--sampling-options "$OPTIONS"} \
+        --beam-width "${BEAM_WIDTH:-12}" --top-k 64 --concurrency "${STAGE_CONCURRENCY:-1}" ${OPTIONS:+--sampling-options "$OPTIONS"} \
         ${BUDGET_SCHEDULE:+--budget-schedule "$BUDGET_SCHEDULE"} ${TREE_ATTENTION:+--tree-attention "$TREE_ATTENTION"}
       # files come back at most 16 MB each: the tables in one tar, the traces split into 15 MB parts (cat them)
       mkdir -p "$OUT" && tar -cf "$OUT/roundprof-tables.tar" -C runs/roundprof $(cd runs/roundprof && ls *.txt)
@@ -323,14 +324,14 @@ for phase in "$@"; do
         --sampling-options "${OPTIONS:-logprobs,penalties,bad_words,min_tokens,min_p,logit_bias,json_object,json_schema}" \
         --datasets "${BENCH_DATASETS:-mt_bench}" --temperatures "${BENCH_TEMPS:-0}" --num-prompts "${OPTION_PROMPTS:-20}" \
         --max-new-tokens 256 --methods "${METHODS:-ar,ngram,ubtree-mrv2-lookup}" --tree-budgets "${BUDGETS:-64}" \
-        --beam-width 12 --top-k 64 --concurrency 1 ;;
+        --beam-width "${BEAM_WIDTH:-12}" --top-k 64 --concurrency 1 ;;
     agreement)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization "${GPU_MEM:-0.25}" --agreement \
         ${INTERLEAVE:+--interleave "$INTERLEAVE"} ${KV_BYTES:+--kv-cache-memory-bytes "$KV_BYTES"} \
         --datasets "${BENCH_DATASETS:-spec_bench,mt_bench,humaneval}" --temperatures 0 \
         --num-prompts "${AGREE_PROMPTS:-48}" --max-new-tokens 256 --methods "${METHODS:-ar,ngram,dflash-chain,ubtree-mrv2}" \
-        --tree-budgets "${BUDGETS:-64}" --beam-width 12 --top-k 64 --concurrency 1 ;;
+        --tree-budgets "${BUDGETS:-64}" --beam-width "${BEAM_WIDTH:-12}" --top-k 64 --concurrency 1 ;;
     tp2)   # two GPUs: the TP = 2 tests (multiprocessing and Ray), then ar and ubtree (V1) at TP = 1 and 2, one job each
       R=$PWD
       ( cd /tmp && python3 -m pytest -q -s -rfE -p no:cacheprovider --rootdir "$R" \
