@@ -131,7 +131,7 @@ if triton is not None:
             tl.store(out_root_ptr + b * K + offs_k, tl.where(mine, root_edge, root), mask=in_k)
         else:  # edges from depth d - 1 (slot a) into depth d (slot b): trans[:, d - 1]
             _, _, prev_slot, _, prev_replaced = _chain_slot(cand, stride_cand_d, chain, chain_len, d - 1,
-                                                                  offs_k, K)
+                                                            offs_k, K)
             src = offs_k[:, None] == prev_slot  # [K_PAD, 1]
             dst = offs_k[None, :] == slot  # [1, K_PAD]
             in_tile = in_k[:, None] & in_k[None, :]

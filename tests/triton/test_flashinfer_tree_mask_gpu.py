@@ -36,7 +36,7 @@ def write_tree_rows_to_cache(case: TreeAttentionInputs) -> None:
 def flashinfer_tree_attention(case: TreeAttentionInputs) -> torch.Tensor:
     """[T, H, D] every row through FlashInfer's paged prefill with the trees' custom mask (bench/flashinfer_tree.py)."""
     try:
-        wrapper = plan_tree_prefill(case, REQUESTS)
+        wrapper, _ = plan_tree_prefill(case, REQUESTS)
         return wrapper.run(case.query, (case.key_cache.contiguous(), case.value_cache.contiguous()))
     except (RuntimeError, OSError) as error:  # JIT: no nvcc / ninja / CUDA headers on this machine
         pytest.skip(f"FlashInfer cannot build or run its prefill kernel here: {error}")

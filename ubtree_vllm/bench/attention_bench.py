@@ -152,12 +152,12 @@ def time_flashinfer(inputs: Any, context_len: int, seed: int, device: torch.devi
     (None, None, why, None) where it cannot run."""
     import time
 
-    from ubtree_vllm.bench.flashinfer_tree import plan_tree_prefill, tree_prefill_plan_args
+    from ubtree_vllm.bench.flashinfer_tree import plan_tree_prefill
     from ubtree_vllm.bench.timing import time_launches
 
     requests = [(context_len, bench_parents(seed))]
     try:
-        wrapper = plan_tree_prefill(inputs, requests, device=device)
+        wrapper, args = plan_tree_prefill(inputs, requests, device=device)
         caches = (inputs.key_cache.contiguous(), inputs.value_cache.contiguous())  # NHD pages
         out = torch.empty_like(inputs.query)
         launch = lambda: wrapper.run(inputs.query, caches, out=out)  # noqa: E731 (out: mutable)
@@ -166,7 +166,6 @@ def time_flashinfer(inputs: Any, context_len: int, seed: int, device: torch.devi
     except Exception as exc:  # ImportError; FlashInfer's JIT without a CUDA toolkit; anything its kernels raise
         return None, None, " ".join(f"{type(exc).__name__}: {exc}".split())[:300], None
     times, clock = time_launches(launch, device, iters, warmup)
-    args = tree_prefill_plan_args(inputs, requests, device=device)
     plans = []
     for _ in range(max(iters // 5, 3)):
         start = time.perf_counter()

@@ -94,20 +94,20 @@ def path_sequences(inputs: Any, context_len: int) -> PathSequences:
         raise ValueError(f"context_len {context_len} must be a multiple of the page size {block_size} (the paths' "
                          "pages follow the context's whole pages)")
     paths = inputs.row_path.long()  # [N, P], root first, -1 padded
-    path_len = (paths >= 0).sum(dim=1)  # [N]
     num_rows, width = paths.shape
     path_blocks = -(-width // block_size)
     context_blocks = context_len // block_size
     num_old = inputs.key_cache.shape[0]
     device = inputs.key_cache.device
     fresh = torch.arange(num_rows * path_blocks, device=device).view(num_rows, path_blocks) + num_old
+    used = paths >= 0  # [N, P]
+    slot = (torch.arange(num_rows, device=device)[:, None] * path_blocks * block_size
+            + torch.arange(width, device=device)[None, :])[used]  # the fresh slot of each used path entry
+    source = paths[used]  # ... and the forward row it copies
 
     def extend(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         extra = torch.zeros(num_rows * path_blocks * block_size, *cache.shape[2:], dtype=cache.dtype, device=device)
-        slot = (torch.arange(num_rows, device=device)[:, None] * path_blocks * block_size
-                + torch.arange(width, device=device)[None, :])  # [N, P]: path entry j of row r
-        used = paths >= 0
-        extra[slot[used]] = rows[paths[used]]
+        extra[slot] = rows[source]
         return torch.cat([cache.contiguous(), extra.view(-1, block_size, *cache.shape[2:])])
 
     request = inputs.row_req.long()
@@ -116,7 +116,7 @@ def path_sequences(inputs: Any, context_len: int) -> PathSequences:
                          key_cache=extend(inputs.key_cache, inputs.key),
                          value_cache=extend(inputs.value_cache, inputs.value),
                          block_table=torch.cat([context, fresh.to(torch.int32)], dim=1),
-                         seq_lens=(context_len + path_len).to(torch.int32))
+                         seq_lens=(context_len + used.sum(dim=1)).to(torch.int32))
 
 
 def path_sequences_reference(seqs: PathSequences, scale: float) -> torch.Tensor:

@@ -63,13 +63,14 @@ def tree_prefill_plan_args(inputs: Any, requests: Sequence[tuple[int, Sequence[i
 
 
 def plan_tree_prefill(inputs: Any, requests: Sequence[tuple[int, Sequence[int]]], *,
-                      device: torch.device | str = "cuda") -> Any:
-    """A ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` planned with :func:`tree_prefill_plan_args`. Raises what
-    FlashInfer raises when it cannot build or run its kernel here."""
+                      device: torch.device | str = "cuda") -> tuple[Any, dict[str, Any]]:
+    """(a ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` planned with them, :func:`tree_prefill_plan_args`): the
+    arguments come back so a caller can plan again without rebuilding the mask. Raises what FlashInfer raises when
+    it cannot build or run its kernel here."""
     import flashinfer
 
     args = tree_prefill_plan_args(inputs, requests, device=device)
     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
         torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device), "NHD")
     wrapper.plan(**args)
-    return wrapper
+    return wrapper, args
