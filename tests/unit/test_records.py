@@ -229,26 +229,39 @@ def test_goals_section_judges_each_goal_from_gpu_records(tmp_path):
     assert "humaneval" not in goals and len(rows) == 7
 
 
-def test_goals_pair_each_tree_run_with_the_ar_of_its_own_invocation(tmp_path):
-    """Two `bench e2e` invocations on one day and commit, each with its own ar: the throughput goal of the
-    second invocation's tree run divides by the second ar (the command tells the invocations apart)."""
+def test_goals_show_per_goal_and_cell_only_the_newest_invocation_that_measured_it(tmp_path):
+    """Two `bench e2e` invocations of one cell on one day and commit (the command tells them apart): the newer one's
+    rows replace the older one's for the goals it measured (vs ar, vs ngram); the single-path goal, which only the
+    older one measured, keeps the older one's rows; a cell only the older one ran keeps its rows."""
     path = tmp_path / "records.jsonl"
     cell = {**E2E, "hardware": "1x NVIDIA H200", "commit": "abc1234", "date": "2026-11-30", "temperature": 0.0,
             "concurrency": 1, "batch_size": 1, "num_prompts": 6}
     off = {"tree_budget": None, "beam_width": None, "top_k": None, "block_size": None, "drafter": None, "tau": None}
-    first, second = "ubtree bench e2e --methods ar,ubtree", "ubtree bench e2e --methods ar,ubtree-mrv2"
-    rec.append_record({**cell, **off, "command": first, "method": "ar", "output_tokens_per_s": 100.0,
-                       "speedup_vs_ar": 1.0}, path=path)
-    rec.append_record({**cell, "command": first, "output_tokens_per_s": 50.0, "speedup_vs_ar": 0.5}, path=path)
-    rec.append_record({**cell, **off, "command": second, "method": "ar", "output_tokens_per_s": 200.0,
-                       "speedup_vs_ar": 1.0}, path=path)
-    rec.append_record({**cell, "command": second, "method": "ubtree-mrv2", "output_tokens_per_s": 240.0,
-                       "speedup_vs_ar": 1.2}, path=path)
+    ngram = {**off, "method": "ngram", "tree_budget": 8, "beam_width": 1, "top_k": 1, "tau": 1.5}
+    chain = {"method": "dflash-chain", "tree_budget": 16, "beam_width": 1, "top_k": 1}
+    older, newer = "ubtree bench e2e --methods ar,ngram,dflash-chain,ubtree", "ubtree bench e2e --methods all"
+    for concurrency in (1, 4):
+        run = {**cell, "command": older, "concurrency": concurrency}
+        rec.append_record({**run, **off, "method": "ar", "output_tokens_per_s": 100.0, "speedup_vs_ar": 1.0},
+                          path=path)
+        rec.append_record({**run, **ngram, "output_tokens_per_s": 125.0, "speedup_vs_ar": 1.25}, path=path)
+        rec.append_record({**run, **chain, "output_tokens_per_s": 120.0, "speedup_vs_ar": 1.2}, path=path)
+        rec.append_record({**run, "tree_budget": 16, "output_tokens_per_s": 50.0, "speedup_vs_ar": 0.5}, path=path)
+    run = {**cell, "command": newer}
+    rec.append_record({**run, **off, "method": "ar", "output_tokens_per_s": 200.0, "speedup_vs_ar": 1.0}, path=path)
+    rec.append_record({**run, **ngram, "output_tokens_per_s": 300.0, "speedup_vs_ar": 1.5}, path=path)
+    rec.append_record({**run, "method": "ubtree-mrv2", "output_tokens_per_s": 240.0, "speedup_vs_ar": 1.2}, path=path)
     regenerate(path)
     goals = (tmp_path / "README.md").read_text().split("## Goals")[1].split("\n## ")[0]
-    assert "| UBTree throughput >= no speculation | smollm2-135m-instruct, mt_bench, T=0.0, conc 1, B=64 | 0.50x |" \
-        in goals
-    assert "B=64 (MRV2) | 1.20x | yes |" in goals
+    rows = [line.split(" | ")[:3] for line in goals.splitlines() if line.startswith("| UBTree")]
+    where = "smollm2-135m-instruct, mt_bench, T=0.0"
+    assert rows == [
+        ["| UBTree speedup >= 1.3x the single path's (T=0)", f"{where}, conc 1, B=16", "0.42x (0.50 vs 1.20)"],
+        ["| UBTree throughput >= no speculation", f"{where}, conc 1, B=64 (MRV2)", "1.20x"],
+        ["| UBTree throughput >= no speculation", f"{where}, conc 4, B=16", "0.50x"],
+        ["| UBTree throughput >= the n-gram baseline's (k=8)", f"{where}, conc 1, B=64 (MRV2)", "0.80x (1.20 vs 1.50)"],
+        ["| UBTree throughput >= the n-gram baseline's (k=8)", f"{where}, conc 4, B=16", "0.40x (0.50 vs 1.25)"],
+    ]  # not the older invocation's conc-1 rows "0.50x" (vs ar) and "0.40x (0.50 vs 1.25)" (vs ngram)
 
 
 def test_ngram_is_a_baseline_beside_every_speedup_over_ar(tmp_path, monkeypatch):

@@ -11,11 +11,13 @@ more prompts and the reference decoder), prompts and drafter training; a row who
 had no single path gets none (a later run's single path, of a retrained drafter, is no baseline).
 
 Sections, in order: Where UBTree stands (``bench/standing.py``: the newest ar / ngram / UBTree invocation of
-each GPU cell); Drafter goals (``bench/drafter_goals.py``: issue 15's goals per set for the shipped drafter); Goals (each goal of the GPU fast path, issue 4, computed from the latest GPU
-records: per `ubtree bench e2e` cell UBTree's speedup over the single path's at T = 0, its
-throughput over no speculation and over the n-gram baseline (NGRAM_METHOD, vLLM's drafter-free
-prompt lookup); draft post-processing ms; tree vs chain verification); End-to-end (every e2e
-record, one table per dataset and temperature; ngram rows are method rows, never single-path ones);
+each GPU cell); Drafter goals (``bench/drafter_goals.py``: issue 15's goals per set for the shipped
+drafter); Goals (each goal of the GPU fast path, issue 4: per (target, dataset, T, concurrency) cell,
+from the newest `ubtree bench e2e` invocation that measured it (``standing.newest_cells``), UBTree's
+speedup over the single path's at T = 0, its throughput over no speculation and over the n-gram
+baseline (NGRAM_METHOD, vLLM's drafter-free prompt lookup); from the latest GPU microbench records,
+draft post-processing ms and tree vs chain verification); End-to-end (every e2e record, one table
+per dataset and temperature; ngram rows are method rows, never single-path ones);
 Ablations (per target a drafter x (dataset, T) pivot of UBTree tau at B = ABLATION_BUDGET
 with the single-path tau in parentheses, each cell from the latest matching tau evaluation; the
 shipped drafter under checkpoints/ first, others labelled by `drafter_label`; each row with the
@@ -47,7 +49,7 @@ from ubtree_vllm.bench.sampling_options import SAMPLING_OPTIONS
 from ubtree_vllm.bench.settings import TREE_METHODS
 from ubtree_vllm.bench.standing import HEADER as STANDING_HEADER
 from ubtree_vllm.bench.standing import INTRO as STANDING_INTRO
-from ubtree_vllm.bench.standing import NGRAM_METHOD, on_gpu, same_invocation, standing_rows
+from ubtree_vllm.bench.standing import NGRAM_METHOD, newest_cells, on_gpu, same_invocation, standing_rows
 from ubtree_vllm.bench.training_curve import curve_section, plot_training_curve
 
 README = "README.md"
@@ -289,50 +291,65 @@ def _single_key(r: dict[str, Any]) -> tuple:
     return (*same_invocation(r), r["drafter"])
 
 
-def _over_baseline(goal: str, label: str, tree: dict[str, Any], base: dict[str, Any], least: float) -> list[Any]:
+_RUNNER = {"ubtree-mrv2": " (MRV2)", "ubtree-lookup": " (lookup branch)",  # a goal row's runner, by method
+           "ubtree-mrv2-lookup": " (MRV2, lookup branch)",
+           "ubtree-mrv2-lookup-uncoupled": " (MRV2, lookup branch, uncoupled)"}
+
+
+def _tree_runs(cell: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tree runs of an invocation cell (:func:`newest_cells`), by budget and method."""
+    return sorted((r for r in cell if r["method"] in TREE_METHODS),
+                  key=lambda r: (r["tree_budget"] or 0, str(r["method"])))
+
+
+def _goal_row(goal: str, tree: dict[str, Any], measured: str, met: bool) -> list[Any]:
+    """[goal, cell, measured, met, commit, date]; the cell names the tree run's target, set, T, concurrency and B."""
+    where = (f"{tree['target']}, {tree['dataset']}, T={_fmt(tree['temperature'], 1)}, conc {tree['concurrency'] or 1}, "
+             f"B={budget_label(tree)}{_RUNNER.get(tree['method'], '')}")
+    return [goal, where, measured, met, tree["commit"], tree["date"]]
+
+
+def _over_baseline(goal: str, tree: dict[str, Any], base: dict[str, Any], least: float) -> list[Any]:
     """The goal row "tree's speedup over ar / the baseline's >= least" (both speedups from one invocation)."""
     ratio = tree["speedup_vs_ar"] / base["speedup_vs_ar"]
-    return [goal, label, f"{ratio:.2f}x ({tree['speedup_vs_ar']:.2f} vs {base['speedup_vs_ar']:.2f})",
-            ratio >= least, tree["commit"], tree["date"]]
+    return _goal_row(goal, tree, f"{ratio:.2f}x ({tree['speedup_vs_ar']:.2f} vs {base['speedup_vs_ar']:.2f})",
+                     ratio >= least)
 
 
-def _cell_goal_rows(key: tuple, cell: Sequence[dict[str, Any]]) -> list[list[Any]]:
-    """The speed goal rows of one `same_invocation` cell: per tree run vs the single path (T=0, batch 1), vs ar and
-    vs the n-gram baseline."""
-    target, dataset, temperature, concurrency = key[4:]
-    single = next((r for r in cell if r["method"] in SINGLE_PATH_METHODS and r.get("speedup_vs_ar")), None)
-    ngram = next((r for r in cell if r["method"] == NGRAM_METHOD and r.get("speedup_vs_ar")), None)
-    trees = sorted((r for r in cell if r["method"] in TREE_METHODS and r.get("speedup_vs_ar") is not None),
-                   key=lambda r: (r["tree_budget"] or 0, str(r["method"])))
-    where = f"{target}, {dataset}, T={_fmt(temperature, 1)}, conc {concurrency}"
-    rows: list[list[Any]] = []
-    for tree in trees:
-        runner = {"ubtree-mrv2": " (MRV2)", "ubtree-lookup": " (lookup branch)",
-                  "ubtree-mrv2-lookup": " (MRV2, lookup branch)",
-                  "ubtree-mrv2-lookup-uncoupled": " (MRV2, lookup branch, uncoupled)"}.get(tree["method"], "")
-        label = f"{where}, B={budget_label(tree)}{runner}"
-        if temperature == 0 and concurrency == 1 and single is not None and tree["speedup_vs_ar"]:
-            rows.append(_over_baseline(f"UBTree speedup >= {GOAL_TREE_OVER_SINGLE}x the single path's (T=0)", label,
-                                       tree, single, GOAL_TREE_OVER_SINGLE))
-        ratio = tree["speedup_vs_ar"]  # against the ar of the tree run's own invocation
-        rows.append(["UBTree throughput >= no speculation", label, f"{ratio:.2f}x", ratio >= 1.0,
-                     tree["commit"], tree["date"]])
-        if ngram is not None:
-            rows.append(_over_baseline(f"UBTree throughput >= the n-gram baseline's (k={ngram['tree_budget']})",
-                                       label, tree, ngram, 1.0))
-    return rows
+def _baseline(cell: Sequence[dict[str, Any]], methods: Sequence[str]) -> dict[str, Any] | None:
+    return next((r for r in cell if r["method"] in methods and r["speedup_vs_ar"]), None)
 
 
-def _goal_rows(shown: Sequence[dict[str, Any]]) -> list[list[Any]]:
-    """[goal, cell, measured, met, commit, date] for every goal with a GPU measurement."""
-    rows: list[list[Any]] = []
-    speed = [r for r in shown if r["kind"] == "e2e" and on_gpu(r) and r.get("output_tokens_per_s") is not None]
-    runs: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
-    for r in speed:
-        runs[same_invocation(r)].append(r)
-    for key in sorted(runs, key=lambda k: (str(k[2]), str(k[1]), k[3], str(k[4]), k[5], k[6] or 0, k[7])):
-        rows += _cell_goal_rows(key, runs[key])
-    micro = [r for r in shown if r["kind"] == "microbench" and on_gpu(r)]
+# The speed goals: each maps an invocation cell's records to its rows, one per tree run; [] where it measured none.
+def _over_single_path(cell: Sequence[dict[str, Any]]) -> list[list[Any]]:
+    single = _baseline(cell, SINGLE_PATH_METHODS)
+    if single is None or single["temperature"] != 0 or (single["concurrency"] or 1) != 1:
+        return []
+    return [_over_baseline(f"UBTree speedup >= {GOAL_TREE_OVER_SINGLE}x the single path's (T=0)", tree, single,
+                           GOAL_TREE_OVER_SINGLE) for tree in _tree_runs(cell) if tree["speedup_vs_ar"]]
+
+
+def _over_ar(cell: Sequence[dict[str, Any]]) -> list[list[Any]]:
+    return [_goal_row("UBTree throughput >= no speculation", tree, f"{tree['speedup_vs_ar']:.2f}x",
+                      tree["speedup_vs_ar"] >= 1.0) for tree in _tree_runs(cell)]
+
+
+def _over_ngram(cell: Sequence[dict[str, Any]]) -> list[list[Any]]:
+    ngram = _baseline(cell, (NGRAM_METHOD,))
+    return [] if ngram is None else [
+        _over_baseline(f"UBTree throughput >= the n-gram baseline's (k={ngram['tree_budget']})", tree, ngram, 1.0)
+        for tree in _tree_runs(cell)]
+
+
+SPEED_GOALS = (_over_single_path, _over_ar, _over_ngram)
+
+
+def _goal_rows(records: Sequence[dict[str, Any]]) -> list[list[Any]]:
+    """[goal, cell, measured, met, commit, date] for every goal with a GPU measurement: per speed goal and (target,
+    set, T, concurrency) the rows of the newest invocation that measured it; per microbench goal and configuration
+    its latest record."""
+    rows = [row for goal in SPEED_GOALS for cell in newest_cells(records, goal).values() for row in goal(cell)]
+    micro, _ = latest([r for r in records if r["kind"] == "microbench" and on_gpu(r)])
     for metric in ("draft_postprocess_ms", "draft_postprocess_graphed_ms"):
         for r in micro:
             if r["metric"] == metric and all(r.get(k) == v for k, v in GOAL_CONFIG.items()):
@@ -358,16 +375,18 @@ def _drafter_goals_section(records: Sequence[dict[str, Any]]) -> list[str]:
     return ["## Drafter goals", "", DRAFTER_GOALS_INTRO, ""] + _table(DRAFTER_GOALS_HEADER, rows)
 
 
-def _goals_section(shown: Sequence[dict[str, Any]]) -> list[str]:
-    rows = _goal_rows(shown)
+def _goals_section(records: Sequence[dict[str, Any]]) -> list[str]:
+    rows = _goal_rows(records)
     if not rows:
         return []
     return ["## Goals", "",
-            ("Each goal of the GPU fast path against the latest GPU records: speed goals per `ubtree bench e2e` cell "
-             "(records of one invocation: same commit, date, command, dataset, T and concurrency; throughput is "
-             "the tree run's speedup over the ar run of its invocation); single path = "
+            ("Each goal of the GPU fast path as it stands: per speed goal and (target, set, T, concurrency) cell, only "
+             "the newest `ubtree bench e2e` invocation that measured it (an invocation: same commit, date, command, "
+             "set, T and concurrency), one row per tree run; older invocations are in the End-to-end and Speed "
+             "tables below. Throughput is the tree run's speedup over the ar run of its invocation; single path = "
              f"{' / '.join(SINGLE_PATH_METHODS)}; n-gram baseline = `{NGRAM_METHOD}` (vLLM's prompt lookup, no "
-             "drafter) of the same invocation, its speedup over ar in parentheses after the tree run's."), ""] + _table(
+             "drafter) of the same invocation, its speedup over ar in parentheses after the tree run's. Microbench "
+             "goals: the latest record per configuration."), ""] + _table(
         ["goal", "cell", "measured", "met", "commit", "date"], rows)
 
 
@@ -380,7 +399,7 @@ def render(records: Sequence[dict[str, Any]], plots: Sequence[str] = (), source:
              ""]
     lines += _standing_section(records)
     lines += _drafter_goals_section(records)
-    lines += _goals_section(shown)
+    lines += _goals_section(records)
     e2e = [r for r in shown if r["kind"] == "e2e"]
     if e2e:
         lines += ["## End-to-end", ""]

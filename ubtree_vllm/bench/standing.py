@@ -27,20 +27,27 @@ def same_invocation(r: dict[str, Any]) -> tuple:
             r["temperature"], r["concurrency"] or 1)
 
 
-def newest_three_way_cells(records: Sequence[dict[str, Any]],
-                           tree_methods: Sequence[str]) -> dict[tuple, list[dict[str, Any]]]:
-    """{(target, dataset, T, concurrency): the newest (file order) GPU invocation cell's speed records that hold
-    ar, ngram and at least one of ``tree_methods``}."""
+def newest_cells(records: Sequence[dict[str, Any]],
+                 holds: Callable[[list[dict[str, Any]]], Any]) -> dict[tuple, list[dict[str, Any]]]:
+    """{(target, dataset, T, concurrency): the newest (file order) GPU invocation cell's speed records (those with a
+    ``speedup_vs_ar``) for which ``holds(cell)`` is truthy}, in (target, dataset, T, concurrency) order."""
     cells: dict[tuple, list[dict[str, Any]]] = {}
     for r in records:
         if r["kind"] == "e2e" and on_gpu(r) and r.get("speedup_vs_ar") is not None:
             cells.setdefault(same_invocation(r), []).append(r)
-    newest: dict[tuple, list[dict[str, Any]]] = {}
-    for key, cell in cells.items():  # dicts keep insertion order: a later invocation replaces an earlier one
+    # dicts keep insertion order: a later invocation replaces an earlier one
+    newest = {key[4:]: cell for key, cell in cells.items() if holds(cell)}
+    return dict(sorted(newest.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]), kv[0][2], kv[0][3])))
+
+
+def newest_three_way_cells(records: Sequence[dict[str, Any]],
+                           tree_methods: Sequence[str]) -> dict[tuple, list[dict[str, Any]]]:
+    """:func:`newest_cells` of the invocation cells that hold ar, ngram and at least one of ``tree_methods``."""
+    def three_way(cell: list[dict[str, Any]]) -> bool:
         methods = {r["method"] for r in cell}
-        if {"ar", NGRAM_METHOD} <= methods and methods & set(tree_methods):
-            newest[key[4:]] = cell
-    return newest
+        return {"ar", NGRAM_METHOD} <= methods and bool(methods & set(tree_methods))
+
+    return newest_cells(records, three_way)
 
 
 def standing_rows(records: Sequence[dict[str, Any]], tree_methods: Sequence[str],
@@ -48,9 +55,7 @@ def standing_rows(records: Sequence[dict[str, Any]], tree_methods: Sequence[str]
     """[target, set, T, in flight, method, B (``budget(record)``), tau, speedup, ngram speedup, >= max(ar, ngram),
     commit, date] rows."""
     rows = []
-    cells = newest_three_way_cells(records, tree_methods)
-    for target, dataset, temperature, concurrency in sorted(cells, key=lambda k: (str(k[0]), str(k[1]), k[2], k[3])):
-        cell = cells[(target, dataset, temperature, concurrency)]
+    for (target, dataset, temperature, concurrency), cell in newest_three_way_cells(records, tree_methods).items():
         ngram = next(r for r in cell if r["method"] == NGRAM_METHOD)
         best_other = max(1.0, ngram["speedup_vs_ar"])
         for tree in (r for r in cell if r["method"] in tree_methods):
