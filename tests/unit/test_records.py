@@ -356,6 +356,29 @@ def test_standing_shows_each_cells_newest_three_way_invocation(tmp_path):
     assert "| 1.10 | 1.30 | no |" in rows[1] and "| 0.99 | 0.70 | no |" in rows[2]
 
 
+def test_standing_and_goals_tell_apart_the_tree_runs_of_one_invocation(tmp_path):
+    """--compare-drafters and --beam-width put several tree runs of one B in one invocation: the tables without
+    drafter or W columns name a drafter that is not the shipped one and a beam width other than the default."""
+    path = tmp_path / "records.jsonl"
+    cell = {**E2E, "hardware": "1x NVIDIA H200", "commit": "abc1234", "date": "2026-12-06", "temperature": 1.0,
+            "concurrency": 1, "batch_size": 1, "num_prompts": 24, "command": "bench --compare-drafters"}
+    off = {"tree_budget": None, "beam_width": None, "top_k": None, "block_size": None, "drafter": None, "tau": None}
+    rec.append_record({**cell, **off, "method": "ar", "output_tokens_per_s": 100.0, "speedup_vs_ar": 1.0}, path=path)
+    rec.append_record({**cell, **off, "method": "ngram", "tree_budget": 8, "beam_width": 1, "top_k": 1, "tau": 1.1,
+                       "output_tokens_per_s": 80.0, "speedup_vs_ar": 0.8}, path=path)
+    tree = {**cell, "method": "ubtree-mrv2-lookup", "output_tokens_per_s": 160.0, "speedup_vs_ar": 1.6}
+    rec.append_record(tree, path=path)
+    rec.append_record({**tree, "drafter": "runs/slice-x (not shipped)", "speedup_vs_ar": 1.5}, path=path)
+    rec.append_record({**tree, "beam_width": 24, "speedup_vs_ar": 1.4}, path=path)
+    regenerate(path)
+    readme = (tmp_path / "README.md").read_text()
+    standing = readme.split("## Where UBTree stands")[1].split("\n## ")[0]
+    labels = [line.split(" | ")[5] for line in standing.splitlines() if line.startswith("| smollm2")]
+    assert labels == ["64", "64, drafter slice-x (not shipped)", "64, W = 24"]
+    goals = readme.split("## Goals")[1].split("\n## ")[0]
+    assert "B=64, drafter slice-x (not shipped) (MRV2, lookup branch) | 1.50x" in goals
+
+
 def test_drafter_goals_prefer_the_shipped_training_and_say_what_was_not_measured():
     """Issue 15's goal rows: the newest GPU bench records of the shipped folder's shipped training (the label rows of
     the newest train record into it), an earlier training's only where the shipped one has none, the n-gram run of
