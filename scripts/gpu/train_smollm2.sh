@@ -22,7 +22,11 @@
 #            exports before an outer timeout could kill it (on 2026-12-02 `timeout 560` killed a trainer
 #            20 s before its export, after the engines' staggered starts had eaten the margin). On
 #            2026-12-01 the trainer beside gen-data (the slices' train records) ran at well under half the label
-#            rows/s that scripts/gpu/profile_train_step.py measured for it alone
+#            rows/s that scripts/gpu/profile_train_step.py measured for it alone. With all its data there before
+#            the trainer starts (GEN_MINUTES, SLICE_DATA), the trainer goes at most SLICE_MAX_EPOCHS (default 4) over
+#            it. SLICE_DATA=DIR (or `last`) trains on a folder an earlier call's `slicedata` wrote, generating nothing
+#   slicedata  gen-data alone for GEN_MINUTES (default 8; GEN_WORKERS engines, SLICE_DEADLINE_S caps it) into a
+#            fresh folder under runs/ (kept between the calls of one warm machine) for `SLICE_DATA=last slice`
 #   eval     tau with the lossless reference decoder (single path vs UBTree, T=0 and T=1); EVAL_DRAFTER, EVAL_DATASETS,
 #            EVAL_METHODS, EVAL_TEMPS and EVAL_PROMPTS select
 #   pack     copy the drafter (split, files <= 16 MB each), the records, logs and loss curves to $OUT
@@ -128,6 +132,45 @@ trainer_minutes() {  # MAX START DEADLINE_S MARGIN_S
   python3 -c "print(round(max(0.5, min($1, ($2 + $3 - $(date +%s) - $4) / 60)), 2))"
 }
 
+# gen-data alone on the GPU (the sequential slice and `slicedata`): GEN_WORKERS engines side by side writing T = 1
+# rollouts (the recipe's greedy + T_train mix) into OUT for MINUTES of generation each, all stopped by the wall-clock
+# time END (empty: none); the folder's manifest lists complete shards only.
+generate_alone() {  # OUT MINUTES END SEED
+  local out=$1 minutes=$2 gen_end=$3 gen_seed=$4 workers share w last_gen gen_pids
+  # GEN_WORKERS engines side by side (one engine's host work bounds its tokens/s), each started once the one
+  # before has sized and allocated its KV cache (engine_started, at most GEN_STAGGER_MAX_S): vLLM 0.32's memory
+  # profiling counts what another process allocates or frees meanwhile (it asserts "Error in memory
+  # profiling" when one frees; with a fixed 30 s stagger a third engine found "No available memory for the
+  # cache blocks" on 2026-12-04)
+  workers=${GEN_WORKERS:-1}; share=$(python3 -c "print(round(0.85 / $workers, 3))")
+  gen_pids=()
+  for w in $(seq 0 $(( workers - 1 ))); do
+    [ "$w" -gt 0 ] && engine_started "$last_gen" runs/gen-data-$(( w - 1 )).log "${GEN_STAGGER_MAX_S:-240}"
+    # a worker that could not be up (~2 min) before the generation's end would only take memory
+    if [ "$w" -gt 0 ] && [ -n "$gen_end" ] && [ $(( gen_end - $(date +%s) )) -lt 150 ]; then
+      echo "slice: starting $w of $workers workers (the rest would not be up before the generation's end)"; break
+    fi
+    ubtree_exec gen-data --config "$CONFIG" --data-root .gpudata --set seed="$gen_seed" \
+      --set gpu_memory_utilization="$share" --set worker="$w" --set num_workers="$workers" \
+      --set out_dir="$out" --max-minutes "$minutes" > runs/gen-data-$w.log 2>&1 &
+    last_gen=$!; gen_pids+=("$last_gen")
+  done
+  while [ -n "$gen_end" ] && [ "$(date +%s)" -lt "$gen_end" ] && kill -0 "${gen_pids[@]}" 2>/dev/null; do
+    sleep 2
+  done
+  if [ -n "$gen_end" ] && kill -0 "${gen_pids[@]}" 2>/dev/null; then
+    echo "slice: generation stopped at its deadline (a stopped worker loses only its shard in flight)"
+    kill "${gen_pids[@]}" 2>/dev/null || true
+  fi
+  wait
+  cat runs/gen-data-*.log > runs/gen-data.log
+}
+
+manifest_line() {  # DIR: what a slice's data folder holds
+  python3 -c "import json,sys; m=json.load(open(sys.argv[1])); print('generated', m['num_samples'], 'samples,', \
+    m['num_response_tokens'], 'response tokens')" "$1/manifest.json"
+}
+
 # Wait until the vLLM engine of process PID, logging to LOG, has sized its KV cache (vLLM's "GPU KV cache size" line;
 # the cache is allocated right after it, and the CUDA-graph capture that follows takes ~20 s, less than the next
 # engine's compile before it profiles) or PID is gone (an error is that worker's own log's business), at most
@@ -170,45 +213,23 @@ for phase in "$@"; do
       # a new seed per slice (the day number was reused by two slices of one day: the same prompt order, so the
       # same greedy answers twice); the seed shuffles the prompts and seeds the T = 1 draws
       seed=${SLICE_SEED:-$(date +%s)}
-      if [ -n "${GEN_MINUTES:-}" ]; then  # sequential: gen-data alone on the GPU first, then the trainer alone
-        # GEN_WORKERS engines side by side (one engine's host work bounds its tokens/s), each started once the one
-        # before has sized and allocated its KV cache (engine_started, at most GEN_STAGGER_MAX_S): vLLM 0.32's memory
-        # profiling counts what another process allocates or frees meanwhile (it asserts "Error in memory
-        # profiling" when one frees; with a fixed 30 s stagger a third engine found "No available memory for the
-        # cache blocks" on 2026-12-04)
-        workers=${GEN_WORKERS:-1}; share=$(python3 -c "print(round(0.85 / $workers, 3))")
+      if [ -n "${SLICE_DATA:-}" ]; then  # the data an earlier call's `slicedata` generated on this warm machine
+        data=$SLICE_DATA; [ "$data" = last ] && data=$(cat runs/slice-data-dir)
+        gen=""
+      elif [ -n "${GEN_MINUTES:-}" ]; then  # sequential: gen-data alone on the GPU first, then the trainer alone
+        data=runs/smollm2/slice-data-$seed
         # under SLICE_DEADLINE_S the generation also ends by a wall-clock time that leaves the trainer
         # SLICE_TRAIN_MIN_S (default 240) and its export margin: on 2026-12-05 two workers' staggered starts plus
-        # GEN_MINUTES=2 of generation left the trainer 0.5 of a 9-minute call (a worker stopped early loses only
-        # its shard in flight: the manifest lists complete shards only)
+        # GEN_MINUTES=2 of generation left the trainer 0.5 of a 9-minute call
         gen_end=""
         [ -n "${SLICE_DEADLINE_S:-}" ] && \
           gen_end=$(( slice_start + SLICE_DEADLINE_S - ${SLICE_TRAIN_MIN_S:-240} - ${SLICE_EXPORT_MARGIN_S:-60} ))
-        gen_pids=()
-        for w in $(seq 0 $(( workers - 1 ))); do
-          [ "$w" -gt 0 ] && engine_started "$last_gen" runs/gen-data-$(( w - 1 )).log "${GEN_STAGGER_MAX_S:-240}"
-          # a worker that could not be up (~2 min) before the generation's end would only take memory
-          if [ "$w" -gt 0 ] && [ -n "$gen_end" ] && [ $(( gen_end - $(date +%s) )) -lt 150 ]; then
-            echo "slice: starting $w of $workers workers (the rest would not be up before the generation's end)"; break
-          fi
-          ubtree_exec gen-data --config "$CONFIG" --data-root .gpudata --set seed="$seed" \
-            --set gpu_memory_utilization="$share" --set worker="$w" --set num_workers="$workers" \
-            --set out_dir=runs/smollm2/slice-data-$seed --max-minutes "$GEN_MINUTES" > runs/gen-data-$w.log 2>&1 &
-          last_gen=$!; gen_pids+=("$last_gen")
-        done
-        while [ -n "$gen_end" ] && [ "$(date +%s)" -lt "$gen_end" ] && kill -0 "${gen_pids[@]}" 2>/dev/null; do
-          sleep 2
-        done
-        if [ -n "$gen_end" ] && kill -0 "${gen_pids[@]}" 2>/dev/null; then
-          echo "slice: generation stopped at the deadline's share (SLICE_TRAIN_MIN_S=${SLICE_TRAIN_MIN_S:-240})"
-          kill "${gen_pids[@]}" 2>/dev/null || true
-        fi
-        wait
-        cat runs/gen-data-*.log > runs/gen-data.log
+        generate_alone "$data" "$GEN_MINUTES" "$gen_end" "$seed"
         gen=""
       else  # beside the trainer, which trains on the shards as they land
+        data=runs/smollm2/slice-data-$seed
         ubtree_exec gen-data --config "$CONFIG" --data-root .gpudata --set seed="$seed" \
-          --set out_dir=runs/smollm2/slice-data-$seed > runs/gen-data.log 2>&1 &
+          --set out_dir="$data" > runs/gen-data.log 2>&1 &
         gen=$!
       fi
       rc=0
@@ -220,21 +241,36 @@ for phase in "$@"; do
         layers=$(python3 -c "import json; print(json.load(open('$DRAFTER/config.json'))['num_hidden_layers'] + $SLICE_GROW)")
         init+=(--set grow_layers="$SLICE_GROW" --set drafter.num_layers="$layers")
       fi
-      # sequential: the shards are all there already, so a missing one is an error, not a wait
-      [ -n "${GEN_MINUTES:-}" ] && init+=(--set stream_wait_minutes=0.2)
       train_minutes=${SLICE_MINUTES:-7}
+      if [ -z "$gen" ]; then  # the shards are all there already: a missing one is an error, not a wait
+        init+=(--set stream_wait_minutes=0.2)
+        # at most SLICE_MAX_EPOCHS (default 4) over them, at SLICE_SAMPLES_PER_MIN (default 14000: the H100 on
+        # 2026-12-06 trained 56,560 samples in 3.98 min, mostly from the target cache): that slice went 14 epochs over
+        # its 4,096 fresh samples and its drafter lost T = 0 tau on all three sets (not shipped)
+        samples=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['num_samples'])" "$data/manifest.json")
+        train_minutes=$(python3 -c "print(round(max(0.5, min($train_minutes, \
+          ${SLICE_MAX_EPOCHS:-4} * $samples / ${SLICE_SAMPLES_PER_MIN:-14000})), 2))")
+        echo "slice: $samples samples, at most ${SLICE_MAX_EPOCHS:-4} epochs: $train_minutes minutes at most"
+      fi
       if [ -n "${SLICE_DEADLINE_S:-}" ]; then  # what the deadline leaves, less the export margin
         train_minutes=$(trainer_minutes "$train_minutes" "$slice_start" "$SLICE_DEADLINE_S" \
           "${SLICE_EXPORT_MARGIN_S:-60}")
         echo "slice: the trainer gets $train_minutes minutes (SLICE_DEADLINE_S=$SLICE_DEADLINE_S)"
       fi
-      ubtree train --config "$CONFIG" --data-dir runs/smollm2/slice-data-$seed --set records_path="$RECORDS" \
+      ubtree train --config "$CONFIG" --data-dir "$data" --set records_path="$RECORDS" \
         --set progress=false --max-minutes "$train_minutes" "${init[@]}" || rc=$?
       [ -n "$gen" ] && { kill "$gen" 2>/dev/null; wait "$gen" 2>/dev/null || true; }
       grep -E "wrote shard|Error|error" runs/gen-data.log | tail -n 5 || true
-      python3 -c "import json,sys; m=json.load(open(sys.argv[1])); print('generated', m['num_samples'], 'samples,', m['num_response_tokens'], 'response tokens')" \
-        runs/smollm2/slice-data-$seed/manifest.json || true
+      manifest_line "$data" || true
       [ "$rc" = 0 ] || exit "$rc" ;;
+    slicedata)  # generation alone for a later call's `SLICE_DATA=last slice` on this warm machine (runs/ stays)
+      mkdir -p runs
+      seed=${SLICE_SEED:-$(date +%s)}; data=runs/smollm2/slice-data-$seed
+      gen_end=""; [ -n "${SLICE_DEADLINE_S:-}" ] && gen_end=$(( $(date +%s) + SLICE_DEADLINE_S ))
+      generate_alone "$data" "${GEN_MINUTES:-8}" "$gen_end" "$seed"
+      echo "$data" > runs/slice-data-dir
+      grep -E "wrote shard|Error|error" runs/gen-data.log | tail -n 5 || true
+      manifest_line "$data" ;;
     eval)
       ubtree eval-tau --drafter "${EVAL_DRAFTER:-$DRAFTER}" --data-dir .gpudata --num-prompts "${EVAL_PROMPTS:-160}" \
         --batch-size 64 --methods "${EVAL_METHODS:-single,ubtree}" --temperatures "${EVAL_TEMPS:-0,1}" \
