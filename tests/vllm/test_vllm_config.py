@@ -149,17 +149,19 @@ def test_qwen3_5_is_refused_saying_its_gdn_layers_run_for_qwen3_next_only(tiny_d
 
 
 @pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM"])
-def test_cpu_hybrids_are_served_on_the_cpu_on_one_rank_without_prefix_caching(tiny_drafter, arch):
+def test_cpu_hybrids_are_served_on_the_cpu_without_prefix_caching_on_cuda_on_one_rank(tiny_drafter, arch):
     """Qwen3-Next (GDN), NemotronH and Falcon-H1 (Mamba2) parse; their engine settings are checked: CPU only unless
-    opted in, one rank, no recurrent-state caching."""
+    opted in, several ranks on the CPU but one on CUDA, no recurrent-state caching."""
     target = TargetInfo((arch,), 512, 64, 4)
     assert parse_speculative_config(spec(tiny_drafter), target).tree.tree_budget == 8
     check_hybrid_engine(target, on_cpu=True, tensor_parallel_size=1, enable_prefix_caching=False)
+    check_hybrid_engine(target, on_cpu=True, tensor_parallel_size=2, enable_prefix_caching=False)
     check_hybrid_engine(TINY, on_cpu=False, tensor_parallel_size=2, enable_prefix_caching=True)  # not a hybrid
     for kwargs, pattern in [
             (dict(on_cpu=False), rf"'{arch}' needs UBTREE_CUDA_HYBRIDS=1 with method 'ubtree' on CUDA: .* is opt-in "
                                  r"until its H200 engine tests pass; it is served on the CPU without it"),
-            (dict(tensor_parallel_size=2), rf"tensor_parallel_size must be 1 .* '{arch}'"),
+            (dict(on_cpu=False, cuda_hybrids=True, tensor_parallel_size=2),
+             rf"tensor_parallel_size must be 1 .* '{arch}' .* has not run with tensor parallelism on CUDA yet"),
             (dict(enable_prefix_caching=True), rf"enable_prefix_caching must be False .* '{arch}'")]:
         with pytest.raises(ValueError, match=pattern):
             check_hybrid_engine(target, **{**dict(on_cpu=True, tensor_parallel_size=1,

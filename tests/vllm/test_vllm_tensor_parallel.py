@@ -13,8 +13,9 @@ its own local cluster and joining a user-started one (``RAY_ADDRESS``). On CUDA 
 What is checked: greedy output token-identical to TP = 1 without speculation (a copying drafter, so
 long paths are accepted and committed on both ranks, and an untrained one on a batch), and every rank
 ending with the same digest of the trees it verified and the tokens it accepted, at T = 0 and T = 1
-(only the driver drafts and draws; vllm/tensor_parallel.py); a worker killed mid-generation fails the
-call instead of hanging.
+(only the driver drafts and draws; vllm/tensor_parallel.py); the recurrent hybrids (Qwen3-Next, NemotronH,
+Falcon-H1) at TP = 2 token-identical to the same engine without speculation, with the copying oracle on the
+driver; a worker killed mid-generation fails the call instead of hanging.
 """
 from __future__ import annotations
 
@@ -29,12 +30,18 @@ from vllm.inputs import TokensPrompt
 from http_servers import free_port
 from ubtree_vllm.bench.e2e import stop_engine
 from vllm_engines import ENGINE_KWARGS, TINY_TREE, ray_cli, ray_env, spec_counts, stop_ray
+from vllm_models import save_tiny_falcon_h1, save_tiny_nemotron_h, save_tiny_qwen3_next, save_untrained_drafter
+from vllm_oracle import install_oracle_in_worker, oracle_rounds_in_worker
 
 # bounded: a Ray placement group that cannot be placed waits 30 minutes in vLLM before it fails
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(600)]
 
 MAX_TOKENS = 24
 PROMPTS = [[1, 17, 42, 9, 7], [3, 5, 8, 13, 21, 34], [2, 60, 11], [4, 4, 4, 4, 9]]
+# recurrent hybrids whose every sharded dimension splits over two ranks (vocabulary 512)
+HYBRID_TP = {"qwen3-next": lambda path: save_tiny_qwen3_next(path, linear_key_heads=2),
+             "nemotron-h": save_tiny_nemotron_h, "falcon-h1": save_tiny_falcon_h1}
+HYBRID_PROMPTS = [[(7 * i + 31 * j) % 497 + 3 for j in range(5 + 9 * i)] for i in range(6)]
 
 
 @pytest.fixture
@@ -109,6 +116,42 @@ def test_tp2_greedy_equals_tp1_without_speculation_and_ranks_agree(executor_back
     for digests in (greedy_digests, sampled_digests):
         assert len(digests) == 2 and digests[0] == digests[1] and digests[0][0] > 0, digests
     assert sampled_digests[0][0] > greedy_digests[0][0]
+
+
+@pytest.mark.parametrize("family", sorted(HYBRID_TP))
+def test_tp2_recurrent_hybrid_greedy_equals_tp2_without_speculation(family, two_cpu_workers, vllm_models_dir):
+    """A recurrent hybrid at TP = 2 (bf16, multiprocessing executor): every rank forks its own heads' recurrent and
+    conv states along the driver's trees and commits the accepted path. Greedy output equals the same engine's
+    without speculation, with the untrained drafter and with the copying oracle on the driver (long paths accepted
+    off their depth: every rank's commit moves states and conv columns); only the driver drafts, and the ranks
+    end with the same digest of trees and accepted tokens."""
+    target = HYBRID_TP[family](vllm_models_dir / f"tp-{family}")
+    drafter = save_untrained_drafter(target, vllm_models_dir / f"tp-{family}-drafter")
+    kwargs = dict(ENGINE_KWARGS, dtype="bfloat16", enable_prefix_caching=False, tensor_parallel_size=2,
+                  distributed_executor_backend="mp")
+    plain = LLM(model=str(target), **kwargs)
+    try:
+        reference = generate(plain, HYBRID_PROMPTS)
+    finally:
+        stop_engine(plain)
+        del plain
+        gc.collect()
+    llm = LLM(model=str(target), speculative_config={"method": "ubtree", "model": str(drafter), **TINY_TREE}, **kwargs)
+    try:
+        untrained = generate(llm, HYBRID_PROMPTS)
+        llm.collective_rpc(install_oracle_in_worker, args=(HYBRID_PROMPTS, reference, 512))
+        copied = generate(llm, HYBRID_PROMPTS)
+        rounds = llm.collective_rpc(oracle_rounds_in_worker)  # [(calls, on-reference rounds, their tau)] per rank
+        digests = rank_digests(llm)
+    finally:
+        stop_engine(llm)
+        gc.collect()
+    assert untrained == reference
+    assert copied == reference
+    (calls, on_reference, tau), (other_calls, _, _) = rounds
+    assert calls > 0 and other_calls == 0, rounds
+    assert on_reference >= 20 and tau > 2.0, rounds
+    assert len(digests) == 2 and digests[0] == digests[1] and digests[0][0] > 0, digests
 
 
 @pytest.mark.parametrize("executor_backend", ["mp", "ray"], indirect=True)

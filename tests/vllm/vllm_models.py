@@ -71,9 +71,11 @@ def save_tiny_qwen(path: Path, family: str, *, vocab_size: int = 512, seed: int 
 
 
 @torch.no_grad()
-def save_tiny_qwen3_next(path: Path, *, vocab_size: int = 512, seed: int = 0, moe: bool = True) -> Path:
+def save_tiny_qwen3_next(path: Path, *, vocab_size: int = 512, seed: int = 0, moe: bool = True,
+                         linear_key_heads: int = 1) -> Path:
     """A random bf16 Qwen3-Next: hidden 64, layers linear / full / linear / full, 4 experts (top 2); dense MLPs in
-    every layer when not ``moe`` (``mlp_only_layers``).
+    every layer when not ``moe`` (``mlp_only_layers``); ``linear_key_heads`` Gated DeltaNet key heads and twice as
+    many value heads (2 shards over two tensor-parallel ranks; 1, the default, does not).
 
     bf16 and 128-dim linear heads because vLLM's CPU GDN kernels accept nothing else."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -81,8 +83,8 @@ def save_tiny_qwen3_next(path: Path, *, vocab_size: int = 512, seed: int = 0, mo
     torch.manual_seed(seed)
     cfg = Qwen3NextConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                           num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                          layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=1,
-                          linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
+                          layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=linear_key_heads,
+                          linear_num_value_heads=2 * linear_key_heads, linear_key_head_dim=128, linear_value_head_dim=128,
                           linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                           shared_expert_intermediate_size=64, max_position_embeddings=1024, tie_word_embeddings=False,
                           initializer_range=0.1, mlp_only_layers=[] if moe else [0, 1, 2, 3])

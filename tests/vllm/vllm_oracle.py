@@ -112,3 +112,21 @@ def install_oracle(llm: Any, oracle: ReferenceOracle | None) -> None:
         proposer.__dict__.pop("propose", None)
     else:
         proposer.propose = oracle.propose
+
+
+def install_oracle_in_worker(worker: Any, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
+                             vocab_size: int) -> bool:
+    """``LLM.collective_rpc`` target for a multi-process engine (tensor parallelism): route this worker's drafting
+    through a :class:`ReferenceOracle` (under TP only the driver rank drafts; the others get its trees)."""
+    proposer = worker.model_runner.drafter
+    oracle = ReferenceOracle(prompts, continuations, proposer.config.tree, vocab_size=vocab_size)
+    proposer.propose = oracle.propose
+    worker.ubtree_test_oracle = oracle
+    return True
+
+
+def oracle_rounds_in_worker(worker: Any) -> tuple[int, int, float]:
+    """``LLM.collective_rpc`` target: (propose calls, rounds drafted from the reference, their tau) of the oracle
+    :func:`install_oracle_in_worker` put there."""
+    oracle = worker.ubtree_test_oracle
+    return (oracle.calls, *oracle.on_reference_rounds())
