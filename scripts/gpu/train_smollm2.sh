@@ -25,7 +25,8 @@
 #            rows/s that scripts/gpu/profile_train_step.py measured for it alone. With all its data there before
 #            the trainer starts (GEN_MINUTES, SLICE_DATA), the trainer goes at most SLICE_MAX_EPOCHS (default 4) over
 #            it. SLICE_DATA=DIR (or `last`) trains on a folder an earlier call's `slicedata` wrote, generating nothing
-#   slicedata  gen-data alone for GEN_MINUTES (default 8; GEN_WORKERS engines, SLICE_DEADLINE_S caps it) into a
+#   slicedata  gen-data alone for GEN_MINUTES (default 8; GEN_WORKERS engines, started at once with GEN_KV_BYTES=N
+#            bytes of KV cache each, else one after the other; SLICE_DEADLINE_S caps it) into a
 #            fresh folder under runs/ (kept between the calls of one warm machine) for `SLICE_DATA=last slice`
 #   eval     tau with the lossless reference decoder (single path vs UBTree, T=0 and T=1); EVAL_DRAFTER, EVAL_DATASETS,
 #            EVAL_METHODS, EVAL_TEMPS and EVAL_PROMPTS select
@@ -136,22 +137,26 @@ trainer_minutes() {  # MAX START DEADLINE_S MARGIN_S
 # rollouts (the recipe's greedy + T_train mix) into OUT for MINUTES of generation each, all stopped by the wall-clock
 # time END (empty: none); the folder's manifest lists complete shards only.
 generate_alone() {  # OUT MINUTES END SEED
-  local out=$1 minutes=$2 gen_end=$3 gen_seed=$4 workers share w last_gen gen_pids
+  local out=$1 minutes=$2 gen_end=$3 gen_seed=$4 workers memory w last_gen gen_pids
   # GEN_WORKERS engines side by side (one engine's host work bounds its tokens/s), each started once the one
   # before has sized and allocated its KV cache (engine_started, at most GEN_STAGGER_MAX_S): vLLM 0.32's memory
   # profiling counts what another process allocates or frees meanwhile (it asserts "Error in memory
   # profiling" when one frees; with a fixed 30 s stagger a third engine found "No available memory for the
   # cache blocks" on 2026-12-04)
-  workers=${GEN_WORKERS:-1}; share=$(python3 -c "print(round(0.85 / $workers, 3))")
-  gen_pids=()
+  # GEN_KV_BYTES=N instead gives each engine a fixed KV cache (kv_cache_memory_bytes; 0.1 of the memory must be free
+  # at its start): vLLM skips the profiling, so the engines start at once, as the bench's interleaved ones do
+  workers=${GEN_WORKERS:-1}; memory=(--set gpu_memory_utilization="$(python3 -c "print(round(0.85 / $workers, 3))")")
+  [ -n "${GEN_KV_BYTES:-}" ] && memory=(--set gpu_memory_utilization=0.1 --set kv_cache_memory_bytes="$GEN_KV_BYTES")
+  gen_pids=(); rm -f runs/gen-data-*.log  # an earlier call's logs on this warm machine
   for w in $(seq 0 $(( workers - 1 ))); do
-    [ "$w" -gt 0 ] && engine_started "$last_gen" runs/gen-data-$(( w - 1 )).log "${GEN_STAGGER_MAX_S:-240}"
+    [ "$w" -gt 0 ] && [ -z "${GEN_KV_BYTES:-}" ] && \
+      engine_started "$last_gen" runs/gen-data-$(( w - 1 )).log "${GEN_STAGGER_MAX_S:-240}"
     # a worker that could not be up (~2 min) before the generation's end would only take memory
     if [ "$w" -gt 0 ] && [ -n "$gen_end" ] && [ $(( gen_end - $(date +%s) )) -lt 150 ]; then
       echo "slice: starting $w of $workers workers (the rest would not be up before the generation's end)"; break
     fi
     ubtree_exec gen-data --config "$CONFIG" --data-root .gpudata --set seed="$gen_seed" \
-      --set gpu_memory_utilization="$share" --set worker="$w" --set num_workers="$workers" \
+      "${memory[@]}" --set worker="$w" --set num_workers="$workers" \
       --set out_dir="$out" --max-minutes "$minutes" > runs/gen-data-$w.log 2>&1 &
     last_gen=$!; gen_pids+=("$last_gen")
   done

@@ -262,6 +262,23 @@ def test_gen_data_engine_stream_keeps_shards_in_flight_and_completes_each(tmp_pa
         DataGenConfig(inflight_samples=0)
 
 
+def test_gen_data_vllm_engine_takes_a_fixed_kv_cache_when_given(monkeypatch, tmp_path):
+    """kv_cache_memory_bytes reaches vLLM's LLM (several gen-data engines can then start at once); unset, vLLM
+    profiles; not part of the dataset's identity."""
+    import vllm
+
+    seen = []
+    monkeypatch.setattr(vllm, "LLM", lambda **kwargs: seen.append(kwargs))
+    fixed = DataGenConfig(backend="vllm", kv_cache_memory_bytes=8 << 30, gpu_memory_utilization=0.1)
+    data_mod._vllm_engine(tmp_path, fixed)
+    data_mod._vllm_engine(tmp_path, DataGenConfig(backend="vllm"))
+    assert seen[0]["kv_cache_memory_bytes"] == 8 << 30 and seen[0]["gpu_memory_utilization"] == 0.1
+    assert "kv_cache_memory_bytes" not in seen[1]
+    assert fixed.identity() == DataGenConfig(backend="vllm").identity()
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes must be >= 1 or null, got 0"):
+        DataGenConfig(kv_cache_memory_bytes=0)
+
+
 def test_gen_data_hf_backend_mixes_greedy_and_sampled_answers(tmp_path, workspace):
     cfg = DataGenConfig(target=str(workspace["target"]), out_dir=str(tmp_path / "d"),
                         data_root=str(workspace["prompts"]), num_prompts=3, shard_size=3, max_new_tokens=5,

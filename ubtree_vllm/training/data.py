@@ -86,6 +86,11 @@ class DataGenConfig:
     # vLLM's max_num_seqs (None: vLLM's default). Neither changes the dataset's content.
     inflight_samples: int = 4096
     max_num_seqs: int | None = None
+    # vLLM backend only: a fixed KV cache (vLLM's kv_cache_memory_bytes) instead of a share of the memory that
+    # profiling finds free. vLLM then skips that profiling, which another engine starting beside it upsets, so
+    # several gen-data engines can start at once; pair it with a small gpu_memory_utilization (vLLM's start-up
+    # check wants that share free). None: profile.
+    kv_cache_memory_bytes: int | None = None
     # Several gen-data processes may fill one folder (e.g. several vLLM engines on one GPU when one
     # engine's host work bounds its throughput): worker w of num_workers generates the shards with
     # index = w (mod num_workers). Not part of the dataset's identity.
@@ -109,6 +114,8 @@ class DataGenConfig:
             raise ValueError(f"worker must be in [0, num_workers = {self.num_workers}), got {self.worker}")
         if self.max_num_seqs is not None and int(self.max_num_seqs) < 1:
             raise ValueError(f"max_num_seqs must be >= 1 or null, got {self.max_num_seqs}")
+        if self.kv_cache_memory_bytes is not None and int(self.kv_cache_memory_bytes) < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1 or null, got {self.kv_cache_memory_bytes}")
         if not 0 <= int(self.greedy_samples) <= int(self.samples_per_prompt):
             raise ValueError(f"greedy_samples must be in [0, samples_per_prompt = {self.samples_per_prompt}], "
                              f"got {self.greedy_samples}")
@@ -320,7 +327,8 @@ def hf_generator(target_path: Path, cfg: DataGenConfig, eos: list[int], device: 
 def _vllm_engine(target_path: Path, cfg: DataGenConfig) -> Any:
     from vllm import LLM  # lazy: vLLM is only needed for this backend
 
-    extra = {} if cfg.max_num_seqs is None else {"max_num_seqs": cfg.max_num_seqs}
+    extra = {name: getattr(cfg, name) for name in ("max_num_seqs", "kv_cache_memory_bytes")
+             if getattr(cfg, name) is not None}
     return LLM(model=str(target_path), tokenizer=str(target_path), dtype="bfloat16", seed=cfg.seed,
                max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,
                gpu_memory_utilization=cfg.gpu_memory_utilization, generation_config="vllm", **extra)
