@@ -15,6 +15,15 @@ E2E = {"kind": "e2e", "method": "ubtree", "target": "smollm2-135m-instruct", "dr
        "tree_budget": 64, "beam_width": 12, "top_k": 64, "block_size": 16, "tau": 3.5}
 
 
+def append_ar_and_ngram(path, cell, ngram_speedup: float, ngram_tau: float) -> None:
+    """An invocation cell's baselines: ar (100 tok/s) and vLLM's n-gram (k = 8) at ``ngram_speedup``."""
+    off = {"tree_budget": None, "beam_width": None, "top_k": None, "block_size": None, "drafter": None, "tau": None}
+    rec.append_record({**cell, **off, "method": "ar", "output_tokens_per_s": 100.0, "speedup_vs_ar": 1.0}, path=path)
+    rec.append_record({**cell, **off, "method": "ngram", "tree_budget": 8, "beam_width": 1, "top_k": 1,
+                       "tau": ngram_tau, "output_tokens_per_s": 100.0 * ngram_speedup, "speedup_vs_ar": ngram_speedup},
+                      path=path)
+
+
 def test_append_fills_provenance_and_writes_one_line(tmp_path):
     path = tmp_path / "docs" / "records.jsonl"
     written = rec.append_record(E2E, path=path)
@@ -270,10 +279,7 @@ def test_ngram_is_a_baseline_beside_every_speedup_over_ar(tmp_path, monkeypatch)
     path = tmp_path / "records.jsonl"
     cell = {**E2E, "hardware": "1x NVIDIA H200", "commit": "abc1234", "date": "2026-11-30", "temperature": 0.0,
             "concurrency": 1, "batch_size": 1, "num_prompts": 8, "command": "ubtree bench e2e --methods all"}
-    off = {"tree_budget": None, "beam_width": None, "top_k": None, "block_size": None, "drafter": None, "tau": None}
-    rec.append_record({**cell, **off, "method": "ar", "output_tokens_per_s": 100.0, "speedup_vs_ar": 1.0}, path=path)
-    rec.append_record({**cell, **off, "method": "ngram", "tree_budget": 8, "beam_width": 1, "top_k": 1, "tau": 1.75,
-                       "output_tokens_per_s": 125.0, "speedup_vs_ar": 1.25}, path=path)
+    append_ar_and_ngram(path, cell, ngram_speedup=1.25, ngram_tau=1.75)
     rec.append_record({**cell, "method": "dflash-chain", "tree_budget": 16, "beam_width": 1, "top_k": 1, "tau": 1.5,
                        "output_tokens_per_s": 120.0, "speedup_vs_ar": 1.2}, path=path)
     for budget, speedup in ((64, 1.8), (16, 1.0)):
@@ -362,10 +368,7 @@ def test_standing_and_goals_tell_apart_the_tree_runs_of_one_invocation(tmp_path)
     path = tmp_path / "records.jsonl"
     cell = {**E2E, "hardware": "1x NVIDIA H200", "commit": "abc1234", "date": "2026-12-06", "temperature": 1.0,
             "concurrency": 1, "batch_size": 1, "num_prompts": 24, "command": "bench --compare-drafters"}
-    off = {"tree_budget": None, "beam_width": None, "top_k": None, "block_size": None, "drafter": None, "tau": None}
-    rec.append_record({**cell, **off, "method": "ar", "output_tokens_per_s": 100.0, "speedup_vs_ar": 1.0}, path=path)
-    rec.append_record({**cell, **off, "method": "ngram", "tree_budget": 8, "beam_width": 1, "top_k": 1, "tau": 1.1,
-                       "output_tokens_per_s": 80.0, "speedup_vs_ar": 0.8}, path=path)
+    append_ar_and_ngram(path, cell, ngram_speedup=0.8, ngram_tau=1.1)
     tree = {**cell, "method": "ubtree-mrv2-lookup", "output_tokens_per_s": 160.0, "speedup_vs_ar": 1.6}
     rec.append_record(tree, path=path)
     rec.append_record({**tree, "drafter": "runs/slice-x (not shipped)", "speedup_vs_ar": 1.5}, path=path)
