@@ -362,9 +362,9 @@ def test_standing_shows_each_cells_newest_three_way_invocation(tmp_path):
     assert "| 1.10 | 1.30 | no |" in rows[1] and "| 0.99 | 0.70 | no |" in rows[2]
 
 
-def test_standing_and_goals_tell_apart_the_tree_runs_of_one_invocation(tmp_path):
-    """--compare-drafters and --beam-width put several tree runs of one B in one invocation: the tables without
-    drafter or W columns name a drafter that is not the shipped one and a beam width other than the default."""
+def test_standing_and_goals_judge_the_shipped_drafter_and_name_a_wider_beam(tmp_path):
+    """--compare-drafters puts another drafter's tree runs in an invocation: the sections on where the product stands
+    leave them out (and an invocation of those alone does not count); a --beam-width run says its W."""
     path = tmp_path / "records.jsonl"
     cell = {**E2E, "hardware": "1x NVIDIA H200", "commit": "abc1234", "date": "2026-12-06", "temperature": 1.0,
             "concurrency": 1, "batch_size": 1, "num_prompts": 24, "command": "bench --compare-drafters"}
@@ -373,13 +373,18 @@ def test_standing_and_goals_tell_apart_the_tree_runs_of_one_invocation(tmp_path)
     rec.append_record(tree, path=path)
     rec.append_record({**tree, "drafter": "runs/slice-x (not shipped)", "speedup_vs_ar": 1.5}, path=path)
     rec.append_record({**tree, "beam_width": 24, "speedup_vs_ar": 1.4}, path=path)
+    later = {**cell, "command": "bench --drafter runs/slice-x"}  # newer, but no shipped tree run in it
+    append_ar_and_ngram(path, later, ngram_speedup=0.9, ngram_tau=1.1)
+    rec.append_record({**later, "method": "ubtree-mrv2-lookup", "drafter": "runs/slice-x (not shipped)",
+                       "output_tokens_per_s": 120.0, "speedup_vs_ar": 1.2}, path=path)
     regenerate(path)
     readme = (tmp_path / "README.md").read_text()
     standing = readme.split("## Where UBTree stands")[1].split("\n## ")[0]
-    labels = [line.split(" | ")[5] for line in standing.splitlines() if line.startswith("| smollm2")]
-    assert labels == ["64", "64, drafter slice-x (not shipped)", "64, W = 24"]
+    rows = [line.split(" | ") for line in standing.splitlines() if line.startswith("| smollm2")]
+    assert [(row[5], row[7]) for row in rows] == [("64", "1.60"), ("64, W = 24", "1.40")]
     goals = readme.split("## Goals")[1].split("\n## ")[0]
-    assert "B=64, drafter slice-x (not shipped) (MRV2, lookup branch) | 1.50x" in goals
+    assert "B=64, W = 24 (MRV2, lookup branch) | 1.40x" in goals
+    assert "1.50x" not in goals and "1.20x" not in goals
 
 
 def test_drafter_goals_prefer_the_shipped_training_and_say_what_was_not_measured():

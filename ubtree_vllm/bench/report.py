@@ -79,13 +79,17 @@ def budget_label(r: dict[str, Any]) -> Any:
 
 
 def tree_run_label(r: dict[str, Any]) -> Any:
-    """:func:`budget_label`, plus the drafter where it is not the shipped one and the beam width where it is not the
-    serving default: the tables that have no columns for them (Where UBTree stands, Goals) keep one invocation's
-    tree runs apart (``--compare-drafters``, ``--beam-width``)."""
-    extras = [x for x in (r.get("drafter") and not r["drafter"].startswith(SHIPPED_PREFIX)
-                          and f"drafter {drafter_label(r['drafter'])}",
-                          r.get("beam_width") not in (None, DEFAULT_BEAM_WIDTH) and f"W = {r['beam_width']}") if x]
-    return f"{budget_label(r)}, {', '.join(extras)}" if extras else budget_label(r)
+    """:func:`budget_label`, plus the beam width where it is not the serving default: the tables without a W column
+    (Where UBTree stands, Goals) keep an invocation's ``--beam-width`` runs apart."""
+    wide = r.get("beam_width") not in (None, DEFAULT_BEAM_WIDTH)
+    return f"{budget_label(r)}, W = {r['beam_width']}" if wide else budget_label(r)
+
+
+def shipped_product(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``records`` less the tree runs of drafters other than the shipped one (``--compare-drafters``, ablations): the
+    sections that say where the product stands judge what a user gets."""
+    return [r for r in records if not (r["kind"] == "e2e" and r["method"] in TREE_METHODS
+                                       and not str(r.get("drafter") or "").startswith(SHIPPED_PREFIX))]
 
 
 def latest(records: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
@@ -392,8 +396,8 @@ def _goals_section(records: Sequence[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
     return ["## Goals", "",
-            ("Each goal of the GPU fast path as it stands: per speed goal and (target, set, T, concurrency) cell, only "
-             "the newest `ubtree bench e2e` invocation that measured it (an invocation: same commit, date, command, "
+            ("Each goal of the GPU fast path as it stands, with the shipped drafter: per speed goal and (target, set, T, "
+             "concurrency) cell, only the newest `ubtree bench e2e` invocation that measured it (an invocation: same commit, date, command, "
              "set, T and concurrency), one row per tree run; older invocations are in the End-to-end and Speed "
              "tables below. Throughput is the tree run's speedup over the ar run of its invocation; single path = "
              f"{' / '.join(SINGLE_PATH_METHODS)}; n-gram baseline = `{NGRAM_METHOD}` (vLLM's prompt lookup, no "
@@ -409,9 +413,9 @@ def render(records: Sequence[dict[str, Any]], plots: Sequence[str] = (), source:
              (f"Generated from `{source}`: {len(records)} records, of which {hidden} superseded (a later record "
               f"of the same configuration exists) are not shown. Speed figures count only from GPU hardware."),
              ""]
-    lines += _standing_section(records)
+    lines += _standing_section(shipped_product(records))
     lines += _drafter_goals_section(records)
-    lines += _goals_section(records)
+    lines += _goals_section(shipped_product(records))
     e2e = [r for r in shown if r["kind"] == "e2e"]
     if e2e:
         lines += ["## End-to-end", ""]

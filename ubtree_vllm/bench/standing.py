@@ -68,6 +68,7 @@ def standing_rows(records: Sequence[dict[str, Any]], tree_methods: Sequence[str]
 HEADER = ["target", "set", "T", "in flight", "method", "B", "tau", "speedup over ar", "ngram's", ">= max(ar, ngram)",
           "commit", "date"]
 INTRO = ("The newest `ubtree bench e2e` invocation of each set, temperature and number of requests in flight that "
-         "ran no speculation (`ar`), vLLM's n-gram speculation (`ngram`) and a UBTree method together on a GPU; "
+         "ran no speculation (`ar`), vLLM's n-gram speculation (`ngram`) and a UBTree method with the shipped drafter "
+         "together on a GPU; "
          "speedups are over that invocation's own `ar`. Goal (issue 16): UBTree at least max(1, ngram's) in every "
          "cell. Older invocations are in the tables below.")
