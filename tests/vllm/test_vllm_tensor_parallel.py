@@ -24,6 +24,7 @@ import os
 import subprocess
 
 import pytest
+import torch
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
@@ -118,6 +119,8 @@ def test_tp2_greedy_equals_tp1_without_speculation_and_ranks_agree(executor_back
     assert sampled_digests[0][0] > greedy_digests[0][0]
 
 
+# on CUDA the hybrids' tree forms still refuse tensor parallelism (check_hybrid_engine): this is the CPU forms' test
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA refuses tensor parallelism for hybrid targets so far")
 @pytest.mark.parametrize("family", sorted(HYBRID_TP))
 def test_tp2_recurrent_hybrid_greedy_equals_tp2_without_speculation(family, two_cpu_workers, vllm_models_dir):
     """A recurrent hybrid at TP = 2 (bf16, multiprocessing executor): every rank forks its own heads' recurrent and
