@@ -49,9 +49,14 @@ def _batch1_gpu_bench(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]
             and (r["concurrency"] or 1) == 1]
 
 
+def of_shipped_drafter(record: dict[str, Any]) -> bool:
+    """Whether ``record`` names the drafter under :data:`SHIPPED_PREFIX` (the one the repository ships)."""
+    return str(record.get("drafter") or "").startswith(SHIPPED_PREFIX)
+
+
 def shipped_label_rows(records: Sequence[dict[str, Any]]) -> int | None:
     """The cumulative label rows of the newest `train` record that exported into the shipped folder."""
-    trained = [r for r in records if r["kind"] == "train" and str(r.get("drafter") or "").startswith(SHIPPED_PREFIX)]
+    trained = [r for r in records if r["kind"] == "train" and of_shipped_drafter(r)]
     return trained[-1].get("cumulative_label_rows") if trained else None
 
 
@@ -61,7 +66,7 @@ def _newest(rows: Sequence[dict[str, Any]], dataset: str, temperature: float, me
     shipped training (``shipped`` label rows) when there is one, else of any training of the folder; in each, of
     ``GOAL_PROMPTS`` prompts or more when there is one."""
     found = [r for r in rows if r["dataset"] == dataset and r["temperature"] == temperature
-             and r["method"] in methods and str(r.get("drafter") or "").startswith(SHIPPED_PREFIX)
+             and r["method"] in methods and of_shipped_drafter(r)
              and r.get("tau") is not None and (budget is None or r["tree_budget"] == budget)
              and r.get("tree_attention") in DEFAULT_TREE_ATTENTION]
     mine = [r for r in found if shipped is not None and r.get("cumulative_label_rows") == shipped]

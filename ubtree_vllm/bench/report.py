@@ -40,7 +40,8 @@ from typing import Any
 
 from ubtree_vllm.bench.drafter_goals import HEADER as DRAFTER_GOALS_HEADER
 from ubtree_vllm.bench.drafter_goals import INTRO as DRAFTER_GOALS_INTRO
-from ubtree_vllm.bench.drafter_goals import SHIPPED_PREFIX, SINGLE_PATH_METHODS, drafter_goal_rows
+from ubtree_vllm.bench.drafter_goals import (SHIPPED_PREFIX, SINGLE_PATH_METHODS, drafter_goal_rows,
+                                             of_shipped_drafter)
 from ubtree_vllm.bench.records import DEFAULT_PATH, read_records
 from ubtree_vllm.bench.sampling_options import ADDED_METRIC as OPTION_ADDED_METRIC
 from ubtree_vllm.bench.sampling_options import METRICS as OPTION_METRICS
@@ -89,7 +90,7 @@ def shipped_product(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """``records`` less the tree runs of drafters other than the shipped one (``--compare-drafters``, ablations): the
     sections that say where the product stands judge what a user gets."""
     return [r for r in records if not (r["kind"] == "e2e" and r["method"] in TREE_METHODS
-                                       and not str(r.get("drafter") or "").startswith(SHIPPED_PREFIX))]
+                                       and not of_shipped_drafter(r))]
 
 
 def latest(records: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
@@ -396,9 +397,9 @@ def _goals_section(records: Sequence[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
     return ["## Goals", "",
-            ("Each goal of the GPU fast path as it stands, with the shipped drafter: per speed goal and (target, set, T, "
-             "concurrency) cell, only the newest `ubtree bench e2e` invocation that measured it (an invocation: same commit, date, command, "
-             "set, T and concurrency), one row per tree run; older invocations are in the End-to-end and Speed "
+            ("Each goal of the GPU fast path as it stands, with the shipped drafter: per speed goal and (target, "
+             "set, T, concurrency) cell, only the newest `ubtree bench e2e` invocation that measured it (an "
+             "invocation: same commit, date, command, set, T and concurrency), one row per tree run; older invocations are in the End-to-end and Speed "
              "tables below. Throughput is the tree run's speedup over the ar run of its invocation; single path = "
              f"{' / '.join(SINGLE_PATH_METHODS)}; n-gram baseline = `{NGRAM_METHOD}` (vLLM's prompt lookup, no "
              "drafter) of the same invocation, its speedup over ar in parentheses after the tree run's. Microbench "

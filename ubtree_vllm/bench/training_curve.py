@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-SHIPPED_PREFIX = "checkpoints/"
+from ubtree_vllm.bench.drafter_goals import SHIPPED_PREFIX, of_shipped_drafter
+
 # tree method -> which candidates its trees hold (a curve of its own)
 TREE_KINDS = {"ubtree": "drafter", "ubtree-mrv2": "drafter",
               "ubtree-lookup": "drafter + lookup", "ubtree-mrv2-lookup": "drafter + lookup"}
@@ -46,9 +47,9 @@ def curve_points(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     order: dict[str, int] = {}  # lineage -> first appearance, to list lineages oldest first
     taus: dict[tuple, list[float]] = defaultdict(list)
     for r in records:
-        drafter = r.get("drafter") or ""
-        if not drafter.startswith(SHIPPED_PREFIX):
+        if not of_shipped_drafter(r):
             continue
+        drafter = r["drafter"]
         if r["kind"] == "train":
             rows = r.get("cumulative_label_rows") or r["tokens_seen"]
             if drafter not in lineage or "init=fresh" in (r.get("notes") or "") or rows < cumulative[drafter]:

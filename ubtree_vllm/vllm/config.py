@@ -340,7 +340,8 @@ def check_hybrid_engine(target: TargetInfo, on_cpu: bool, tensor_parallel_size: 
     ValueError names the setting.
 
     The tree form of its recurrent or latent-attention layers runs on the CPU (the recurrent ones on several tensor
-    parallel ranks too, latent attention on one) and on one rank on CUDA when ``cuda_hybrids`` (``UBTREE_CUDA_HYBRIDS=1``, opt-in until their H200 tests pass). vLLM's prefix caching of
+    parallel ranks too, latent attention on one) and on one rank on CUDA when ``cuda_hybrids``
+    (``UBTREE_CUDA_HYBRIDS=1``, opt-in until their H200 tests pass). vLLM's prefix caching of
     recurrent states (``mamba_cache_mode`` 'align') copies a chain's per-token state slots after each step (and
     launches a Triton kernel the CPU build lacks); vLLM's CPU platform turns prefix caching off for MLA.
     """
@@ -360,9 +361,9 @@ def check_hybrid_engine(target: TargetInfo, on_cpu: bool, tensor_parallel_size: 
                          f"{on_the_cpu}")
     # on the CPU each rank forks and commits its own heads' states along the driver's trees
     # (tests/vllm/test_vllm_tensor_parallel.py, TP = 2); the CUDA forms and MLA have not run on several ranks
-    tp_tested = on_cpu and arch in RECURRENT_HYBRIDS and arch not in MLA_TARGETS
-    if tensor_parallel_size != 1 and not tp_tested:
-        where = "on CUDA " if arch in RECURRENT_HYBRIDS and arch not in MLA_TARGETS else ""
+    recurrent_only = arch in RECURRENT_HYBRIDS and arch not in MLA_TARGETS
+    if tensor_parallel_size != 1 and not (on_cpu and recurrent_only):
+        where = "on CUDA " if recurrent_only else ""
         raise ValueError(f"tensor_parallel_size must be 1 with method {METHOD!r} for target architecture {arch!r} "
                          f"(the tree form of its {layers} layers has not run with tensor parallelism {where}yet), "
                          f"got {tensor_parallel_size}")
