@@ -73,9 +73,10 @@ def save_tiny_qwen(path: Path, family: str, *, vocab_size: int = 512, seed: int 
 @torch.no_grad()
 def save_tiny_qwen3_next(path: Path, *, vocab_size: int = 512, seed: int = 0, moe: bool = True,
                          linear_key_heads: int = 1) -> Path:
-    """A random bf16 Qwen3-Next: hidden 64, layers linear / full / linear / full, 4 experts (top 2); dense MLPs in
-    every layer when not ``moe`` (``mlp_only_layers``); ``linear_key_heads`` Gated DeltaNet key heads and twice as
-    many value heads (2 shards over two tensor-parallel ranks; 1, the default, does not).
+    """A random bf16 Qwen3-Next: hidden 64, layers linear / full / linear / full, 4 experts (top 2); when not ``moe``,
+    one expert (top 1), so no routing can flip with the batch shape (vLLM 0.32's Qwen3-Next refuses a model without
+    MoE layers: "No Qwen3Next layer found", H100, 2026-12-06); ``linear_key_heads`` Gated DeltaNet key heads and
+    twice as many value heads (2 shards over two tensor-parallel ranks; 1, the default, does not).
 
     bf16 and 128-dim linear heads because vLLM's CPU GDN kernels accept nothing else."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -85,9 +86,9 @@ def save_tiny_qwen3_next(path: Path, *, vocab_size: int = 512, seed: int = 0, mo
                           num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                           layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=linear_key_heads,
                           linear_num_value_heads=2 * linear_key_heads, linear_key_head_dim=128, linear_value_head_dim=128,
-                          linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                          shared_expert_intermediate_size=64, max_position_embeddings=1024, tie_word_embeddings=False,
-                          initializer_range=0.1, mlp_only_layers=[] if moe else [0, 1, 2, 3])
+                          linear_conv_kernel_dim=4, num_experts=4 if moe else 1, num_experts_per_tok=2 if moe else 1,
+                          moe_intermediate_size=64, shared_expert_intermediate_size=64, max_position_embeddings=1024,
+                          tie_word_embeddings=False, initializer_range=0.1)
     Qwen3NextForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     return Path(path)
 
