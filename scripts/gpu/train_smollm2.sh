@@ -25,6 +25,9 @@
 #            rows/s that scripts/gpu/profile_train_step.py measured for it alone. With all its data there before
 #            the trainer starts (GEN_MINUTES, SLICE_DATA), the trainer goes at most SLICE_MAX_EPOCHS (default 4) over
 #            it. SLICE_DATA=DIR (or `last`) trains on a folder an earlier call's `slicedata` wrote, generating nothing
+#            GEN_SAMPLES_PER_PROMPT=N / GEN_GREEDY_SAMPLES=M set gen-data's samples_per_prompt / greedy_samples (the
+#            config's 2 / 1: one greedy and one T = 1 answer per prompt; on 2026-12-06 three engines answered the whole
+#            pool that way in about 130 s, and the greedy half repeats from slice to slice)
 #   slicedata  gen-data alone for GEN_MINUTES (default 8; GEN_WORKERS engines, started at once with GEN_KV_BYTES=N
 #            bytes of KV cache each, else one after the other; SLICE_DEADLINE_S caps it) into a
 #            fresh folder under runs/ (kept between the calls of one warm machine) for `SLICE_DATA=last slice`
@@ -124,6 +127,10 @@ ubtree() { python3 -m ubtree_vllm.cli "$@"; }
 # run with & leaves its command running when the subshell is killed (found in a dry run of the slice, 2026-12-05)
 ubtree_exec() { exec python3 -m ubtree_vllm.cli "$@"; }
 CONFIG=examples/train_drafter_gpu.yaml
+# the slices' gen-data answer mix (GEN_SAMPLES_PER_PROMPT, GEN_GREEDY_SAMPLES; unset: the config's)
+GEN_MIX=()
+[ -n "${GEN_SAMPLES_PER_PROMPT:-}" ] && GEN_MIX+=(--set samples_per_prompt="$GEN_SAMPLES_PER_PROMPT")
+[ -n "${GEN_GREEDY_SAMPLES:-}" ] && GEN_MIX+=(--set greedy_samples="$GEN_GREEDY_SAMPLES")
 DRAFTER=checkpoints/smollm2-135m-instruct-ubtree
 RECORDS=${RECORDS:-docs/benchmarks/records.jsonl}
 EVAL=(--data-dir .gpudata --num-prompts "${EVAL_PROMPTS:-80}" --batch-size 64 --records "$RECORDS")
@@ -155,7 +162,7 @@ generate_alone() {  # OUT MINUTES END SEED
     if [ "$w" -gt 0 ] && [ -n "$gen_end" ] && [ $(( gen_end - $(date +%s) )) -lt 150 ]; then
       echo "slice: starting $w of $workers workers (the rest would not be up before the generation's end)"; break
     fi
-    ubtree_exec gen-data --config "$CONFIG" --data-root .gpudata --set seed="$gen_seed" \
+    ubtree_exec gen-data --config "$CONFIG" --data-root .gpudata --set seed="$gen_seed" "${GEN_MIX[@]}" \
       "${memory[@]}" --set worker="$w" --set num_workers="$workers" \
       --set out_dir="$out" --max-minutes "$minutes" > runs/gen-data-$w.log 2>&1 &
     last_gen=$!; gen_pids+=("$last_gen")
@@ -233,7 +240,7 @@ for phase in "$@"; do
         gen=""
       else  # beside the trainer, which trains on the shards as they land
         data=runs/smollm2/slice-data-$seed
-        ubtree_exec gen-data --config "$CONFIG" --data-root .gpudata --set seed="$seed" \
+        ubtree_exec gen-data --config "$CONFIG" --data-root .gpudata --set seed="$seed" "${GEN_MIX[@]}" \
           --set out_dir="$data" > runs/gen-data.log 2>&1 &
         gen=$!
       fi
