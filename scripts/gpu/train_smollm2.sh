@@ -74,7 +74,9 @@
 #            check wants that share free)
 #   hybridbench  `ubtree bench random-hybrid` (HYBRID_FAMILY: qwen3-next or nemotron-h), then `bench e2e` of it under
 #            UBTREE_CUDA_HYBRIDS=1: ar, ngram, ubtree and ubtree-lookup (V1 runner) at B = HYBRID_BUDGETS (default 16),
-#            HYBRID_CONCURRENCY (default 1,8), HYBRID_PROMPTS mt_bench prompts (default 8): round time and tau of forking
+#            HYBRID_CONCURRENCY (default 1,8), HYBRID_PROMPTS mt_bench prompts (default 8): round time and tau of forking;
+#            HYBRID_METHODS=ar,ngram,mtp,ubtree,ubtree-lookup HYBRID_LOAD_FORMAT=dummy adds vLLM's MTP chain (Qwen3-Next's
+#            one MTP layer; every engine on vLLM's random weights); KV_BYTES, INTERLEAVE as for bench
 #   sweep    `ubtree bench e2e` concurrency SWEEP_CONCURRENCY (default 1,4,16,32) on SWEEP_DATASETS (default mt_bench;
 #            SWEEP_PROMPTS per set, default 64) at SWEEP_TEMPS (default 0);
 #            SWEEP_METHODS (default ar,ngram,ubtree-mrv2) and SWEEP_BUDGETS (default 64) select the runs;
@@ -339,7 +341,9 @@ for phase in "$@"; do
         --data-dir .gpudata --records "$RECORDS" --no-report --gpu-memory-utilization "${GPU_MEM:-0.25}" \
         --datasets "${HYBRID_DATASETS:-mt_bench}" --temperatures 0 --num-prompts "${HYBRID_PROMPTS:-8}" \
         --max-new-tokens 256 --methods "${HYBRID_METHODS:-ar,ngram,ubtree,ubtree-lookup}" \
-        --tree-budgets "${HYBRID_BUDGETS:-16}" --beam-width 4 --top-k 16 --concurrency "${HYBRID_CONCURRENCY:-1,8}" ;;
+        --tree-budgets "${HYBRID_BUDGETS:-16}" --beam-width 4 --top-k 16 --concurrency "${HYBRID_CONCURRENCY:-1,8}" \
+        --load-format "${HYBRID_LOAD_FORMAT:-auto}" ${KV_BYTES:+--kv-cache-memory-bytes "$KV_BYTES"} \
+        ${INTERLEAVE:+--interleave "$INTERLEAVE"} ;;
     sweep)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization "${GPU_MEM:-0.25}" ${INTERLEAVE:+--interleave "$INTERLEAVE"} ${KV_BYTES:+--kv-cache-memory-bytes "$KV_BYTES"} \

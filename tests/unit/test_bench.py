@@ -20,8 +20,8 @@ from ubtree_vllm.bench.measurement import (NUM_ACCEPTED, NUM_DRAFTS, RunResult, 
                                            mean_tpot_ms, request_tpot_s, spec_counters, summarize_run,
                                            tau_from_deltas)
 from ubtree_vllm.bench.microbench import MICROBENCHES, MicrobenchSettings, run_microbenches
-from ubtree_vllm.bench.settings import (BenchArgumentError, E2ESettings, MethodRun, ngram_run, planned_methods,
-                                        settings_from_args, ubtree_chain_run, ubtree_run, validate)
+from ubtree_vllm.bench.settings import (BenchArgumentError, E2ESettings, MethodRun, mtp_run, ngram_run,
+                                        planned_methods, settings_from_args, ubtree_chain_run, ubtree_run, validate)
 from ubtree_vllm.drafter.config import DrafterConfig
 from ubtree_vllm.drafter.io import save_drafter
 from ubtree_vllm.drafter.proposer import UBTreeDrafter
@@ -346,7 +346,7 @@ def test_tree_attention_modes_run_side_by_side_in_one_invocation(drafter_dir):
 
 
 @pytest.mark.parametrize("overrides,pattern", [
-    ({"methods": "ar,medusa"}, r"--methods: unknown method 'medusa'; allowed: ar, ngram, dflash-chain, ubtree, "
+    ({"methods": "ar,medusa"}, r"--methods: unknown method 'medusa'; allowed: ar, ngram, mtp, dflash-chain, ubtree, "
                                r"ubtree-mrv2"),
     ({"methods": "ubtree-mrv2", "tree_budgets": "3"}, r"--tree-budgets: B=3 is below the drafter's block size 4; "
                                                       r"ubtree-mrv2 run on Model Runner V2, which needs B >= gamma"),
@@ -369,7 +369,7 @@ def test_tree_attention_modes_run_side_by_side_in_one_invocation(drafter_dir):
     ({"temperatures": "0,-1"}, r"--temperatures: each value must be a finite number >= 0, got -1"),
     ({"num_prompts": 0}, r"--num-prompts must be >= 1, got 0"),
     ({"top_k": 600}, r"--top-k must be in \[1, 512\] \(the drafter's vocabulary\), got 600"),
-    ({"drafter": None}, r"--drafter is required for --methods ar,dflash-chain,ubtree \(only 'ar' and 'ngram' run "
+    ({"drafter": None}, r"--drafter is required for --methods ar,dflash-chain,ubtree \(only 'ar', 'ngram' and 'mtp' run "
                         r"without a drafter\)"),
     ({"drafter": None, "methods": "ngram,ubtree"}, r"--drafter is required for --methods ngram,ubtree"),
     ({"ngram_k": 0}, r"--ngram-k must be >= 1, got 0"),
@@ -409,6 +409,50 @@ def test_ngram_flags_parse_from_the_command_line():
     assert (settings.ngram_k, settings.ngram_lookup_max, settings.ngram_lookup_min) == (12, 6, 1)
     assert ngram_run(settings).speculative_config == {"method": "ngram", "num_speculative_tokens": 12,
                                                       "prompt_lookup_max": 6, "prompt_lookup_min": 1}
+
+
+def test_mtp_run_is_the_targets_own_chain_without_a_drafter(tmp_path):
+    """mtp: vLLM's "method": "mtp" with --mtp-k tokens per round, drafter-free; --mtp-k and --load-format parse and
+    are checked; the records of a dummy-weights invocation say so in their target."""
+    parser = argparse.ArgumentParser()
+    bench_cli._add_e2e_args(parser)
+    settings = settings_from_args(parser.parse_args(["--methods", "ar,mtp", "--mtp-k", "3", "--load-format", "dummy"]))
+    assert (settings.mtp_k, settings.load_format) == (3, "dummy")
+    assert planned_methods(settings) == ["ar", "mtp"]  # no --drafter needed
+    run = mtp_run(settings)
+    assert run.speculative_config == {"method": "mtp", "num_speculative_tokens": 3}
+    assert (run.tree_budget, run.beam_width, run.top_k) == (3, 1, 1) and not run.uses_drafter
+    result = RunResult(num_requests=1, output_tokens=32, wall_s=1.0, tpot_ms=3.0, tau=2.0, num_drafts=10,
+                       num_accepted=10)
+    record = e2e_record(run, result, target="random-qwen3-next (dummy weights)", drafter=None, dataset="mt_bench",
+                        temperature=0.0, concurrency=1, max_new_tokens=32, cuda_graphs=False, speedup=1.5)
+    written = rec.append_record(record, tmp_path / "records.jsonl")
+    assert written["method"] == "mtp" and written["drafter"] is None and "k=3" in written["notes"]
+    with pytest.raises(BenchArgumentError, match="--mtp-k must be >= 1, got 0"):
+        validate(E2ESettings(methods=("ar", "mtp"), mtp_k=0))
+    with pytest.raises(BenchArgumentError, match="--load-format: unknown load format 'pt'; allowed: auto, dummy"):
+        validate(E2ESettings(methods=("ar",), load_format="pt"))
+
+
+def test_mtp_needs_a_target_with_mtp_layers_and_their_weights(tmp_path):
+    """check_mtp_target, before any engine: no MTP layer in config.json, or MTP layers without mtp.* tensors under
+    the saved weights, is a clear error naming the fix; --load-format dummy needs no tensors."""
+    import json
+
+    from safetensors.torch import save_file
+
+    target = tmp_path / "t"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"architectures": ["Qwen3NextForCausalLM"]}))
+    save_file({"model.embed_tokens.weight": torch.zeros(2, 2)}, str(target / "model.safetensors"))
+    with pytest.raises(BenchArgumentError, match="needs a target with MTP layers"):
+        e2e.check_mtp_target(target, "dummy")
+    (target / "config.json").write_text(json.dumps({"mtp_num_hidden_layers": 1}))
+    with pytest.raises(BenchArgumentError, match="pass --load-format dummy"):
+        e2e.check_mtp_target(target, "auto")
+    e2e.check_mtp_target(target, "dummy")
+    save_file({"mtp.fc.weight": torch.zeros(2, 2)}, str(target / "model-mtp.safetensors"))
+    e2e.check_mtp_target(target, "auto")
 
 
 def test_injected_prompt_sets_skip_the_dataset_check(drafter_dir):
@@ -595,5 +639,10 @@ def test_random_hybrid_writes_a_chat_ready_target_and_its_drafter(default_target
     drafter_config = json.loads((drafter / "config.json").read_text())
     assert drafter_config["vocab_size"] == config.vocab_size and drafter_config["hidden_size"] == 64
     assert not is_recurrent_hybrid(default_target_dir)
+    # its one MTP layer runs vLLM's mtp method on vLLM's random weights only (the HF class saves none for it)
+    assert config.mtp_num_hidden_layers == 1
+    e2e.check_mtp_target(target, "dummy")
+    with pytest.raises(BenchArgumentError, match="no mtp.\\* tensors"):
+        e2e.check_mtp_target(target, "auto")
     with pytest.raises(SystemExit):
         main(["bench", "random-hybrid", "--out", str(tmp_path), "--family", "kimi-linear"])

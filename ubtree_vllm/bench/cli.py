@@ -63,6 +63,11 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
                         help="ngram: longest n-gram matched (vLLM prompt_lookup_max)")
     parser.add_argument("--ngram-lookup-min", type=int, default=2,
                         help="ngram: shortest n-gram matched (vLLM prompt_lookup_min, <= --ngram-lookup-max)")
+    parser.add_argument("--mtp-k", type=int, default=4,
+                        help="mtp: tokens per round of the target's MTP chain (vLLM num_speculative_tokens)")
+    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                        help="dummy: every engine draws random weights (vLLM's dummy loader; e.g. for mtp on a "
+                             "random hybrid whose saved weights lack MTP layers); the records' target says so")
     parser.add_argument("--concurrency", default="1",
                         help="comma-separated numbers of requests in flight (1 = batch size 1)")
     parser.add_argument("--records", default=DEFAULT_RECORDS, help=f"records file (default: {DEFAULT_RECORDS})")

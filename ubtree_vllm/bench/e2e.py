@@ -51,7 +51,7 @@ from ubtree_vllm.bench.prompts import PromptSet, dataset_prompt_sets
 from ubtree_vllm.bench.round_cost import CARRIED, round_cost_records
 from ubtree_vllm.bench.sampling_options import NEEDS_TOKENIZER, NONE, option_records, sampling_kwargs
 from ubtree_vllm.bench.settings import (DRAFTER_FREE_METHODS, TREE_METHODS, BenchArgumentError, E2ESettings,
-                                        MethodRun, dflash_chain_run, environment, ngram_run, parse_label,
+                                        MethodRun, dflash_chain_run, environment, mtp_run, ngram_run, parse_label,
                                         planned_engines, settings_from_args, ubtree_chain_run, ubtree_run)
 from ubtree_vllm.bench.stage_timing import read_stage_times, stage_records, stage_timing_env, uses_runner_clock
 
@@ -70,6 +70,32 @@ def is_recurrent_hybrid(target_path: str | Path) -> bool:
     config = Path(target_path) / "config.json"
     architectures = (json.loads(config.read_text()).get("architectures") or []) if config.is_file() else []
     return any(a in RECURRENT_HYBRIDS for a in architectures)
+
+
+# config.json fields that give a target MTP layers (Qwen3-Next's, DeepSeek's)
+MTP_LAYER_FIELDS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
+
+
+def check_mtp_target(target_path: str | Path, load_format: str) -> None:
+    """BenchArgumentError unless the target has MTP layers (:data:`MTP_LAYER_FIELDS`) and, with the saved weights
+    (``load_format`` auto), tensors for them (``mtp.*``): vLLM would fail later, after taking GPU memory."""
+    import json
+
+    from safetensors import safe_open
+
+    config = Path(target_path) / "config.json"
+    fields = json.loads(config.read_text()) if config.is_file() else {}
+    if not any(int(fields.get(name) or 0) > 0 for name in MTP_LAYER_FIELDS):
+        raise BenchArgumentError(f"--methods mtp needs a target with MTP layers ({' or '.join(MTP_LAYER_FIELDS)} "
+                                 f"> 0 in config.json); {target_path} has none")
+    if load_format == "dummy":
+        return
+    for shard in sorted(Path(target_path).glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            if any(name.startswith("mtp.") or ".mtp." in name for name in f.keys()):
+                return
+    raise BenchArgumentError(f"--methods mtp: {target_path}'s weights have no mtp.* tensors for its MTP layers; pass "
+                             "--load-format dummy to run every engine on random weights")
 
 
 def has_tokenizer(target_path: str | Path) -> bool:
@@ -163,6 +189,8 @@ def _start_engine(label: str, settings: E2ESettings, target_path: Path, engine_k
         run = ubtree_run(settings, budget, method, attention)
     elif label == "ngram":
         run = ngram_run(settings)
+    elif label == "mtp":
+        run = mtp_run(settings)
     elif label == "dflash-chain":
         from ubtree_vllm.drafter.io import META_FILE, export_dflash_proposer
 
@@ -342,8 +370,12 @@ def iter_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_pat
     target_path = Path(target_path)
     engine_kwargs = {"seed": settings.seed, "max_num_seqs": max(settings.concurrency),
                      "tensor_parallel_size": settings.tensor_parallel_size, **engine_kwargs}
+    target_name = settings.target_name or target_path.name
+    if settings.load_format != "auto":
+        engine_kwargs["load_format"] = settings.load_format
+        target_name += f" ({settings.load_format} weights)"
     cuda_graphs = not engine_kwargs.get("enforce_eager", False) and torch.cuda.is_available()
-    recorder = Recorder(settings, settings.target_name or target_path.name, cuda_graphs, records_path, log)
+    recorder = Recorder(settings, target_name, cuda_graphs, records_path, log)
     with tempfile.TemporaryDirectory(prefix="ubtree-bench-") as scratch:
         if settings.interleave > 1:
             from ubtree_vllm.bench.interleave import iter_interleaved
@@ -427,6 +459,8 @@ def run_cli(args: argparse.Namespace) -> int:
         target_path = resolve_target_path(args.target)
     except FileNotFoundError as exc:
         raise BenchArgumentError(f"--target: {exc}") from None
+    if "mtp" in settings.methods:
+        check_mtp_target(target_path, settings.load_format)
     needing = [name for name in settings.sampling_options if name in NEEDS_TOKENIZER]
     if needing and not has_tokenizer(target_path):
         raise BenchArgumentError(f"--sampling-options {','.join(needing)} need the target's tokenizer; {target_path} "

@@ -9,6 +9,10 @@ figure show the cost of forking recurrent states per node, not draft quality. Th
   ``ubtree-lookup``) accepts, so long accepted paths and their state commits are exercised too;
 * ``<out>/random-<family>-drafter``: an untrained one-layer drafter for it (gamma 16, K 16).
 
+Issue 17 also asks for vLLM's chain speculation on the same model: the Qwen3-Next config declares one MTP layer,
+which ``bench e2e --methods ...,mtp --load-format dummy`` runs (every engine of that invocation on vLLM's random
+weights, which the records' target names; the saved weights have no MTP tensors).
+
 Run ``ubtree bench e2e --target <out>/random-<family> --drafter <out>/random-<family>-drafter`` with
 ``UBTREE_CUDA_HYBRIDS=1`` on CUDA; ``bench e2e`` turns prefix caching off for every engine of a recurrent hybrid
 (UBTree refuses it there; ar and ngram get the same setting).
@@ -22,8 +26,9 @@ from typing import Any
 
 # family -> (transformers config / model class names, config fields); hidden 1024, bf16
 SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
-    # Qwen3-Next: three Gated DeltaNet layers per full-attention layer, MoE MLPs
-    "qwen3-next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+    # Qwen3-Next: three Gated DeltaNet layers per full-attention layer, MoE MLPs; one MTP layer in the config (the HF
+    # class saves no weights for it: `bench e2e --methods mtp` runs it with --load-format dummy)
+    "qwen3-next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(mtp_num_hidden_layers=1,
         hidden_size=1024, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
         head_dim=128, layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3
         + ["full_attention"], linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128,

@@ -11,6 +11,9 @@ every later measurement can be paired with its AR baseline as soon as it is take
                 --ngram-k tokens, those that followed an earlier occurrence of the context's last
                 n tokens, n in [--ngram-lookup-min, --ngram-lookup-max]; the platform's default
                 runner.
+  mtp           vLLM's built-in "method": "mtp": the target's own multi-token-prediction layers draft a chain of
+                --mtp-k tokens (no drafter); needs a target with MTP layers (e.g. `ubtree bench random-hybrid`'s
+                Qwen3-Next, with --load-format dummy: its saved weights have none for them).
   dflash-chain  vLLM's built-in "method": "dflash" with the drafter's proposer exported by
                 `drafter/io.py:export_dflash_proposer`; num_speculative_tokens = the
                 drafter's block size gamma (one draft per mask slot, as the export writes in
@@ -46,10 +49,12 @@ from ubtree_vllm.config import (DEFAULT_COUPLED_EDGE_WEIGHT, MAX_LOOKUP_N, MAX_T
 from ubtree_vllm.eval_datasets import EVAL_DATASETS, allowed_datasets
 from ubtree_vllm.vllm.config import TREE_ATTENTION_MODES
 
-METHODS = ("ar", "ngram", "dflash-chain", "ubtree", "ubtree-mrv2", "ubtree-lookup", "ubtree-mrv2-lookup",
+METHODS = ("ar", "ngram", "mtp", "dflash-chain", "ubtree", "ubtree-mrv2", "ubtree-lookup", "ubtree-mrv2-lookup",
            "ubtree-mrv2-lookup-uncoupled")
 # Methods that run without --drafter; their records carry drafter null.
-DRAFTER_FREE_METHODS = ("ar", "ngram")
+DRAFTER_FREE_METHODS = ("ar", "ngram", "mtp")
+# --load-format values: the saved weights, or vLLM's random ones for every engine of the invocation
+LOAD_FORMATS = ("auto", "dummy")
 # Tree methods: one engine per tree budget, and the environment each engine is built under.
 TREE_METHODS = {"ubtree": {"UBTREE_VLLM_RUNNER": "v1"}, "ubtree-mrv2": {"UBTREE_VLLM_RUNNER": "mrv2"},
                 "ubtree-lookup": {"UBTREE_VLLM_RUNNER": "v1"}, "ubtree-mrv2-lookup": {"UBTREE_VLLM_RUNNER": "mrv2"},
@@ -134,6 +139,10 @@ class E2ESettings:
     ngram_k: int = 8
     ngram_lookup_max: int = 4
     ngram_lookup_min: int = 2
+    # mtp: tokens per round of the target's MTP chain
+    mtp_k: int = 4
+    # --load-format: "dummy" -- every engine draws random weights (vLLM's dummy loader; records say so in the target)
+    load_format: str = "auto"
     concurrency: tuple[int, ...] = (1,)
     seed: int = 0
     stage_timing: bool = False
@@ -236,7 +245,8 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
         raise BenchArgumentError(f"--temperatures: each value must be a finite number >= 0, got {bad[0]}")
     for flag, value in (("--num-prompts", settings.num_prompts), ("--max-new-tokens", settings.max_new_tokens),
                         ("--beam-width", settings.beam_width), ("--top-k", settings.top_k),
-                        ("--ngram-k", settings.ngram_k), ("--ngram-lookup-min", settings.ngram_lookup_min)):
+                        ("--ngram-k", settings.ngram_k), ("--ngram-lookup-min", settings.ngram_lookup_min),
+                        ("--mtp-k", settings.mtp_k)):
         if value < 1:
             raise BenchArgumentError(f"{flag} must be >= 1, got {value}")
     if any(m in LOOKUP_METHODS for m in settings.methods) and settings.ngram_lookup_max > MAX_LOOKUP_N:
@@ -246,6 +256,7 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
     if settings.ngram_lookup_max < settings.ngram_lookup_min:
         raise BenchArgumentError(f"--ngram-lookup-max must be >= --ngram-lookup-min ({settings.ngram_lookup_min}), "
                                  f"got {settings.ngram_lookup_max}")
+    _check_members("--load-format", (settings.load_format,), LOAD_FORMATS, "load format")
     _check_members("--tree-attention", settings.tree_attention, TREE_ATTENTION_MODES, "mode")
     if len(set(settings.tree_attention)) != len(settings.tree_attention):
         raise BenchArgumentError(f"--tree-attention lists a mode twice: {','.join(settings.tree_attention)}")
@@ -308,7 +319,8 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
     if all(m in DRAFTER_FREE_METHODS for m in settings.methods):
         return settings
     if settings.drafter is None:
-        free = " and ".join(repr(m) for m in DRAFTER_FREE_METHODS)
+        names = [repr(m) for m in DRAFTER_FREE_METHODS]
+        free = ", ".join(names[:-1]) + " and " + names[-1]
         raise BenchArgumentError(f"--drafter is required for --methods {','.join(settings.methods)} "
                                  f"(only {free} run without a drafter)")
     drafter_dir = Path(settings.drafter).expanduser()
@@ -363,6 +375,8 @@ def settings_from_args(args: argparse.Namespace, check_datasets: bool = True) ->
         ngram_k=args.ngram_k,
         ngram_lookup_max=args.ngram_lookup_max,
         ngram_lookup_min=args.ngram_lookup_min,
+        mtp_k=getattr(args, "mtp_k", 4),
+        load_format=getattr(args, "load_format", "auto"),
         concurrency=parse_list("--concurrency", args.concurrency, int, "integers"),
         seed=args.seed,
         stage_timing=args.stage_timing,
@@ -431,6 +445,14 @@ def ngram_run(settings: E2ESettings) -> MethodRun:
                                "prompt_lookup_min": low},
                      tree_budget=k, beam_width=1, top_k=1,
                      note=f"vLLM n-gram prompt lookup: k={k} tokens per round, lookup window {low}-{high} tokens")
+
+
+def mtp_run(settings: E2ESettings) -> MethodRun:
+    """vLLM's MTP speculation: the target's own MTP layers draft --mtp-k tokens per round (the record's B; W = K =
+    1), no drafter."""
+    k = settings.mtp_k
+    return MethodRun("mtp", {"method": "mtp", "num_speculative_tokens": k}, tree_budget=k, beam_width=1, top_k=1,
+                     note=f"vLLM MTP: the target's multi-token-prediction layers, a chain of k={k} tokens per round")
 
 
 def ubtree_chain_run(settings: E2ESettings, note: str = "") -> MethodRun:
