@@ -376,6 +376,53 @@ def test_resume_gives_the_same_next_losses(tmp_path, workspace):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_length_pools_regroup_each_window_by_length_and_resume_in_order():
+    """LengthPools: each pool is one draw of N batches' samples, cut into length-sorted batches in a seeded order;
+    its state continues the same batches; one batch per pool is the data order itself."""
+    from ubtree_vllm.training.batching import LengthPools
+
+    lengths = [(7 * i) % 23 + 1 for i in range(40)]
+    order = iter(range(40))
+
+    def draw(count):
+        return [next(order) for _ in range(count)]
+
+    pools = LengthPools(lambda i: lengths[i], batch_size=4, batches_per_pool=3, seed=5)
+    batches = [pools.next_batch(draw) for _ in range(5)]  # one pool and two batches of the next
+    first = sorted(range(12), key=lambda i: (lengths[i], i))
+    assert sorted(batches[:3]) == sorted(first[k:k + 4] for k in range(0, 12, 4))  # the window, regrouped
+    assert set(sum(batches[3:5], [])) <= set(range(12, 24))  # the next window, nothing else
+    state = pools.state_dict()
+    rest = [pools.next_batch(draw) for _ in range(3)]
+    order = iter(range(24, 40))
+    resumed = LengthPools(lambda i: lengths[i], batch_size=4, batches_per_pool=3, seed=5)
+    resumed.load_state_dict(state)
+    assert [resumed.next_batch(draw) for _ in range(3)] == rest
+    order = iter(range(40))
+    single = LengthPools(lambda i: lengths[i], batch_size=4, batches_per_pool=1, seed=5)
+    assert [sorted(single.next_batch(draw)) for _ in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_length_pooled_training_sees_the_same_samples_and_resumes_exactly(tmp_path, workspace):
+    """length_pool_batches = 2: after two pools the samples trained on are the unpooled run's; a run paused mid-pool
+    (step 3) and resumed gives the same losses and drafter as one without the pause."""
+    from ubtree_vllm.training import checkpoint as ckpt
+
+    train(train_config(workspace, tmp_path / "plain", max_steps=4), log=lambda _: None)
+    train(train_config(workspace, tmp_path / "pooled", max_steps=4, length_pool_batches=2), log=lambda _: None)
+    seen = [ckpt.load_checkpoint(ckpt.list_checkpoints(tmp_path / run)[-1])["seen"] for run in ("plain", "pooled")]
+    assert seen[0] == seen[1] and len(seen[0]) == 16
+    full = train(train_config(workspace, tmp_path / "full", length_pool_batches=2), log=lambda _: None)
+    train(train_config(workspace, tmp_path / "sliced", length_pool_batches=2), stop_at_step=3, log=lambda _: None)
+    second = train(train_config(workspace, tmp_path / "sliced", length_pool_batches=2), log=lambda _: None)
+    assert [h["loss"] for h in second.history] == [h["loss"] for h in full.history]
+    a = load_file(str(full.drafter_dir / "model.safetensors"))
+    b = load_file(str(second.drafter_dir / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="length_pool_batches must be >= 1, got 0"):
+        train_config(workspace, tmp_path / "bad", length_pool_batches=0)
+
+
 def test_resume_refuses_changed_settings(tmp_path, workspace):
     train(train_config(workspace, tmp_path / "run"), stop_at_step=1, log=lambda _: None)
     with pytest.raises(ValueError, match=r"\['lr'\]"):

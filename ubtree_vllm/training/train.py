@@ -45,6 +45,7 @@ from ubtree_vllm.drafter.config import DrafterConfig
 from ubtree_vllm.drafter.io import load_drafter, training_totals
 from ubtree_vllm.drafter.proposer import UBTreeDrafter
 from ubtree_vllm.training import checkpoint as ckpt
+from ubtree_vllm.training.batching import LengthPools
 from ubtree_vllm.training.data import (ANSWERS, ShardStream, TokenDataset, epoch_permutation, manifest_summary,
                                       read_manifest, resolve_target_path)
 from ubtree_vllm.training.export import check_round_trip, export_drafter
@@ -112,6 +113,8 @@ class TrainConfig:
     # Data: sequences per step and the truncation length.
     batch_size: int = 8
     max_seq_len: int = 1024
+    # Batches drawn at once and regrouped by length, so each pads less (batching.py); 1: the data order's batches
+    length_pool_batches: int = 1
     # Optimization.
     max_steps: int = 1000
     lr: float = 6e-4
@@ -149,7 +152,7 @@ class TrainConfig:
         if self.schedule_by_time and not self.max_minutes:
             raise ValueError("schedule_by_time needs max_minutes (the schedule runs over it)")
         for name in ("batch_size", "max_steps", "log_every", "checkpoint_every", "keep_checkpoints",
-                     "feature_stats_batches", "stream_refresh_steps"):
+                     "feature_stats_batches", "stream_refresh_steps", "length_pool_batches"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_seq_len < 2:
@@ -375,6 +378,10 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
         return now / (cfg.max_minutes * 60)
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, time_progress()))
+    pools = None
+    if cfg.length_pool_batches > 1:
+        pools = LengthPools(lambda i: min(int(dataset.offsets[i + 1] - dataset.offsets[i]), cfg.max_seq_len),
+                            cfg.batch_size, cfg.length_pool_batches, cfg.seed)
     step = cursor = tokens_seen = 0
     label_rows: torch.Tensor | int = 0  # label rows of the steps since the last read of tokens_seen
     wall_before = 0.0
@@ -396,6 +403,8 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
         seen = set(state.get("seen", []))
         if stream is not None:
             stream.load_state_dict(state["stream"])
+        if pools is not None and state.get("length_pools"):
+            pools.load_state_dict(state["length_pools"])
         log(f"train: resumed from {existing[-1]} (step {step}/{cfg.max_steps})")
     else:
         if cfg.standardize_features:
@@ -427,7 +436,8 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
                    "cursor": cursor, "tokens_seen": tokens_seen, "wall_time_s": wall_before + time.monotonic() - started,
                    "loop_s": loop_s, "history": history, "config": cfg.to_dict(),
                    "drafter_config": drafter_cfg.to_hf_dict(), "data": _data_identity(dataset), "seen": sorted(seen),
-                   "stream": stream.state_dict() if stream is not None else None}
+                   "stream": stream.state_dict() if stream is not None else None,
+                   "length_pools": pools.state_dict() if pools is not None else None}
         path = ckpt.save_checkpoint(out, step, payload, cfg.keep_checkpoints)
         ckpt.plot_history(history, out / "loss_curve.png", f"UBTree drafter for {target_name}")
         (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
@@ -451,7 +461,8 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
             break
         if stream is not None and step % cfg.stream_refresh_steps == 0:
             stream.refresh()
-        indices = order.take(cursor, cfg.batch_size) if order is not None else stream.take(cfg.batch_size)
+        draw = (lambda count: order.take(cursor, count)) if order is not None else stream.take
+        indices = pools.next_batch(draw) if pools is not None else draw(cfg.batch_size)
         seen.update(indices)
         batch = collate([dataset.sample(i) for i in indices], cfg.max_seq_len)
         on_device = batch.to(device)
