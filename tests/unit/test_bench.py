@@ -432,6 +432,8 @@ def test_mtp_run_is_the_targets_own_chain_without_a_drafter(tmp_path):
         validate(E2ESettings(methods=("ar", "mtp"), mtp_k=0))
     with pytest.raises(BenchArgumentError, match="--load-format: unknown load format 'pt'; allowed: auto, dummy"):
         validate(E2ESettings(methods=("ar",), load_format="pt"))
+    with pytest.raises(BenchArgumentError, match="--load-format dummy: ubtree-mrv2-lookup load the drafter"):
+        validate(E2ESettings(methods=("ar", "ubtree-mrv2-lookup"), load_format="dummy"))
 
 
 def test_mtp_needs_a_target_with_mtp_layers_and_their_weights(tmp_path):

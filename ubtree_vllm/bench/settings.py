@@ -261,6 +261,10 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
     if len(set(settings.tree_attention)) != len(settings.tree_attention):
         raise BenchArgumentError(f"--tree-attention lists a mode twice: {','.join(settings.tree_attention)}")
     v1_tree, mrv2_tree = _tree_methods_on(settings.methods, "v1"), _tree_methods_on(settings.methods, "mrv2")
+    if settings.load_format == "dummy" and mrv2_tree:
+        raise BenchArgumentError(f"--load-format dummy: {', '.join(mrv2_tree)} load the drafter's proposer through "
+                                 "vLLM's loader on Model Runner V2, so it would get random weights too; use ubtree / "
+                                 "ubtree-lookup (V1 runner, which loads the drafter itself)")
     if "triton_stock_roots" in settings.tree_attention and v1_tree:
         raise BenchArgumentError(f"--tree-attention triton_stock_roots runs on Model Runner V2 only; drop "
                                  f"{', '.join(v1_tree)} (V1 runner) from --methods or use ubtree-mrv2 / ubtree-mrv2-lookup")
