@@ -252,6 +252,7 @@ MLA_BASELINE_FAMILIES = ("deepseek_v2", "deepseek_v2_dense")
 BASELINE_FAMILIES = (*MLA_BASELINE_FAMILIES, "qwen3_next", "qwen3_next_dense", "nemotron_h", "falcon_h1")
 BASELINE_SPEC = {"method": "draft_model", "num_speculative_tokens": 4}  # the MLA targets draft for themselves
 BASELINE_RATIO = 2  # UBTree's prompts beyond a near-tie may be at most this many times the baseline's
+MIN_ORACLE_ROUNDS = 20  # the copying oracle's tau is judged over at least this many rounds drafted from the reference
 
 
 def baseline_spec(family: str, target, vocab_size: int) -> dict[str, Any]:
@@ -265,7 +266,6 @@ def baseline_spec(family: str, target, vocab_size: int) -> dict[str, Any]:
         return {**BASELINE_SPEC, "model": str(target)}
     drafter = save_tiny_llama(Path(target).parent / f"{family}-llama-drafter", vocab_size=vocab_size, num_layers=1)
     return {**BASELINE_SPEC, "model": str(drafter)}
-MIN_ORACLE_ROUNDS = 20  # the copying oracle's tau is judged over at least this many rounds drafted from the reference
 
 
 def test_hybrid_greedy_equality_and_copying_oracle(tiny_hybrid):

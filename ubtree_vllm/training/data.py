@@ -612,6 +612,10 @@ class TokenDataset:
         """[num_samples] int64 response length of each sample."""
         return (self.offsets[1:] - self.offsets[:-1]) - self.prompt_lens.long()
 
+    def sample_length(self, index: int) -> int:
+        """Tokens (prompt + response) of sample `index`."""
+        return int(self.offsets[index + 1] - self.offsets[index])
+
     def sample(self, index: int) -> tuple[torch.Tensor, int]:
         """(token ids [T] int64, prompt length) of sample `index`."""
         start, end = int(self.offsets[index]), int(self.offsets[index + 1])

@@ -380,8 +380,8 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, log: Callable[[str]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, time_progress()))
     pools = None
     if cfg.length_pool_batches > 1:
-        pools = LengthPools(lambda i: min(int(dataset.offsets[i + 1] - dataset.offsets[i]), cfg.max_seq_len),
-                            cfg.batch_size, cfg.length_pool_batches, cfg.seed)
+        pools = LengthPools(lambda i: min(dataset.sample_length(i), cfg.max_seq_len), cfg.batch_size,
+                            cfg.length_pool_batches, cfg.seed)
     step = cursor = tokens_seen = 0
     label_rows: torch.Tensor | int = 0  # label rows of the steps since the last read of tokens_seen
     wall_before = 0.0
