@@ -98,20 +98,54 @@ def test_e2e_record_is_valid_and_carries_the_tree_fields(tmp_path):
     settings = E2ESettings(drafter="checkpoints/d", block_size=16)
     record = e2e_record(ubtree_run(settings, 32), result, target="smollm2-135m-instruct", drafter="checkpoints/d",
                         dataset="mt_bench", temperature=1, concurrency=4, max_new_tokens=256, cuda_graphs=True,
-                        speedup=2.5, drafter_training={"cumulative_label_rows": 7, "cumulative_distinct_tokens": 5})
+                        speedup=2.5, engine_core="process",
+                        drafter_training={"cumulative_label_rows": 7, "cumulative_distinct_tokens": 5})
     written = rec.append_record(record, tmp_path / "records.jsonl")
     assert (written["cumulative_label_rows"], written["cumulative_distinct_tokens"]) == (7, 5)  # the drafter's
     assert written["output_tokens_per_s"] == 2048.0 and written["tau"] == 3.4568 and written["speedup_vs_ar"] == 2.5
     assert (written["tree_budget"], written["beam_width"], written["top_k"], written["block_size"]) == (32, 12, 64, 16)
     assert written["temperature"] == 1.0 and written["batch_size"] == written["concurrency"] == 4
     assert "246 accepted / 100 drafts" in written["notes"] and written["drafter"] == "checkpoints/d"
+    assert "engine core in a process of its own" in written["notes"]
     ar = e2e_record(MethodRun("ar"), RunResult(80, 20480, 20.0, 2.5, None, 0, 0), target="t", drafter="checkpoints/d",
                     dataset="mt_bench", temperature=0.0, concurrency=1, max_new_tokens=256, cuda_graphs=False,
-                    speedup=1.0, drafter_training={"cumulative_label_rows": 7})
+                    speedup=1.0, engine_core="in-process", drafter_training={"cumulative_label_rows": 7})
     rec.validate_record({**dict.fromkeys(rec.FIELDS), **ar})
     assert ar["tau"] is None and ar["drafter"] is None and ar["tree_budget"] is None
     assert "cumulative_label_rows" not in ar  # no drafter, no training amount
-    assert "no speculation" in ar["notes"]
+    assert "no speculation" in ar["notes"] and "engine core in the LLM object's process" in ar["notes"]
+
+
+def test_engine_core_mode_follows_the_flag_then_vllms_variable(monkeypatch):
+    """--engine-core wins; unset, VLLM_ENABLE_V1_MULTIPROCESSING decides as vLLM reads it (unset: own process). The
+    mode sets the engines' environment and whether an --interleave child may start the engine core's process."""
+    from ubtree_vllm.bench.engine_process import child_is_daemon
+    from ubtree_vllm.bench.settings import engine_core_env, engine_core_mode
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert engine_core_mode(E2ESettings()) == "process"
+    for value, mode in (("0", "in-process"), ("false", "in-process"), ("1", "process"), ("True", "process")):
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", value)
+        assert engine_core_mode(E2ESettings()) == mode
+    assert engine_core_mode(E2ESettings(engine_core="process")) == "process"  # the flag over the variable
+    assert engine_core_env(E2ESettings(engine_core="process")) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    assert engine_core_env(E2ESettings(engine_core="in-process")) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert child_is_daemon(E2ESettings(engine_core="in-process"))
+    assert not child_is_daemon(E2ESettings(engine_core="process"))  # a daemon may not start the core's process
+
+
+def test_engine_core_flag_is_checked_before_any_engine(monkeypatch):
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    args = e2e_args(methods="ar", engine_core="process")
+    assert settings_from_args(args).engine_core == "process"
+    with pytest.raises(BenchArgumentError, match="--engine-core: unknown mode 'thread'; allowed: process, in-process"):
+        validate(E2ESettings(methods=("ar",), engine_core="thread"), check_datasets=False)
+    for flag, extra in (("--stage-timing", {"stage_timing": True}), ("--profile", {"profile_dir": "p"})):
+        with pytest.raises(BenchArgumentError, match="needs the engine core in this process"):
+            validate(E2ESettings(methods=("ar",), engine_core="process", **extra), check_datasets=False)
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process by vLLM's variable: allowed
+        validate(E2ESettings(methods=("ar",), **extra), check_datasets=False)
+        monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
 
 
 def test_ngram_run_is_vllm_prompt_lookup_without_a_drafter(tmp_path):
@@ -126,7 +160,7 @@ def test_ngram_run_is_vllm_prompt_lookup_without_a_drafter(tmp_path):
     result = RunResult(num_requests=2, output_tokens=64, wall_s=2.0, tpot_ms=3.0, tau=2.5, num_drafts=20,
                        num_accepted=30)
     record = e2e_record(run, result, target="t", drafter="checkpoints/d", dataset="mt_bench", temperature=0.0,
-                        concurrency=1, max_new_tokens=32, cuda_graphs=False, speedup=1.25)
+                        concurrency=1, max_new_tokens=32, cuda_graphs=False, speedup=1.25, engine_core="process")
     written = rec.append_record(record, tmp_path / "records.jsonl")
     assert written["method"] == "ngram" and written["drafter"] is None and written["tau"] == 2.5
     assert (written["tree_budget"], written["beam_width"], written["top_k"]) == (6, 1, 1)
@@ -258,11 +292,11 @@ def test_budget_schedule_reaches_the_tree_engines_and_their_records(drafter_dir,
     result = RunResult(num_requests=8, output_tokens=800, wall_s=1.0, tpot_ms=1.0, tau=3.0, num_drafts=10,
                        num_accepted=20)
     record = e2e_record(run, result, target="t", drafter=str(drafter_dir), dataset="mt_bench", temperature=0.0,
-                        concurrency=8, max_new_tokens=100, cuda_graphs=True, speedup=1.5)
+                        concurrency=8, max_new_tokens=100, cuda_graphs=True, speedup=1.5, engine_core="process")
     assert rec.append_record(record, tmp_path / "r.jsonl")["budget_schedule"] == "1-4:16,5-32:8"
     pinned = e2e_record(ubtree_run(E2ESettings(drafter="d", block_size=4), 16), result, target="t", drafter="d",
                         dataset="mt_bench", temperature=0.0, concurrency=8, max_new_tokens=100, cuda_graphs=True,
-                        speedup=1.5)
+                        speedup=1.5, engine_core="process")
     assert pinned["budget_schedule"] is None
     from ubtree_vllm.bench.report import budget_label, latest
 
@@ -280,7 +314,7 @@ def test_tree_attention_mode_reaches_the_tree_engines_and_their_records(drafter_
     result = RunResult(num_requests=8, output_tokens=800, wall_s=1.0, tpot_ms=1.0, tau=3.0, num_drafts=10,
                        num_accepted=20)
     record = e2e_record(run, result, target="t", drafter=str(drafter_dir), dataset="mt_bench", temperature=0.0,
-                        concurrency=1, max_new_tokens=100, cuda_graphs=True, speedup=1.5)
+                        concurrency=1, max_new_tokens=100, cuda_graphs=True, speedup=1.5, engine_core="process")
     assert rec.append_record(record, tmp_path / "r.jsonl")["tree_attention"] == "flash_merge"
     default = ubtree_run(settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree-mrv2",
                                                      tree_budgets="16", top_k=16)), 16, "ubtree-mrv2")
@@ -305,7 +339,7 @@ def test_coupled_edge_weight_reaches_the_coupled_engines_and_their_t1_records(dr
     result = RunResult(num_requests=8, output_tokens=800, wall_s=1.0, tpot_ms=1.0, tau=3.0, num_drafts=10,
                        num_accepted=20)
     kwargs = dict(target="t", drafter=str(drafter_dir), dataset="mt_bench", concurrency=1, max_new_tokens=100,
-                  cuda_graphs=True, speedup=1.5)
+                  cuda_graphs=True, speedup=1.5, engine_core="process")
     sampled = rec.append_record(e2e_record(run, result, temperature=1.0, **kwargs), tmp_path / "r.jsonl")
     assert sampled["coupled_edge_weight"] == 1.5 and "coupled edge weight 1.5" in str(budget_label(sampled))
     assert e2e_record(run, result, temperature=0.0, **kwargs)["coupled_edge_weight"] is None
@@ -425,7 +459,8 @@ def test_mtp_run_is_the_targets_own_chain_without_a_drafter(tmp_path):
     result = RunResult(num_requests=1, output_tokens=32, wall_s=1.0, tpot_ms=3.0, tau=2.0, num_drafts=10,
                        num_accepted=10)
     record = e2e_record(run, result, target="random-qwen3-next (dummy weights)", drafter=None, dataset="mt_bench",
-                        temperature=0.0, concurrency=1, max_new_tokens=32, cuda_graphs=False, speedup=1.5)
+                        temperature=0.0, concurrency=1, max_new_tokens=32, cuda_graphs=False, speedup=1.5,
+                        engine_core="process")
     written = rec.append_record(record, tmp_path / "records.jsonl")
     assert written["method"] == "mtp" and written["drafter"] is None and "k=3" in written["notes"]
     with pytest.raises(BenchArgumentError, match="--mtp-k must be >= 1, got 0"):

@@ -75,5 +75,6 @@ def test_profile_is_its_own_mode_but_takes_sampling_options():
     with pytest.raises(BenchArgumentError, match="--profile and --agreement"):
         validate(E2ESettings(methods=("ar",), temperatures=(0.0,), agreement=True, profile_dir="x"))
     # each option's rounds profiled beside the cell without one (tables only)
-    both = validate(E2ESettings(methods=("ar",), profile_dir="x", sampling_options=("json_schema",)))
+    both = validate(E2ESettings(methods=("ar",), profile_dir="x", sampling_options=("json_schema",),
+                                engine_core="in-process"))
     assert both.profile_dir == "x" and both.sampling_options == ("none", "json_schema")

@@ -276,3 +276,24 @@ def test_interleaved_engines_take_turns_and_pair_with_ar(tiny_target, tiny_draft
                                              agreement=True, interleave=2), check_datasets=False),
                         [PROMPTS], tiny_target, ENGINE, log=lambda line: None)
     assert [(r["metric"], r["value"]) for r in agreement] == [(METRIC, 0.0)]
+
+
+def test_interleaved_engines_run_their_engine_cores_in_processes_of_their_own(tiny_target, tiny_drafter, tmp_path):
+    """--interleave with --engine-core process (vLLM's default, as `vllm serve` runs): each engine's child starts
+    the engine core's process (a daemonic child could not), the records say where the cores ran, and fp32 greedy
+    outputs still equal ar's."""
+    from ubtree_vllm.bench.agreement import METRIC
+
+    common = dict(target=str(tiny_target), drafter=str(tiny_drafter), datasets=("toy",), num_prompts=2,
+                  methods=("ar", "ubtree"), tree_budgets=(4,), beam_width=2, top_k=4, interleave=2,
+                  engine_core="process")
+    rows = run_e2e(validate(E2ESettings(temperatures=(0.0,), max_new_tokens=8, **common), check_datasets=False),
+                   [PROMPTS], tiny_target, ENGINE, log=lambda line: None)
+    e2e = [r for r in rows if r["kind"] == "e2e"]
+    assert [r["method"] for r in e2e] == ["ar", "ubtree"]
+    assert all("engine core in a process of its own" in r["notes"] for r in e2e)
+    assert 1.0 <= e2e[1]["tau"] <= 5.0
+    agreement = run_e2e(validate(E2ESettings(temperatures=(0.0,), max_new_tokens=12, agreement=True, **common),
+                                 check_datasets=False), [PROMPTS], tiny_target, ENGINE, log=lambda line: None)
+    assert [(r["metric"], r["value"]) for r in agreement] == [(METRIC, 0.0)]
+

@@ -103,6 +103,11 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
                              "without an option and once with each, on every request, and appends what each costs "
                              "per round (sampling_option_round_ms / sampling_option_added_ms microbench records) "
                              "instead of e2e records")
+    parser.add_argument("--engine-core", default=None, choices=("process", "in-process"),
+                        help="where vLLM's engine core runs: in a process of its own (vLLM's default, as `vllm serve` "
+                             "runs it: the engine's output processing overlaps the next step) or in the engine's "
+                             "process (VLLM_ENABLE_V1_MULTIPROCESSING=0, needed by --profile and --stage-timing); "
+                             "default: as VLLM_ENABLE_V1_MULTIPROCESSING says; the records' notes name it")
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="run every measurement under torch.profiler and write per-step host/device tables "
                              "(and each engine's first Chrome trace per sampling option) to DIR instead of records; "

@@ -51,8 +51,9 @@ from ubtree_vllm.bench.prompts import PromptSet, dataset_prompt_sets
 from ubtree_vllm.bench.round_cost import CARRIED, round_cost_records
 from ubtree_vllm.bench.sampling_options import NEEDS_TOKENIZER, NONE, option_records, sampling_kwargs
 from ubtree_vllm.bench.settings import (DRAFTER_FREE_METHODS, TREE_METHODS, BenchArgumentError, E2ESettings,
-                                        MethodRun, dflash_chain_run, environment, mtp_run, ngram_run, parse_label,
-                                        planned_engines, settings_from_args, ubtree_chain_run, ubtree_run)
+                                        MethodRun, dflash_chain_run, engine_core_env, engine_core_mode, environment,
+                                        mtp_run, ngram_run, parse_label, planned_engines, settings_from_args,
+                                        ubtree_chain_run, ubtree_run)
 from ubtree_vllm.bench.stage_timing import read_stage_times, stage_records, stage_timing_env, uses_runner_clock
 
 WARMUP_TOKENS = 32
@@ -285,6 +286,7 @@ class Recorder:
         self.rows: list[dict[str, Any]] = []
         self.greedy_ar: dict[tuple[str, int], list[list[int]]] = {}  # --agreement: ar's outputs per (dataset, conc)
         self.options = OptionLedger()  # --sampling-options: the baselines each option's records compare with
+        self.engine_core = engine_core_mode(settings)  # the e2e records' notes name it
 
     def take(self, engine: Engine, prompt_set: PromptSet, temperature: float, concurrency: int, option: str | None,
              result: RunResult, outputs: list[Any], stage_times: Any = None, records: bool = True,
@@ -301,7 +303,8 @@ class Recorder:
         where = dict(target=self.target, drafter=drafter, dataset=prompt_set.dataset, temperature=temperature,
                      concurrency=concurrency, max_new_tokens=settings.max_new_tokens, cuda_graphs=self.cuda_graphs,
                      tp=settings.tensor_parallel_size)
-        record = e2e_record(run, result, speedup=speedup, drafter_training=engine.drafter_training, **where)
+        record = e2e_record(run, result, speedup=speedup, drafter_training=engine.drafter_training,
+                            engine_core=self.engine_core, **where)
         self.log(f"bench e2e: {summary_line(record)}" + (f" option={option}" if option else ""))
         if not records:  # the profiler slows the steps: tables only, no records
             new = []
@@ -376,7 +379,8 @@ def iter_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_pat
         target_name += f" ({settings.load_format} weights)"
     cuda_graphs = not engine_kwargs.get("enforce_eager", False) and torch.cuda.is_available()
     recorder = Recorder(settings, target_name, cuda_graphs, records_path, log)
-    with tempfile.TemporaryDirectory(prefix="ubtree-bench-") as scratch:
+    # every engine (and each --interleave child, spawned with this environment) starts in the mode of --engine-core
+    with tempfile.TemporaryDirectory(prefix="ubtree-bench-") as scratch, environment(engine_core_env(settings)):
         if settings.interleave > 1:
             from ubtree_vllm.bench.interleave import iter_interleaved
 

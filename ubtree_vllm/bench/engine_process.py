@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ubtree_vllm.bench.settings import E2ESettings
+from ubtree_vllm.bench.settings import E2ESettings, engine_core_mode
 
 if TYPE_CHECKING:
     from ubtree_vllm.bench.e2e import Engine
@@ -39,6 +39,13 @@ def starts_side_by_side(engine_kwargs: dict[str, Any]) -> bool:
     return engine_kwargs.get("kv_cache_memory_bytes") is not None
 
 
+def child_is_daemon(settings: E2ESettings) -> bool:
+    """Whether an engine's child is a daemon (killed with the bench if it dies): only with the engine core in the
+    child itself. A daemon may not start processes, and an engine core of its own is one (vLLM's default); such a
+    child still ends when the bench's end of the pipe closes (:func:`serve_engine`)."""
+    return engine_core_mode(settings) == "in-process"
+
+
 class EngineProcess:
     """The parent's handle on one engine in a child process. ``engine``: its
     :class:`~ubtree_vllm.bench.e2e.Engine` (label, run, drafter) with ``llm`` None: the engine lives in the child."""
@@ -48,7 +55,8 @@ class EngineProcess:
         context = multiprocessing.get_context("spawn")
         self.label = label
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=serve_engine, name=f"bench-engine-{label}", daemon=True,
+        self._process = context.Process(target=serve_engine, name=f"bench-engine-{label}",
+                                        daemon=child_is_daemon(settings),
                                         args=(child, label, engine_settings, settings, target_path, engine_kwargs,
                                               scratch))
         self._process.start()

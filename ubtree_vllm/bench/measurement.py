@@ -105,14 +105,17 @@ class SpeedupTable:
 
 def e2e_record(run: MethodRun, result: RunResult, *, target: str, drafter: str | None, dataset: str,
                temperature: float, concurrency: int, max_new_tokens: int, cuda_graphs: bool,
-               speedup: float | None, tp: int = 1, drafter_training: Mapping[str, int] | None = None) -> dict[str, Any]:
+               speedup: float | None, engine_core: str, tp: int = 1,
+               drafter_training: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The e2e record of one measurement (provenance is filled by records.append_record). A method with a
     drafter also names the drafter's training amount, ``drafter_training`` (``drafter/io.py:training_totals``:
-    cumulative_label_rows, cumulative_distinct_tokens), so the records of two trainings of one folder stay apart."""
+    cumulative_label_rows, cumulative_distinct_tokens), so the records of two trainings of one folder stay apart.
+    ``engine_core``: where vLLM's engine core ran ("process" or "in-process", bench/settings.py:engine_core_mode)."""
     counters = (f"{result.num_accepted} accepted / {result.num_drafts} drafts" if run.speculative_config
                 else "no speculation")
-    notes = (f"vLLM offline LLM engine, at most {concurrency} request(s) in flight (sliding window), 1 warm-up "
-             f"request; tau from spec-decode counter deltas ({counters}); TPOT from RequestOutput.metrics "
+    where = "in a process of its own" if engine_core == "process" else "in the LLM object's process"
+    notes = (f"vLLM offline LLM engine (engine core {where}), at most {concurrency} request(s) in flight (sliding "
+             f"window), 1 warm-up request; tau from spec-decode counter deltas ({counters}); TPOT from RequestOutput.metrics "
              f"first/last token timestamps; {result.output_tokens} tokens in {result.wall_s:.2f}s")
     if run.note:
         notes += f"; {run.note}"

@@ -165,6 +165,9 @@ class E2ESettings:
     interleave: int = 1
     # --coupled-edge-weight: speculative_config.coupled_edge_weight of the coupled tree methods; None: the serving default
     coupled_edge_weight: float | None = None
+    # --engine-core: where vLLM's engine core runs, "process" (its own: vLLM's default, as `vllm serve` runs it) or
+    # "in-process" (VLLM_ENABLE_V1_MULTIPROCESSING=0); None -- as that variable says (:func:`engine_core_mode`)
+    engine_core: str | None = None
     # Drafter facts read from its config.json (None without a drafter).
     block_size: int | None = field(default=None, compare=False)
     vocab_size: int | None = field(default=None, compare=False)
@@ -220,6 +223,24 @@ def parse_budget_schedule(text: str | None) -> tuple[tuple[int, int, int], ...] 
 def schedule_text(schedule: tuple[tuple[int, int, int], ...]) -> str:
     """The --budget-schedule form of a parsed schedule (what records carry)."""
     return ",".join(f"{first}-{last}:{budget}" for first, last, budget in schedule)
+
+
+ENGINE_CORE_MODES = ("process", "in-process")
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def engine_core_mode(settings: E2ESettings) -> str:
+    """Where the invocation's engine cores run: ``settings.engine_core``, else what vLLM reads from
+    VLLM_ENABLE_V1_MULTIPROCESSING (unset or true: a process of its own)."""
+    if settings.engine_core is not None:
+        return settings.engine_core
+    value = os.environ.get(MULTIPROCESSING_ENV, "1").strip().lower()
+    return "in-process" if value in ("0", "false") else "process"
+
+
+def engine_core_env(settings: E2ESettings) -> dict[str, str]:
+    """The environment an engine of this invocation starts under (VLLM_ENABLE_V1_MULTIPROCESSING for the mode)."""
+    return {MULTIPROCESSING_ENV: "0" if engine_core_mode(settings) == "in-process" else "1"}
 
 
 def _check_members(flag: str, values: Sequence[str], allowed: Sequence[str], what: str) -> None:
@@ -295,6 +316,11 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
     if settings.interleave > 1 and (settings.profile_dir is not None or settings.stage_timing):
         raise BenchArgumentError("--interleave runs every engine at once; --profile and --stage-timing time one "
                                  "engine at a time: pass --interleave 1 with them")
+    if settings.engine_core is not None:
+        _check_members("--engine-core", (settings.engine_core,), ENGINE_CORE_MODES, "mode")
+    if engine_core_mode(settings) == "process" and (settings.profile_dir is not None or settings.stage_timing):
+        raise BenchArgumentError("--profile and --stage-timing read the model runner, which needs the engine core in "
+                                 "this process: pass --engine-core in-process (or VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     if settings.sampling_options:
         try:
             settings = dataclasses.replace(settings, sampling_options=check_sampling_options(
@@ -392,6 +418,7 @@ def settings_from_args(args: argparse.Namespace, check_datasets: bool = True) ->
         tree_attention=parse_list("--tree-attention", getattr(args, "tree_attention", "triton"), str, "modes"),
         interleave=getattr(args, "interleave", 1),
         coupled_edge_weight=_edge_weight(getattr(args, "coupled_edge_weight", None)),
+        engine_core=getattr(args, "engine_core", None),
         sampling_options=parse_list("--sampling-options", args.sampling_options, str, "option names")
         if getattr(args, "sampling_options", None) else (),
     ), check_datasets=check_datasets)
