@@ -282,8 +282,9 @@ def test_hybrid_greedy_equality_and_copying_oracle(tiny_hybrid):
 
     Each UBTree case may diverge beyond a near-tie on as many prompts as plain decoding does from itself when each
     prompt runs alone (another batch shape: a bf16 model whose layers amplify rounding shows it here, with no
-    speculation involved); for every family but Ling a third engine runs vLLM's draft_model speculation
-    (:func:`baseline_spec`) on the same prompts, and the allowance is at least :data:`BASELINE_RATIO` times its count.
+    speculation involved); for every family but Ling, where a UBTree case exceeds that, a third engine runs vLLM's
+    draft_model speculation (:func:`baseline_spec`) on the same prompts, and the allowance is at least
+    :data:`BASELINE_RATIO` times its count.
     An output off plain decoding's (even at a near-tie) leaves the oracle nothing to copy, so vLLM's acceptance
     counters, which count those rounds too, are printed only."""
     family, target, drafter, settings = tiny_hybrid
@@ -315,7 +316,11 @@ def test_hybrid_greedy_equality_and_copying_oracle(tiny_hybrid):
     gc.collect()
     allowed = len(batch_shape)
     baseline_note = f" (plain decoding one prompt at a time: {allowed} of {len(prompts)}"
-    if family in BASELINE_FAMILIES:
+    cases = ((untrained, "untrained drafter"), (copied, "copying oracle"))
+    beyond = {case: divergences_beyond_near_ties(spec, reference, case) for spec, case in cases}
+    # the third engine only where its count could change the verdict: a UBTree case past plain decoding's own
+    # allowance (an engine start is most of a family's share of a device call)
+    if family in BASELINE_FAMILIES and any(len(found) > allowed for found in beyond.values()):
         vllm_spec = engine(target, baseline_spec(family, target, vocab), **settings)
         baseline = [list(o.outputs[0].token_ids) for o in vllm_spec.generate(prompts, params, use_tqdm=False)]
         del vllm_spec
@@ -327,9 +332,8 @@ def test_hybrid_greedy_equality_and_copying_oracle(tiny_hybrid):
     print(f"{family}{baseline_note}")
     # equality first: a divergence also starves the oracle (it copies plain decoding's continuation), so its report
     # says more than the tau's; both cases are judged before failing
-    failures, beyond = [], {}
-    for spec, case in ((untrained, "untrained drafter"), (copied, "copying oracle")):
-        beyond[case] = divergences_beyond_near_ties(spec, reference, case)
+    failures = []
+    for spec, case in cases:
         if len(beyond[case]) > allowed:
             failures.append(f"{case}: {len(beyond[case])} of {len(spec)} prompts beyond a near-tie{baseline_note}: "
                             + "; ".join(beyond[case]))
