@@ -641,6 +641,13 @@ def test_interleave_cuts_prompts_into_chunks_and_rotates_the_engines():
     assert chunk_count(80, 4, 16) == 2
 
 
+def test_interleaved_notes_give_the_speedup_of_each_chunk():
+    from ubtree_vllm.bench.interleave import chunk_speedups
+
+    assert chunk_speedups([300.0, 330.0, 240.0], [100.0, 110.0, 120.0]) == "speedup over ar per chunk: 3.00, 3.00, 2.00"
+    assert chunk_speedups([50.0], [0.0]) == "speedup over ar per chunk: -"  # an ar chunk that timed nothing
+
+
 def test_interleave_flag_is_checked():
     assert settings_from_args(e2e_args(methods="ar,ngram", interleave=4)).interleave == 4
     assert settings_from_args(e2e_args(methods="ar")).interleave == 1

@@ -267,6 +267,8 @@ def test_interleaved_engines_take_turns_and_pair_with_ar(tiny_target, tiny_draft
         assert abs(tree["speedup_vs_ar"] - tree["output_tokens_per_s"] / ar["output_tokens_per_s"]) < 1e-3
         chunks = 2 if tree["concurrency"] == 1 else 1  # 2 prompts: no chunk of 2 x 2 at concurrency 2
         assert f"interleaved: {chunks} chunks of the prompts, the 2 engines in turn" in tree["notes"]
+        assert ("speedup over ar per chunk: " in tree["notes"]) == (chunks > 1)
+        assert "speedup over ar per chunk" not in ar["notes"]
         assert 1.0 <= tree["tau"] <= 5.0
     assert [r["metric"] for r in rows if r["kind"] == "microbench"] == ["round_over_plain_step"] * 4
     assert sum("starting engine" in line for line in lines) == 2

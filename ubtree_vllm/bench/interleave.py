@@ -50,6 +50,13 @@ def turn_order(num_engines: int, chunk: int) -> list[int]:
     return [*range(shift, num_engines), *range(shift)]
 
 
+def chunk_speedups(rates: Sequence[float], ar_rates: Sequence[float]) -> str:
+    """The notes' spread of a run: its tokens/s over ar's on each chunk (the same prompts, run back to back), so
+    a reader sees how far the cell's one speedup moved from chunk to chunk."""
+    ratios = ", ".join(f"{rate / base:.2f}" if base > 0 else "-" for rate, base in zip(rates, ar_rates))
+    return f"speedup over ar per chunk: {ratios}"
+
+
 def iter_interleaved(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path: Path,
                      engine_kwargs: dict[str, Any], scratch: Path, recorder: Recorder,
                      log: Log) -> Iterator[dict[str, Any]]:
@@ -76,6 +83,7 @@ def iter_interleaved(settings: E2ESettings, prompt_sets: Sequence[PromptSet], ta
                 outputs: list[list[Any]] = [[] for _ in engines]
                 wall = [0.0] * len(engines)
                 steps = [0] * len(engines)
+                rates: list[list[float]] = [[] for _ in engines]  # tokens/s of each chunk, per engine
                 before = [engine.call("counters") for engine in engines]
                 bounds = chunk_bounds(len(prompt_set.prompts),
                                       chunk_count(len(prompt_set.prompts), settings.interleave, concurrency))
@@ -86,11 +94,15 @@ def iter_interleaved(settings: E2ESettings, prompt_sets: Sequence[PromptSet], ta
                         outputs[i] += done
                         wall[i] += seconds
                         steps[i] += count
+                        rates[i].append(sum(len(o.outputs[0].token_ids) for o in done) / seconds if seconds else 0.0)
+                ar = next((i for i, engine in enumerate(engines) if engine.label == "ar"), None)
                 for i, engine in enumerate(engines):
                     result = summarize_run(outputs[i], wall[i], before[i], engine.call("counters"), steps[i])
+                    note = f"interleaved: {len(bounds)} chunks of the prompts, the {len(engines)} engines in turn"
+                    if ar is not None and i != ar and len(bounds) > 1:
+                        note += f"; {chunk_speedups(rates[i], rates[ar])}"
                     yield from recorder.take(engine.engine, prompt_set, temperature, concurrency, option, result,
-                                             outputs[i], note=f"interleaved: {len(bounds)} chunks of the prompts, "
-                                                              f"the {len(engines)} engines in turn")
+                                             outputs[i], note=note)
     finally:
         for engine in engines:
             engine.close()
