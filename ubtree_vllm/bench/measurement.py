@@ -115,8 +115,8 @@ def e2e_record(run: MethodRun, result: RunResult, *, target: str, drafter: str |
                 else "no speculation")
     where = "in a process of its own" if engine_core == "process" else "in the LLM object's process"
     notes = (f"vLLM offline LLM engine (engine core {where}), at most {concurrency} request(s) in flight (sliding "
-             f"window), 1 warm-up request; tau from spec-decode counter deltas ({counters}); TPOT from RequestOutput.metrics "
-             f"first/last token timestamps; {result.output_tokens} tokens in {result.wall_s:.2f}s")
+             f"window), 1 warm-up request; tau from spec-decode counter deltas ({counters}); TPOT from "
+             f"RequestOutput.metrics first/last token timestamps; {result.output_tokens} tokens in {result.wall_s:.2f}s")
     if run.note:
         notes += f"; {run.note}"
     return {
