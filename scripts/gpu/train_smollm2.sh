@@ -62,7 +62,7 @@
 #            BENCH_PROMPTS (per set, default 10) select a slice so
 #            each call stays < 10 minutes; BENCH_DRAFTER (default the committed drafter; e.g. /tmp/kept-drafter, a
 #            slice's drafter) which drafter the tree methods use; BENCH_COMPARE=DIR[,DIR] runs them again with those
-#            drafters in the same invocation (--compare-drafters: one ar/ngram baseline, one machine); TREE_ATTENTION=flash_merge (bench, sweep, stages, roundprof) sets
+#            drafters in the same invocation (--compare-drafters: one ar/ngram baseline, one machine); TREE_ATTENTION=flash_merge (bench, sweep, stages, roundprof, agreement) sets
 #            --tree-attention;
 #            BEAM_WIDTH=W (bench, sweep, stages, roundprof, options, agreement) sets the tree methods' beam width (default 12)
 #            ENGINE_CORE=process (bench, sweep) runs each engine's core in a process of its own (--engine-core: vLLM's
@@ -387,7 +387,8 @@ for phase in "$@"; do
         ${INTERLEAVE:+--interleave "$INTERLEAVE"} ${KV_BYTES:+--kv-cache-memory-bytes "$KV_BYTES"} \
         --datasets "${BENCH_DATASETS:-spec_bench,mt_bench,humaneval}" --temperatures 0 \
         --num-prompts "${AGREE_PROMPTS:-48}" --max-new-tokens 256 --methods "${METHODS:-ar,ngram,dflash-chain,ubtree-mrv2}" \
-        --tree-budgets "${BUDGETS:-64}" --beam-width "${BEAM_WIDTH:-12}" --top-k 64 --concurrency 1 ;;
+        --tree-budgets "${BUDGETS:-64}" --beam-width "${BEAM_WIDTH:-12}" --top-k 64 --concurrency 1 \
+        ${TREE_ATTENTION:+--tree-attention "$TREE_ATTENTION"} ;;
     tp2)   # two GPUs: the TP = 2 tests (multiprocessing and Ray), then ar and ubtree (V1) at TP = 1 and 2, one job each
       R=$PWD
       ( cd /tmp && python3 -m pytest -q -s -rfE -p no:cacheprovider --rootdir "$R" \
