@@ -19,6 +19,8 @@ from ubtree_vllm.bench.attention_bench import QWEN3_8B_ATTENTION
 from ubtree_vllm.bench.attention_numerics import (SMOLLM2_ATTENTION, VERIFY_ROWS, NumericsResult, bf16_ulp,
                                                   linear_layers, linear_records, numerics_records, path_sequences,
                                                   path_sequences_reference, rows_mismatch, ulp_errors)
+from ubtree_vllm.bench.fa3_virtual_rows import (VirtualRowsResult, fa3_split_counts, split_count_slice,
+                                                 virtual_rows_records)
 from ubtree_vllm.bench.microbench import (MICROBENCHES, MicrobenchSettings, check_selection, parse_which,
                                           run_microbenches, summary_fields)
 from ubtree_vllm.bench.settings import BenchArgumentError
@@ -215,9 +217,44 @@ def test_linear_records_cover_each_layer_of_the_shape_at_each_verification_width
     assert all(0 <= r["value"] <= 1 and r["unit"] == "fraction" for r in rows)
 
 
-def test_tree_attention_numerics_refuses_contexts_off_the_page_size():
-    with pytest.raises(BenchArgumentError, match="multiple of the page size 16 for tree-attention-numerics"):
-        MICROBENCHES["tree-attention-numerics"].run(MicrobenchSettings(context_lens=(512, 100)))
+@pytest.mark.parametrize("name", ["tree-attention-numerics", "fa3-virtual-rows"])
+def test_numerics_entries_refuse_contexts_off_the_page_size(name):
+    with pytest.raises(BenchArgumentError, match=f"multiple of the page size 16 for {name}"):
+        MICROBENCHES[name].run(MicrobenchSettings(context_lens=(512, 100)))
+
+
+def test_fa3_split_counts_follow_the_scheduler_alone_and_in_one_batch():
+    # SmolLM2's shape: key blocks of 192, 3 KV heads, 132 SMs; blocks [1, 1, 2, 4, 40, 42]
+    lens = torch.tensor([1, 192, 193, 600, 7680, 7873], dtype=torch.int32)
+    # alone: one block per split while ceil(n * 1.1 * 3 / 132) = 1 (n <= 40; the cap 32 at 40), then 2 (42 -> 21)
+    assert fa3_split_counts(lens, 64, 3, 132, alone=True).tolist() == [1, 1, 2, 4, 32, 21]
+    # one batch: 90 blocks in all -> ceil(90 * 1.1 * 3 / 132) = 3 blocks per split for every sequence
+    assert fa3_split_counts(lens, 64, 3, 132, alone=False).tolist() == [1, 1, 1, 2, 14, 14]
+    # Qwen3-8B's shape: key blocks of 128, 8 KV heads; 16 blocks alone -> ceil(16 * 1.1 * 8 / 132) = 2 -> 8 splits
+    assert fa3_split_counts(torch.tensor([128, 129, 2048]), 128, 8, 132, alone=True).tolist() == [1, 2, 8]
+    assert fa3_split_counts(lens, 64, 3, 132, alone=True, max_splits=1).tolist() == [1] * 6
+    assert fa3_split_counts(lens, 64, 3, 132, alone=True).dtype == torch.int32
+    with pytest.raises(ValueError, match=r"head_size 96: FA3's decode tile is known here for \[64, 128\]"):
+        fa3_split_counts(lens, 96, 3, 132, alone=True)
+
+
+def test_fa3_split_counts_sit_after_the_rounded_prepare_seqlen_q():
+    assert split_count_slice(4) == slice(4, 8)
+    assert split_count_slice(5) == slice(8, 13)
+    assert split_count_slice(64) == slice(64, 128)
+
+
+def test_virtual_rows_records_give_both_mismatches_and_say_whether_the_layout_held():
+    held = VirtualRowsResult("smollm2-135m", 512, 0.25, 0.0, True, (1, 3))
+    rows = virtual_rows_records([held, VirtualRowsResult("qwen3-8b", 2048, 0.5, 0.125, False, (2, 8))], "1x GPU")
+    assert [(r["target"], r["metric"], r["value"]) for r in rows] == [
+        ("smollm2-135m (context 512)", "virtual_batch_mismatch", 0.25),
+        ("smollm2-135m (context 512)", "virtual_batch_pinned_mismatch", 0.0),
+        ("qwen3-8b (context 2048)", "virtual_batch_mismatch", 0.5),
+        ("qwen3-8b (context 2048)", "virtual_batch_pinned_mismatch", 0.125)]
+    assert "lone split counts 1-3" in rows[0]["notes"] and "metadata held the predicted" in rows[0]["notes"]
+    assert "did NOT hold" in rows[2]["notes"]
+    assert all(full(r)["kind"] == "microbench" and r["unit"] == "fraction" for r in rows)
 
 
 def test_write_target_config_is_qwen3_8b(tmp_path):
@@ -276,18 +313,20 @@ def test_time_launches_on_cpu_gives_one_sample_per_iteration():
 
 def test_which_all_is_every_entry_and_only_the_drafter_entries_need_the_drafter():
     assert parse_which("all") == tuple(MICROBENCHES) == ("draft-postprocess", "tree-attention-vs-flash",
-                                                         "tree-attention-numerics", "verify-forward", "draft-stage",
-                                                         "projection", "grammar-rows", "tree-linear-state")
+                                                         "tree-attention-numerics", "fa3-virtual-rows",
+                                                         "verify-forward", "draft-stage", "projection", "grammar-rows",
+                                                         "tree-linear-state")
     assert parse_which("verify-forward, draft-postprocess") == ("verify-forward", "draft-postprocess")
     assert [n for n, m in MICROBENCHES.items() if m.uses_drafter] == ["draft-postprocess", "draft-stage"]
     assert [n for n, m in MICROBENCHES.items() if m.gpu_only] == ["tree-attention-vs-flash", "tree-attention-numerics",
-                                                                  "verify-forward", "projection", "tree-linear-state"]
+                                                                  "fa3-virtual-rows", "verify-forward", "projection",
+                                                                  "tree-linear-state"]
 
 
 @pytest.mark.parametrize("names,pattern", [
     (("verify",), r"--which: unknown microbenchmark 'verify'; allowed: draft-postprocess, tree-attention-vs-flash, "
-                  r"tree-attention-numerics, verify-forward, draft-stage, projection, grammar-rows, tree-linear-state, "
-                  r"all"),
+                  r"tree-attention-numerics, fa3-virtual-rows, verify-forward, draft-stage, projection, grammar-rows, "
+                  r"tree-linear-state, all"),
     (("draft-postprocess", "draft-postprocess"), r"--which lists a microbenchmark twice"),
     (("draft-postprocess",), r"--drafter is required for --which draft-postprocess"),
 ])
@@ -305,8 +344,8 @@ def test_bad_which_value_is_a_one_line_cli_error(capsys):
                                                "draft-postprocess")
 
 
-@pytest.mark.parametrize("name", ["tree-attention-vs-flash", "tree-attention-numerics", "verify-forward", "projection",
-                                  "tree-linear-state"])
+@pytest.mark.parametrize("name", ["tree-attention-vs-flash", "tree-attention-numerics", "fa3-virtual-rows",
+                                  "verify-forward", "projection", "tree-linear-state"])
 def test_gpu_only_entries_name_themselves_without_cuda_and_run_nothing(name, monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     path = tmp_path / "records.jsonl"
@@ -350,6 +389,14 @@ def test_tree_attention_numerics_on_gpu(tmp_path):
     assert [r["target"] for r in rows[::4]] == ["qwen3-8b (context 64)", "smollm2-135m (context 64)"]
     errors = [r["value"] for r in rows if r["unit"] == "ulp"]
     assert all(0 < e < 4 for e in errors), errors  # bf16 outputs of an fp32-accumulating kernel: about 1/4 ulp
+
+
+@pytest.mark.gpu
+def test_fa3_virtual_rows_on_gpu(tmp_path):
+    rows = run_microbenches(("fa3-virtual-rows",), MicrobenchSettings(context_lens=(512,)), tmp_path / "r.jsonl")
+    assert [r["metric"] for r in rows] == ["virtual_batch_mismatch", "virtual_batch_pinned_mismatch"] * 2
+    assert all(0 <= r["value"] <= 1 for r in rows)
+    print("\n".join(f"{r['target']} {r['metric']} {r['value']}: {r['notes']}" for r in rows))
 
 
 @pytest.mark.gpu

@@ -15,8 +15,8 @@ from ubtree_vllm.vllm.config import TREE_ATTENTION_MODES
 DEFAULT_RECORDS = "docs/benchmarks/records.jsonl"
 # Names of bench/microbench.py:MICROBENCHES (kept here so building the parser imports no torch;
 # tests/unit/test_bench.py checks that both lists agree).
-MICROBENCH_NAMES = ("draft-postprocess", "tree-attention-vs-flash", "tree-attention-numerics", "verify-forward",
-                    "draft-stage", "projection", "grammar-rows", "tree-linear-state")
+MICROBENCH_NAMES = ("draft-postprocess", "tree-attention-vs-flash", "tree-attention-numerics", "fa3-virtual-rows",
+                    "verify-forward", "draft-stage", "projection", "grammar-rows", "tree-linear-state")
 
 
 def _add_e2e_args(parser: argparse.ArgumentParser) -> None:

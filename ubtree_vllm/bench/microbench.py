@@ -14,6 +14,9 @@ running any. Entries:
                            and plain decoding's FlashAttention for the same tokens, each against fp32, in
                            bf16 ulps, at Qwen3-8B's and SmolLM2's attention shapes, per --context-lens; and
                            how often a linear layer's output bits change with the verification's row count
+  fa3-virtual-rows         (GPU only) bench/fa3_virtual_rows.py: whether one FlashAttention 3 call over every
+                           tree row, each a sequence of its own, gives plain decoding's bits, with FA3's own
+                           split counts and with the lone-decode counts pinned (mrv2.md §13's exact form)
   verify-forward           (GPU only) bench/verify_bench.py: one vLLM forward of 65 vs 17
                            new tokens on a dummy Qwen3-8B over a cached 1024-token context
   projection               (GPU only) bench/projection.py: UBTree's round cost in plain steps on a dummy
@@ -271,18 +274,36 @@ def tree_attention_vs_flash(settings: MicrobenchSettings) -> list[dict[str, Any]
     return attention_records(timings, iters=settings.iters, warmup=settings.warmup, hardware=hardware(device.type))
 
 
-def tree_attention_numerics(settings: MicrobenchSettings) -> list[dict[str, Any]]:
-    """Records of the tree rows' attention error against fp32 and plain decoding's, per shape and context (GPU only)."""
-    from ubtree_vllm.bench.attention_numerics import SHAPES, linear_records, measure, numerics_records
+def _check_page_multiples(settings: MicrobenchSettings, name: str) -> None:
+    """--context-lens of the numerics entries: whole pages (the paths' pages follow the context's)."""
+    from ubtree_vllm.bench.attention_numerics import SHAPES
 
     page = min(shape.block_size for shape in SHAPES)
     if not settings.context_lens or any(c < 0 or c % page for c in settings.context_lens):
         raise BenchArgumentError(f"--context-lens: each value must be a multiple of the page size {page} for "
-                                 f"tree-attention-numerics, got {list(settings.context_lens)}")
+                                 f"{name}, got {list(settings.context_lens)}")
+
+
+def tree_attention_numerics(settings: MicrobenchSettings) -> list[dict[str, Any]]:
+    """Records of the tree rows' attention error against fp32 and plain decoding's, per shape and context (GPU only)."""
+    from ubtree_vllm.bench.attention_numerics import SHAPES, linear_records, measure, numerics_records
+
+    _check_page_multiples(settings, "tree-attention-numerics")
     device = _cuda_device(settings, "tree-attention-numerics")
     results = [measure(shape, c, device, settings.seed) for shape in SHAPES for c in settings.context_lens]
     linear = [r for shape in SHAPES for r in linear_records(shape, device, hardware(device.type), settings.seed)]
     return numerics_records(results, hardware(device.type)) + linear
+
+
+def fa3_virtual_rows(settings: MicrobenchSettings) -> list[dict[str, Any]]:
+    """Records of one FlashAttention 3 call over every tree row against one call per row (GPU only)."""
+    from ubtree_vllm.bench.attention_numerics import SHAPES
+    from ubtree_vllm.bench.fa3_virtual_rows import measure, virtual_rows_records
+
+    _check_page_multiples(settings, "fa3-virtual-rows")
+    device = _cuda_device(settings, "fa3-virtual-rows")
+    results = [measure(shape, c, device, settings.seed) for shape in SHAPES for c in settings.context_lens]
+    return virtual_rows_records(results, hardware(device.type))
 
 
 def verify_forward(settings: MicrobenchSettings) -> list[dict[str, Any]]:
@@ -342,6 +363,7 @@ MICROBENCHES: dict[str, Microbench] = {
     "draft-postprocess": Microbench(draft_postprocess, gpu_only=False, uses_drafter=True),
     "tree-attention-vs-flash": Microbench(tree_attention_vs_flash, gpu_only=True, uses_drafter=False),
     "tree-attention-numerics": Microbench(tree_attention_numerics, gpu_only=True, uses_drafter=False),
+    "fa3-virtual-rows": Microbench(fa3_virtual_rows, gpu_only=True, uses_drafter=False),
     "verify-forward": Microbench(verify_forward, gpu_only=True, uses_drafter=False),
     "draft-stage": Microbench(draft_stage, gpu_only=False, uses_drafter=True),
     "projection": Microbench(projection, gpu_only=True, uses_drafter=False),

@@ -1,0 +1,145 @@
+"""`ubtree bench microbench --which fa3-virtual-rows`: can one FlashAttention 3 call give every tree row the bits
+plain decoding gives it? The premise of the exact tree attention designed in docs/design/mrv2.md §13 (issue 19).
+
+Inputs as tree-attention-numerics (bench/attention_numerics.py): one request, a random 64-node tree over a committed
+context of C tokens, bf16, page size 16, Qwen3-8B's and SmolLM2's attention shapes; each tree row held as a lone
+decode sequence of context + root -> node path (`path_sequences`, the path's K/V in pages of its own). Three ways to
+compute every row:
+
+  lone     plain decoding as vLLM serves it under FULL CUDA graphs: one FlashAttention call per row, batch 1, one
+           query row, `num_splits` = vLLM's cap for graphs (FA3_MAX_SPLITS); FA3's scheduler then splits the row's
+           keys by its own work alone
+  batch    one call over all rows, each a sequence of its own, the scheduler splitting by the whole batch's work
+  pinned   the same call with the scheduler metadata's per-sequence split counts overwritten with the lone counts
+
+Metrics per shape and context (unit "fraction"): `virtual_batch_mismatch` and `virtual_batch_pinned_mismatch`,
+the fraction of output elements whose bits differ from `lone`. `pinned` at zero says the exact form is reachable
+with FA3 itself; the notes also say whether the metadata FA3 computed for the batch held the split counts this
+module predicts (`fa3_split_counts`), i.e. whether its reading of FA3's scheduler and metadata layout is right.
+
+FA3's scheduler (`hopper/flash_prepare_scheduler.cu` of vLLM's flash-attention, `prepare_varlen_num_blocks_kernel`):
+per sequence n = ceil(keys / block_n) key blocks; blocks_per_sm = ceil(total * 1.1 * kv_heads / num_sms), total the
+batch's blocks (one query block per sequence here); splits = clamp(ceil(n / blocks_per_sm), 1, num_splits). The
+metadata tensor (`hopper/flash_api.cpp`) holds prepare_seqlen_q for round_up(batch, 4) sequences, then the split
+counts. block_n is the one-warpgroup decode tile's key width (`hopper/tile_size.h`): 192 at head size 64, 128 at
+head size 128 (paged K/V keeps the causal tile there).
+
+GPU only (FlashAttention 3); the pure helpers are tested on the CPU.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+FA3_MAX_SPLITS = 32  # vLLM's attention_config.flash_attn_max_num_splits_for_cuda_graph default
+FA3_DECODE_BLOCK_N = {64: 192, 128: 128}  # head size -> key block of FA3's one-warpgroup decode tile
+
+
+def fa3_split_counts(seq_lens: torch.Tensor, head_size: int, num_kv_heads: int, num_sms: int, alone: bool,
+                     max_splits: int = FA3_MAX_SPLITS) -> torch.Tensor:
+    """[N] int32: FA3's split count per one-query-row sequence, each decoded alone (``alone``) or all in one batch,
+    in the scheduler's own fp32 arithmetic (module docstring)."""
+    if head_size not in FA3_DECODE_BLOCK_N:
+        raise ValueError(f"head_size {head_size}: FA3's decode tile is known here for {sorted(FA3_DECODE_BLOCK_N)}")
+    block_n = FA3_DECODE_BLOCK_N[head_size]
+    n_blocks = (seq_lens.long() + block_n - 1) // block_n
+    total = n_blocks if alone else n_blocks.sum().expand_as(n_blocks)
+    work = total.to(torch.float32) * torch.tensor(1.1, dtype=torch.float32) * float(num_kv_heads) / float(num_sms)
+    blocks_per_sm = torch.ceil(work).long()
+    return ((n_blocks + blocks_per_sm - 1) // blocks_per_sm).clamp(1, max_splits).to(torch.int32)
+
+
+def split_count_slice(batch: int) -> slice:
+    """Where FA3's metadata tensor holds the per-sequence split counts: after round_up(batch, 4) prepare_seqlen_q."""
+    rounded = -(-batch // 4) * 4
+    return slice(rounded, rounded + batch)
+
+
+@dataclass(frozen=True)
+class VirtualRowsResult:
+    shape_name: str
+    context_len: int
+    batch_mismatch: float
+    pinned_mismatch: float
+    # FA3's own batch metadata held this module's predicted batch split counts
+    layout_confirmed: bool
+    lone_splits: tuple[int, int]  # min, max over the rows
+
+
+def _fa3_call(seqs: Any, scale: float, rows: slice, out: torch.Tensor, metadata: torch.Tensor | None) -> None:
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    lens = seqs.seq_lens[rows]
+    n = lens.shape[0]
+    flash_attn_varlen_func(
+        q=seqs.query[rows], k=seqs.key_cache, v=seqs.value_cache, out=out[rows],
+        cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=lens.device), max_seqlen_q=1, seqused_k=lens,
+        max_seqlen_k=int(lens.max()), softmax_scale=scale, causal=True, alibi_slopes=None, window_size=[-1, -1],
+        block_table=seqs.block_table[rows], softcap=0.0, scheduler_metadata=metadata, fa_version=3,
+        num_splits=FA3_MAX_SPLITS)
+
+
+def _batch_metadata(seqs: Any) -> torch.Tensor:
+    from vllm.vllm_flash_attn import get_scheduler_metadata
+
+    num_rows, num_heads, head_size = seqs.query.shape
+    return get_scheduler_metadata(
+        batch_size=num_rows, max_seqlen_q=1, max_seqlen_k=int(seqs.seq_lens.max()), num_heads_q=num_heads,
+        num_heads_kv=seqs.key_cache.shape[2], headdim=head_size, cache_seqlens=seqs.seq_lens,
+        qkv_dtype=seqs.query.dtype, cu_seqlens_q=torch.arange(num_rows + 1, dtype=torch.int32,
+                                                              device=seqs.query.device),
+        page_size=seqs.key_cache.shape[1], causal=True, num_splits=FA3_MAX_SPLITS)
+
+
+def measure(shape: Any, context_len: int, device: torch.device, seed: int = 0) -> VirtualRowsResult:
+    """The three computations of one shape and context (GPU only; module docstring)."""
+    from ubtree_vllm.bench.attention_bench import tree_inputs
+    from ubtree_vllm.bench.attention_numerics import path_sequences
+
+    inputs = tree_inputs(context_len, device, shape=shape, seed=seed)
+    seqs = path_sequences(inputs, context_len)
+    num_rows = seqs.query.shape[0]
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    kv_heads, head_size = seqs.key_cache.shape[2], seqs.query.shape[2]
+
+    lone = torch.empty_like(seqs.query)
+    for r in range(num_rows):
+        _fa3_call(seqs, inputs.scale, slice(r, r + 1), lone, None)
+    batch = torch.empty_like(seqs.query)
+    _fa3_call(seqs, inputs.scale, slice(0, num_rows), batch, None)
+
+    metadata = _batch_metadata(seqs)
+    counts = split_count_slice(num_rows)
+    predicted = fa3_split_counts(seqs.seq_lens, head_size, kv_heads, num_sms, alone=False)
+    layout_confirmed = bool(torch.equal(metadata[counts].cpu(), predicted.cpu()))
+    lone_splits = fa3_split_counts(seqs.seq_lens, head_size, kv_heads, num_sms, alone=True)
+    metadata[counts] = lone_splits.to(device)
+    pinned = torch.empty_like(seqs.query)
+    _fa3_call(seqs, inputs.scale, slice(0, num_rows), pinned, metadata)
+    torch.cuda.synchronize(device)
+    return VirtualRowsResult(shape.name, context_len, float((batch != lone).float().mean()),
+                             float((pinned != lone).float().mean()), layout_confirmed,
+                             (int(lone_splits.min()), int(lone_splits.max())))
+
+
+def virtual_rows_records(results: Sequence[VirtualRowsResult], hardware: str) -> list[dict[str, Any]]:
+    """Per shape and context: the two mismatch fractions (module docstring)."""
+    records = []
+    for res in results:
+        notes = (f"{res.shape_name} attention shape, bf16, page size 16; context {res.context_len} tokens, one "
+                 f"request, a random 64-node tree; every tree row a one-query-row FlashAttention 3 sequence of "
+                 f"context + root -> node path; fraction of output elements differing from the same rows decoded "
+                 f"one call each (num_splits {FA3_MAX_SPLITS}, as vLLM's plain decoding under FULL graphs); lone "
+                 f"split counts {res.lone_splits[0]}-{res.lone_splits[1]}; FA3's batch metadata "
+                 + ("held" if res.layout_confirmed else "did NOT hold")
+                 + " the predicted batch split counts at the expected offset")
+        for metric, value in (("virtual_batch_mismatch", res.batch_mismatch),
+                              ("virtual_batch_pinned_mismatch", res.pinned_mismatch)):
+            records.append({
+                "kind": "microbench", "method": "ubtree", "target": f"{res.shape_name} (context {res.context_len})",
+                "metric": metric, "value": round(value, 5), "unit": "fraction", "batch_size": 1,
+                "tree_budget": 64, "block_size": 16, "cuda_graphs": False, "hardware": hardware, "notes": notes})
+    return records
