@@ -65,9 +65,10 @@
 #            drafters in the same invocation (--compare-drafters: one ar/ngram baseline, one machine); TREE_ATTENTION=flash_merge (bench, sweep, stages, roundprof, agreement) sets
 #            --tree-attention;
 #            BEAM_WIDTH=W (bench, sweep, stages, roundprof, options, agreement) sets the tree methods' beam width (default 12)
-#            ENGINE_CORE=process (bench, sweep) runs each engine's core in a process of its own (--engine-core: vLLM's
-#            default and `vllm serve`'s; gpu-env.sh sets VLLM_ENABLE_V1_MULTIPROCESSING=0, so every earlier GPU record's
-#            engine core ran in the LLM object's process, its output processing serial with the steps)
+#            ENGINE_CORE=process|in-process (bench, sweep; default process since 2026-12-06) says where each engine's
+#            core runs (--engine-core): in a process of its own, as `vllm serve` and a default LLM run it, or in the LLM
+#            object's process (gpu-env.sh sets VLLM_ENABLE_V1_MULTIPROCESSING=0, so every GPU record before 2026-12-06
+#            ran that way, output processing serial with the steps; mrv2.md §7 compares the two on one machine)
 #            INTERLEAVE=K (bench, sweep, options, agreement) starts every engine at once (one process each) and runs each cell's prompts in K
 #            chunks, the engines in turn (bench/interleave.py: machine drift falls on every method alike); their
 #            memory shares add up, so set GPU_MEM (default 0.25 per engine) to about 0.85 / engines.
@@ -331,7 +332,7 @@ for phase in "$@"; do
     bench)
       ubtree bench e2e --target default --drafter "${BENCH_DRAFTER:-$DRAFTER}" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization "${GPU_MEM:-0.25}" ${INTERLEAVE:+--interleave "$INTERLEAVE"} ${KV_BYTES:+--kv-cache-memory-bytes "$KV_BYTES"} \
-        ${BENCH_COMPARE:+--compare-drafters "$BENCH_COMPARE"} ${ENGINE_CORE:+--engine-core "$ENGINE_CORE"} \
+        ${BENCH_COMPARE:+--compare-drafters "$BENCH_COMPARE"} --engine-core "${ENGINE_CORE:-process}" \
         --datasets "${BENCH_DATASETS:-spec_bench,mt_bench,humaneval}" --temperatures "${BENCH_TEMPS:-0,1}" \
         --num-prompts "${BENCH_PROMPTS:-10}" \
         --max-new-tokens 256 --methods "${METHODS:-ar,ngram,dflash-chain,ubtree-mrv2,ubtree}" \
@@ -354,7 +355,7 @@ for phase in "$@"; do
         --max-new-tokens 256 --methods "${SWEEP_METHODS:-ar,ngram,ubtree-mrv2}" \
         --tree-budgets "${SWEEP_BUDGETS:-64}" --beam-width "${BEAM_WIDTH:-12}" --top-k 64 --concurrency "${SWEEP_CONCURRENCY:-1,4,16,32}" \
         ${BUDGET_SCHEDULE:+--budget-schedule "$BUDGET_SCHEDULE"} ${SWEEP_FIXED:+--fixed-budget} \
-        ${ENGINE_CORE:+--engine-core "$ENGINE_CORE"} \
+        --engine-core "${ENGINE_CORE:-process}" \
         ${TREE_ATTENTION:+--tree-attention "$TREE_ATTENTION"} ;;
     stages)
       ubtree bench e2e --target default --drafter "$DRAFTER" --data-dir .gpudata --records "$RECORDS" --no-report \
