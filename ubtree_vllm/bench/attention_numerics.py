@@ -132,21 +132,32 @@ def path_sequences_reference(seqs: PathSequences, scale: float) -> torch.Tensor:
                                     scale, out)
 
 
-def plain_decode_attention(seqs: PathSequences, scale: float) -> torch.Tensor:
-    """[N, H, D]: FlashAttention as plain decoding calls it, one lone request (one query row) per tree row."""
-    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+def flash_decode_rows(seqs: PathSequences, scale: float, rows: slice, out: torch.Tensor, *, num_splits: int,
+                      fa_version: int, scheduler_metadata: torch.Tensor | None = None) -> None:
+    """One FlashAttention call over ``rows`` of ``seqs``, each row a sequence of its own with one query row, into
+    ``out[rows]``."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    fa_version = get_flash_attn_version(head_size=seqs.query.shape[2])
+    lens = seqs.seq_lens[rows]
+    flash_attn_varlen_func(
+        q=seqs.query[rows], k=seqs.key_cache, v=seqs.value_cache, out=out[rows],
+        cu_seqlens_q=torch.arange(lens.shape[0] + 1, dtype=torch.int32, device=lens.device), max_seqlen_q=1,
+        seqused_k=lens, max_seqlen_k=int(lens.max()), softmax_scale=scale, causal=True, alibi_slopes=None,
+        window_size=[-1, -1], block_table=seqs.block_table[rows], softcap=0.0,
+        scheduler_metadata=scheduler_metadata, fa_version=fa_version, num_splits=num_splits)
+
+
+def plain_decode_attention(seqs: PathSequences, scale: float, num_splits: int = 0,
+                           fa_version: int | None = None) -> torch.Tensor:
+    """[N, H, D]: FlashAttention as plain decoding calls it, one lone request (one query row) per tree row;
+    ``num_splits`` 0 is FlashAttention's own heuristic, ``fa_version`` None vLLM's choice for the head size."""
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+
+    if fa_version is None:
+        fa_version = get_flash_attn_version(head_size=seqs.query.shape[2])
     out = torch.empty_like(seqs.query)
-    one_row = torch.tensor([0, 1], dtype=torch.int32, device=seqs.query.device)
     for r in range(seqs.query.shape[0]):
-        flash_attn_varlen_func(
-            q=seqs.query[r:r + 1], k=seqs.key_cache, v=seqs.value_cache, out=out[r:r + 1],
-            cu_seqlens_q=one_row, max_seqlen_q=1, seqused_k=seqs.seq_lens[r:r + 1],
-            max_seqlen_k=int(seqs.seq_lens[r]), softmax_scale=scale, causal=True, alibi_slopes=None,
-            window_size=[-1, -1], block_table=seqs.block_table[r:r + 1], softcap=0.0, scheduler_metadata=None,
-            fa_version=fa_version, num_splits=0)
+        flash_decode_rows(seqs, scale, slice(r, r + 1), out, num_splits=num_splits, fa_version=fa_version)
     return out
 
 

@@ -69,19 +69,6 @@ class VirtualRowsResult:
     lone_splits: tuple[int, int]  # min, max over the rows
 
 
-def _fa3_call(seqs: Any, scale: float, rows: slice, out: torch.Tensor, metadata: torch.Tensor | None) -> None:
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
-
-    lens = seqs.seq_lens[rows]
-    n = lens.shape[0]
-    flash_attn_varlen_func(
-        q=seqs.query[rows], k=seqs.key_cache, v=seqs.value_cache, out=out[rows],
-        cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=lens.device), max_seqlen_q=1, seqused_k=lens,
-        max_seqlen_k=int(lens.max()), softmax_scale=scale, causal=True, alibi_slopes=None, window_size=[-1, -1],
-        block_table=seqs.block_table[rows], softcap=0.0, scheduler_metadata=metadata, fa_version=3,
-        num_splits=FA3_MAX_SPLITS)
-
-
 def _batch_metadata(seqs: Any) -> torch.Tensor:
     from vllm.vllm_flash_attn import get_scheduler_metadata
 
@@ -97,7 +84,7 @@ def _batch_metadata(seqs: Any) -> torch.Tensor:
 def measure(shape: Any, context_len: int, device: torch.device, seed: int = 0) -> VirtualRowsResult:
     """The three computations of one shape and context (GPU only; module docstring)."""
     from ubtree_vllm.bench.attention_bench import tree_inputs
-    from ubtree_vllm.bench.attention_numerics import path_sequences
+    from ubtree_vllm.bench.attention_numerics import flash_decode_rows, path_sequences, plain_decode_attention
 
     inputs = tree_inputs(context_len, device, shape=shape, seed=seed)
     seqs = path_sequences(inputs, context_len)
@@ -105,11 +92,10 @@ def measure(shape: Any, context_len: int, device: torch.device, seed: int = 0) -
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     kv_heads, head_size = seqs.key_cache.shape[2], seqs.query.shape[2]
 
-    lone = torch.empty_like(seqs.query)
-    for r in range(num_rows):
-        _fa3_call(seqs, inputs.scale, slice(r, r + 1), lone, None)
+    every_row = slice(0, num_rows)
+    lone = plain_decode_attention(seqs, inputs.scale, num_splits=FA3_MAX_SPLITS, fa_version=3)
     batch = torch.empty_like(seqs.query)
-    _fa3_call(seqs, inputs.scale, slice(0, num_rows), batch, None)
+    flash_decode_rows(seqs, inputs.scale, every_row, batch, num_splits=FA3_MAX_SPLITS, fa_version=3)
 
     metadata = _batch_metadata(seqs)
     counts = split_count_slice(num_rows)
@@ -118,7 +104,8 @@ def measure(shape: Any, context_len: int, device: torch.device, seed: int = 0) -
     lone_splits = fa3_split_counts(seqs.seq_lens, head_size, kv_heads, num_sms, alone=True)
     metadata[counts] = lone_splits.to(device)
     pinned = torch.empty_like(seqs.query)
-    _fa3_call(seqs, inputs.scale, slice(0, num_rows), pinned, metadata)
+    flash_decode_rows(seqs, inputs.scale, every_row, pinned, num_splits=FA3_MAX_SPLITS, fa_version=3,
+                      scheduler_metadata=metadata)
     torch.cuda.synchronize(device)
     return VirtualRowsResult(shape.name, context_len, float((batch != lone).float().mean()),
                              float((pinned != lone).float().mean()), layout_confirmed,
