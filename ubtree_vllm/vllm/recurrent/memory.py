@@ -7,6 +7,12 @@ tree its own state slot: vLLM allocates ``1 + num_speculative_tokens`` slots per
 paid by every request, whatever its length. vLLM checks at start that one request of ``max_model_len`` fits
 the KV cache memory and, when it does not, suggests a shorter ``max_model_len``; for a hybrid under UBTree the
 budget is the other knob, so :func:`explain_budget_that_does_not_fit` names the largest one that fits.
+
+The budget sizes more than the slot count: a linear layer's conv state holds ``conv_kernel - 1 + B`` columns, and
+on a hybrid target vLLM aligns the attention block size and pads the state page to the larger of the two pages
+(``Platform.update_block_size_for_backend``, run by the executor after the model loads). So the layer specs of a
+smaller budget are rebuilt where the layers are, by :class:`HybridBudgetRPC` on each worker, not derived from the
+configured budget's specs.
 """
 from __future__ import annotations
 
@@ -43,12 +49,64 @@ def recurrent_state_cost(kv_cache_spec: Mapping[str, Any]) -> RecurrentStateCost
     return RecurrentStateCost(layers=len(mamba), slot_bytes=sum(spec.page_size_bytes for spec in mamba))
 
 
-def with_budget(kv_cache_spec: Mapping[str, Any], budget: int) -> dict[str, Any]:
-    """The specs with every linear layer holding ``1 + budget`` slots per request (the others unchanged)."""
-    from vllm.v1.kv_cache_interface import MambaSpec
+class HybridBudgetRPC:
+    """Worker mixin: ``collective_rpc("ubtree_kv_cache_spec_at_budget", args=(B',))`` returns this worker's layer
+    specs as they would be had the engine been configured with ``num_speculative_tokens = B'``.
 
-    return {name: dataclasses.replace(spec, num_speculative_blocks=budget) if isinstance(spec, MambaSpec) else spec
-            for name, spec in kv_cache_spec.items()}
+    It replays what vLLM does between loading the model and reading the specs, at B': the recurrent layers'
+    ``num_spec`` (their state shapes), the block-size alignment from the cache settings as they were before it
+    (kept by :meth:`load_model`), then the worker's own ``get_kv_cache_spec``. Everything it changes is restored
+    before it returns. Start-up only (the engine core asks while it sizes the KV cache, before any cache exists).
+    """
+
+    def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        cache = self.vllm_config.cache_config  # type: ignore[attr-defined]
+        # the executor aligns the block size after load_model returns (uniproc, multiproc and Ray executors)
+        self._ubtree_cache_before_alignment = _cache_sizes(cache)
+        return super().load_model(*args, **kwargs)  # type: ignore[misc]
+
+    def ubtree_kv_cache_spec_at_budget(self, budget: int) -> dict[str, Any]:
+        import logging
+
+        from vllm.config.vllm import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+        from vllm.platforms import current_platform
+
+        config = self.vllm_config  # type: ignore[attr-defined]
+        cache, speculative = config.cache_config, config.speculative_config
+        recurrent = [layer for layer in get_layers_from_vllm_config(config, AttentionLayerBase).values()
+                     if hasattr(layer, "num_spec")]  # vLLM's linear layers size their conv window by num_spec
+        configured = (_cache_sizes(cache), speculative.num_speculative_tokens, [layer.num_spec for layer in recurrent])
+        platform_logger = logging.getLogger("vllm.platforms")  # the replayed alignment would log its choices again
+        level = platform_logger.level
+        try:
+            platform_logger.setLevel(logging.WARNING)
+            _set_cache_sizes(cache, self._ubtree_cache_before_alignment)
+            speculative.num_speculative_tokens = budget
+            for layer in recurrent:
+                layer.num_spec = budget
+            current_platform.update_block_size_for_backend(config)
+            return self.get_kv_cache_spec()  # type: ignore[attr-defined]
+        finally:
+            sizes, tokens, num_specs = configured
+            _set_cache_sizes(cache, sizes)
+            speculative.num_speculative_tokens = tokens
+            for layer, num_spec in zip(recurrent, num_specs):
+                layer.num_spec = num_spec
+            platform_logger.setLevel(level)
+
+
+# what Platform.update_block_size_for_backend sets
+_ALIGNED_CACHE_FIELDS = ("block_size", "mamba_page_size_padded", "mamba_block_size", "skip_page_size_padded")
+
+
+def _cache_sizes(cache: Any) -> tuple[Any, ...]:
+    return tuple(getattr(cache, name) for name in _ALIGNED_CACHE_FIELDS)
+
+
+def _set_cache_sizes(cache: Any, sizes: tuple[Any, ...]) -> None:
+    for name, value in zip(_ALIGNED_CACHE_FIELDS, sizes):
+        setattr(cache, name, value)
 
 
 def largest_budget(fits: Callable[[int], bool], budget: int) -> int:
