@@ -128,19 +128,23 @@ MANIFEST: tuple[PatchSpec, ...] = (
         removal_condition="vLLM's structured-output manager supports tree drafts (same upstream change).",
     ),
     PatchSpec(
-        name="engine_core_hybrid_budget",
+        name="engine_core_kv_cache_configs",
         vllm_symbol="vllm.v1.engine.core.get_kv_cache_configs",
         why=("On a hybrid target every request holds 1 + num_speculative_tokens recurrent-state slots per "
              "linear layer; when they do not fit, vLLM's start-up check suggests a shorter max_model_len and "
-             "knows nothing of the tree budget, the knob that sets that cost."),
-        how=("Wraps the name EngineCore looks up: for 'ubtree' engines with linear layers it logs the "
+             "knows nothing of the tree budget, the knob that sets that cost. tree_attention 'flash_exact' needs "
+             "KV cache pages the scheduler never hands out, and vLLM has no way to keep some back."),
+        how=("Wraps the name EngineCore looks up, for 'ubtree' engines only. With linear layers it logs the "
              "per-request state cost at the configured budget and, when vLLM's check raises, re-raises naming "
              "speculative_config.num_speculative_tokens and the largest budget that fits, searched with the "
              "specs each worker rebuilds for a smaller budget (HybridBudgetRPC in "
              "ubtree_vllm.vllm.recurrent.memory; reached through the executor that a thin wrapper of "
-             "EngineCore._initialize_kv_caches makes visible); other engines call vLLM's function unchanged."),
+             "EngineCore._initialize_kv_caches makes visible). With 'flash_exact' it lowers each config's "
+             "num_blocks by the scratch pages (vllm/attention/exact_rows.py), which the MRV2 runner adds back. "
+             "Other engines call vLLM's function unchanged."),
         removal_condition=("vLLM sizes speculative recurrent-state slots itself and reports the largest "
-                           "num_speculative_tokens that fits (no such check in 0.32)."),
+                           "num_speculative_tokens that fits (no such check in 0.32), and lets a runner reserve "
+                           "KV cache blocks (or tree rows no longer need scratch pages)."),
     ),
     PatchSpec(
         name="cpu_rope_multihead",

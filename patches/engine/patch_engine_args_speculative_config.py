@@ -92,9 +92,9 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
     from vllm.platforms import current_platform
 
     from ubtree_vllm import envs
-    from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, HYBRID_MAMBA2, MLA_TARGETS, PROPOSER_CLASS_PATH,
-                                         RECURRENT_HYBRIDS, VLLM_METHOD, TargetInfo, check_hybrid_engine,
-                                         default_budget_schedule, parse_speculative_config)
+    from ubtree_vllm.vllm.config import (ADDITIONAL_CONFIG_KEY, HYBRID_MAMBA2, MLA_TARGETS, MRV2_TREE_ATTENTION_MODES,
+                                         PROPOSER_CLASS_PATH, RECURRENT_HYBRIDS, VLLM_METHOD, TargetInfo,
+                                         check_hybrid_engine, default_budget_schedule, parse_speculative_config)
 
     target = TargetInfo.from_model_config(target_model_config)
     spec = parse_speculative_config(_merged_user_spec(args), target)
@@ -108,10 +108,10 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
                          f"attends the context); on {current_platform.device_name!r} use 'triton' (the default)")
     mrv2 = current_platform.is_cuda() and _runs_on_mrv2(envs.UBTREE_VLLM_RUNNER, spec, args.tensor_parallel_size,
                                                         hybrid=cuda_tree_form)
-    if spec.tree_attention == "triton_stock_roots" and not mrv2:
-        raise ValueError("speculative_config.tree_attention 'triton_stock_roots' runs on Model Runner V2 only (the "
-                         "default CUDA runner; it lays out uniform decode steps for it); this engine runs the V1 runner: "
-                         "use 'triton' or 'flash_merge'")
+    if spec.tree_attention in MRV2_TREE_ATTENTION_MODES and not mrv2:
+        raise ValueError(f"speculative_config.tree_attention {spec.tree_attention!r} runs on Model Runner V2 only (the "
+                         "default CUDA runner; it lays out uniform decode steps for it); this engine runs the V1 "
+                         "runner: use 'triton' or 'flash_merge'")
     _check_engine_args(args, mrv2, mla=mla)
     if cuda_tree_form:
         _piecewise_graphs(args)

@@ -19,8 +19,7 @@ from ubtree_vllm.bench.attention_bench import QWEN3_8B_ATTENTION
 from ubtree_vllm.bench.attention_numerics import (SMOLLM2_ATTENTION, VERIFY_ROWS, NumericsResult, bf16_ulp,
                                                   linear_layers, linear_records, numerics_records, path_sequences,
                                                   path_sequences_reference, rows_mismatch, ulp_errors)
-from ubtree_vllm.bench.fa3_virtual_rows import (VirtualRowsResult, fa3_split_counts, split_count_slice,
-                                                 virtual_rows_records)
+from ubtree_vllm.bench.fa3_virtual_rows import VirtualRowsResult, virtual_rows_records
 from ubtree_vllm.bench.microbench import (MICROBENCHES, MicrobenchSettings, check_selection, parse_which,
                                           run_microbenches, summary_fields)
 from ubtree_vllm.bench.settings import BenchArgumentError
@@ -221,27 +220,6 @@ def test_linear_records_cover_each_layer_of_the_shape_at_each_verification_width
 def test_numerics_entries_refuse_contexts_off_the_page_size(name):
     with pytest.raises(BenchArgumentError, match=f"multiple of the page size 16 for {name}"):
         MICROBENCHES[name].run(MicrobenchSettings(context_lens=(512, 100)))
-
-
-def test_fa3_split_counts_follow_the_scheduler_alone_and_in_one_batch():
-    # SmolLM2's shape: key blocks of 192, 3 KV heads, 132 SMs; blocks [1, 1, 2, 4, 40, 42]
-    lens = torch.tensor([1, 192, 193, 600, 7680, 7873], dtype=torch.int32)
-    # alone: one block per split while ceil(n * 1.1 * 3 / 132) = 1 (n <= 40; the cap 32 at 40), then 2 (42 -> 21)
-    assert fa3_split_counts(lens, 64, 3, 132, alone=True).tolist() == [1, 1, 2, 4, 32, 21]
-    # one batch: 90 blocks in all -> ceil(90 * 1.1 * 3 / 132) = 3 blocks per split for every sequence
-    assert fa3_split_counts(lens, 64, 3, 132, alone=False).tolist() == [1, 1, 1, 2, 14, 14]
-    # Qwen3-8B's shape: key blocks of 128, 8 KV heads; 16 blocks alone -> ceil(16 * 1.1 * 8 / 132) = 2 -> 8 splits
-    assert fa3_split_counts(torch.tensor([128, 129, 2048]), 128, 8, 132, alone=True).tolist() == [1, 2, 8]
-    assert fa3_split_counts(lens, 64, 3, 132, alone=True, max_splits=1).tolist() == [1] * 6
-    assert fa3_split_counts(lens, 64, 3, 132, alone=True).dtype == torch.int32
-    with pytest.raises(ValueError, match=r"head_size 96: FA3's decode tile is known here for \[64, 128\]"):
-        fa3_split_counts(lens, 96, 3, 132, alone=True)
-
-
-def test_fa3_split_counts_sit_after_the_rounded_prepare_seqlen_q():
-    assert split_count_slice(4) == slice(4, 8)
-    assert split_count_slice(5) == slice(8, 13)
-    assert split_count_slice(64) == slice(64, 128)
 
 
 def test_virtual_rows_records_give_both_mismatches_and_say_whether_the_layout_held():

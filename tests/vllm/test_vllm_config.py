@@ -83,7 +83,7 @@ def test_additional_config_round_trip(tiny_drafter):
     ({"budget_policy": "fixed", "num_speculative_tokens_per_batch_size": [[1, 4, 8]]},
      r"budget_policy 'fixed' .* takes no num_speculative_tokens_per_batch_size; remove one of the two"),
     ({"tree_attention": "flash"}, r"speculative_config.tree_attention \(how tree rows attend on CUDA\) must be one of "
-                                  r"\['triton', 'flash_merge', 'triton_stock_roots'\], got 'flash'"),
+                                  r"\['triton', 'flash_merge', 'triton_stock_roots', 'flash_exact'\], got 'flash'"),
 ])
 def test_invalid_settings_name_field_and_allowed_values(tiny_drafter, overrides, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -257,7 +257,7 @@ def test_unsupported_request_options():
 def test_tree_attention_mode_reaches_the_workers(tiny_drafter):
     """The mode travels in additional_config (the workers rebuild the config from it); 'triton' by default."""
     assert parse_speculative_config(spec(tiny_drafter), TINY).tree_attention == "triton"
-    for mode in ("flash_merge", "triton_stock_roots"):
+    for mode in ("flash_merge", "triton_stock_roots", "flash_exact"):
         cfg = parse_speculative_config(spec(tiny_drafter, tree_attention=mode), TINY)
         assert UBTreeVllmConfig.from_additional_config(cfg.to_additional_config()) == cfg
     with pytest.raises(ValueError, match=r"\['tree_attention'\] .* must be one of"):

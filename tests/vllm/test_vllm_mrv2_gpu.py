@@ -73,14 +73,16 @@ def test_mrv2_load_adaptive_budget_greedy_equality_smollm2(mrv2, default_target_
           f"tau {tau:.2f}")
 
 
-@pytest.mark.parametrize("mode", ["flash_merge", "triton_stock_roots"])
+@pytest.mark.parametrize("mode", ["flash_merge", "triton_stock_roots", "flash_exact"])
 def test_mrv2_attention_mode_with_load_adaptive_budget_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path,
                                                                                mode):
     """The settings the bench measures together: the prompt-lookup branch, a tree_attention mode and a load-adaptive
     budget (the 8 prompts run together verify the first 5 nodes of each tree, the lone timing prompt all 16), inside
     the FULL CUDA graphs of the verification. "flash_merge": FlashAttention's context part (its lengths computed once
     per forward) merged with the kernel's path part; "triton_stock_roots": in uniform decode steps (every FULL graph
-    of tree steps) FlashAttention computes the roots alone (q_len 1, strided views) and the kernel every other row."""
+    of tree steps) FlashAttention computes the roots alone (q_len 1, strided views) and the kernel every other row;
+    "flash_exact": the roots so, every other row by FlashAttention 3 over its own virtual sequence (scratch pages
+    filled per layer, the split counts pinned, the engine core's scheduler given fewer blocks)."""
     from test_vllm_gpu import TREE
 
     tree = {**TREE, "prompt_lookup": True, "tree_attention": mode,
@@ -90,6 +92,40 @@ def test_mrv2_attention_mode_with_load_adaptive_budget_greedy_equality_smollm2(m
           f"tok/s, tau {tau:.2f}")
     if os.environ.get("GPU_TEST_DRAFTER"):
         assert tau > 1.5, tau
+
+
+def test_mrv2_flash_exact_is_token_identical_to_plain_decoding_at_batch_1(mrv2, default_target_dir, tmp_path):
+    """Issue 19: with tree_attention "flash_exact" every tree row's attention is FlashAttention 3's one-row decode of
+    that position, split as plain decoding splits it at batch 1, so greedy output is plain decoding's token for token
+    in bf16 (no near-tie exception), one request at a time with FULL CUDA graphs (the roots' call and the virtual
+    sequences' call captured in the graphs of uniform decode steps)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from test_vllm_gpu import MAX_TOKENS, TREE, engine, prompts_for
+    from vllm_engines import spec_counts
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+
+    def one_at_a_time(llm):
+        vocab = llm.llm_engine.model_config.get_vocab_size()
+        return [list(llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0].outputs[0].token_ids)
+                for p in prompts_for(vocab, 6)]
+
+    plain = engine(default_target_dir)
+    reference = one_at_a_time(plain)
+    del plain
+    gc.collect()
+    drafter = smollm2_drafter(default_target_dir, tmp_path)
+    ubtree = engine(default_target_dir, {"method": "ubtree", "model": str(drafter), **TREE, "prompt_lookup": True,
+                                         "tree_attention": "flash_exact"})
+    spec = one_at_a_time(ubtree)
+    drafts, accepted = spec_counts(ubtree)
+    del ubtree
+    gc.collect()
+    first = [next((i for i, (a, b) in enumerate(zip(s, r)) if a != b), None) for s, r in zip(spec, reference)]
+    print(f"MRV2 flash_exact SmolLM2 batch 1: tau {1 + accepted / max(1, drafts):.2f}, first differences {first}")
+    assert spec == reference, f"first differing token per prompt: {first}"
 
 
 def test_mrv2_zero_budget_at_load_keeps_the_drafters_context(mrv2, default_target_dir, tmp_path):
@@ -129,13 +165,14 @@ def test_mrv2_zero_budget_at_load_keeps_the_drafters_context(mrv2, default_targe
         assert 1 + accepted / drafts > 1.5, (drafts, accepted)
 
 
-def test_stock_roots_mode_is_refused_on_the_v1_runner(monkeypatch, default_target_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["triton_stock_roots", "flash_exact"])
+def test_stock_roots_modes_are_refused_on_the_v1_runner(monkeypatch, default_target_dir, tmp_path, mode):
     from test_vllm_gpu import TREE, engine
 
     monkeypatch.setenv("UBTREE_VLLM_RUNNER", "v1")
-    with pytest.raises(ValueError, match="'triton_stock_roots' runs on Model Runner V2 only"):
+    with pytest.raises(ValueError, match=f"'{mode}' runs on Model Runner V2 only"):
         engine(default_target_dir, {"method": "ubtree", "model": str(smollm2_drafter(default_target_dir, tmp_path)),
-                                    **TREE, "tree_attention": "triton_stock_roots"})
+                                    **TREE, "tree_attention": mode})
 
 
 def test_mrv2_no_triton_compile_after_warmup_across_budget_buckets(mrv2, default_target_dir, tmp_path):

@@ -26,7 +26,7 @@ cpu_platform_only = pytest.mark.skipif(not on_cpu(), reason="exercises the CPU p
 
 TESTED_PATCHES = {"engine_args_speculative_config", "sampling_params_spec_decode", "scheduler_tree_drafts",
                   "structured_output_tree", "cpu_worker_model_runner", "attention_backends", "cpu_gdn_tree_forward",
-                  "cpu_gdn_native_conv", "mamba2_tree_decode", "engine_core_hybrid_budget",
+                  "cpu_gdn_native_conv", "mamba2_tree_decode", "engine_core_kv_cache_configs",
                   "cpu_rope_multihead", "falcon_h1_hidden_states", "cuda_gdn_tree_forward",
                   "cuda_kda_tree_forward", "bailing_moe_v3_hidden_states"}
 
@@ -904,7 +904,27 @@ def test_runner_choice_for_the_lookup_branch(monkeypatch):
     assert not patch._runs_on_mrv2("auto", plain, tensor_parallel_size=2)
 
 
-# --- engine_core_hybrid_budget ---------------------------------------------------------------
+# --- engine_core_kv_cache_configs ---------------------------------------------------------------
+
+
+def test_flash_exact_keeps_its_scratch_pages_from_the_scheduler():
+    """tree_attention 'flash_exact': the scheduler's pool loses the scratch pages off its end (the MRV2 runner adds
+    them back, past every block the scheduler hands out); a pool left too small for one request is refused by name."""
+    import types
+
+    from ubtree_vllm.patches.engine.patch_engine_core_kv_cache_configs import reserve_scratch_pages
+    from ubtree_vllm.vllm.attention.exact_rows import scratch_pages
+
+    scratch = scratch_pages(0, 16, 17, max_entries=65)  # one B = 64 tree: 2 pages per row, + the dump page
+    config = types.SimpleNamespace(num_blocks=1000)
+    reserve_scratch_pages(config, scratch, block_size=16, max_model_len=4096)
+    assert scratch.num_pages == 131 and config.num_blocks == 1000 - 131
+    small = types.SimpleNamespace(num_blocks=300)
+    with pytest.raises(ValueError, match=r"tree_attention 'flash_exact' keeps 131 KV cache pages \(2096 tokens: 2 per "
+                                         r"tree row of up to 65 in a step\) .* leaving 169 of 300, fewer than one "
+                                         r"request of max_model_len 4096 needs \(256\)"):
+        reserve_scratch_pages(small, scratch, block_size=16, max_model_len=4096)
+    assert small.num_blocks == 300
 
 
 @cpu_platform_only

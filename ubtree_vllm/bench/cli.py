@@ -51,7 +51,9 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-attention", default="triton",
                         help=f"comma-separated speculative_config.tree_attention modes ({', '.join(TREE_ATTENTION_MODES)}; "
                              "CUDA), each tree method runs once per mode: triton walks each tree row's context; "
-                             "flash_merge has FlashAttention attend the context and adds the path")
+                             "flash_merge has FlashAttention attend the context and adds the path; "
+                             "triton_stock_roots and flash_exact (Model Runner V2) have FlashAttention compute the "
+                             "roots alone, flash_exact every tree row too, as plain decoding would")
     parser.add_argument("--coupled-edge-weight", default=None, metavar="W",
                         help="speculative_config.coupled_edge_weight of the coupled tree methods (ubtree-mrv2, "
                              "ubtree-mrv2-lookup) at T > 0 (default: the serving default)")

@@ -34,28 +34,7 @@ from typing import Any
 
 import torch
 
-FA3_MAX_SPLITS = 32  # vLLM's attention_config.flash_attn_max_num_splits_for_cuda_graph default
-FA3_DECODE_BLOCK_N = {64: 192, 128: 128}  # head size -> key block of FA3's one-warpgroup decode tile
-
-
-def fa3_split_counts(seq_lens: torch.Tensor, head_size: int, num_kv_heads: int, num_sms: int, alone: bool,
-                     max_splits: int = FA3_MAX_SPLITS) -> torch.Tensor:
-    """[N] int32: FA3's split count per one-query-row sequence, each decoded alone (``alone``) or all in one batch,
-    in the scheduler's own fp32 arithmetic (module docstring)."""
-    if head_size not in FA3_DECODE_BLOCK_N:
-        raise ValueError(f"head_size {head_size}: FA3's decode tile is known here for {sorted(FA3_DECODE_BLOCK_N)}")
-    block_n = FA3_DECODE_BLOCK_N[head_size]
-    n_blocks = (seq_lens.long() + block_n - 1) // block_n
-    total = n_blocks if alone else n_blocks.sum().expand_as(n_blocks)
-    work = total.to(torch.float32) * torch.tensor(1.1, dtype=torch.float32) * float(num_kv_heads) / float(num_sms)
-    blocks_per_sm = torch.ceil(work).long()
-    return ((n_blocks + blocks_per_sm - 1) // blocks_per_sm).clamp(1, max_splits).to(torch.int32)
-
-
-def split_count_slice(batch: int) -> slice:
-    """Where FA3's metadata tensor holds the per-sequence split counts: after round_up(batch, 4) prepare_seqlen_q."""
-    rounded = -(-batch // 4) * 4
-    return slice(rounded, rounded + batch)
+from ubtree_vllm.vllm.attention.exact_rows import FA3_MAX_SPLITS, fa3_split_counts, split_count_slice
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from ubtree_vllm.bench.sampling_options import check_sampling_options
 from ubtree_vllm.config import (DEFAULT_COUPLED_EDGE_WEIGHT, MAX_LOOKUP_N, MAX_TREE_BUDGET, check_coupled_edge_weight,
                                 max_tree_nodes)
 from ubtree_vllm.eval_datasets import EVAL_DATASETS, allowed_datasets
-from ubtree_vllm.vllm.config import TREE_ATTENTION_MODES
+from ubtree_vllm.vllm.config import MRV2_TREE_ATTENTION_MODES, TREE_ATTENTION_MODES
 
 METHODS = ("ar", "ngram", "mtp", "dflash-chain", "ubtree", "ubtree-mrv2", "ubtree-lookup", "ubtree-mrv2-lookup",
            "ubtree-mrv2-lookup-uncoupled")
@@ -286,8 +286,9 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
         raise BenchArgumentError(f"--load-format dummy: {', '.join(mrv2_tree)} load the drafter's proposer through "
                                  "vLLM's loader on Model Runner V2, so it would get random weights too; use ubtree / "
                                  "ubtree-lookup (V1 runner, which loads the drafter itself)")
-    if "triton_stock_roots" in settings.tree_attention and v1_tree:
-        raise BenchArgumentError(f"--tree-attention triton_stock_roots runs on Model Runner V2 only; drop "
+    mrv2_modes = [mode for mode in settings.tree_attention if mode in MRV2_TREE_ATTENTION_MODES]
+    if mrv2_modes and v1_tree:
+        raise BenchArgumentError(f"--tree-attention {','.join(mrv2_modes)} runs on Model Runner V2 only; drop "
                                  f"{', '.join(v1_tree)} (V1 runner) from --methods or use ubtree-mrv2 / ubtree-mrv2-lookup")
     if settings.tensor_parallel_size < 1:
         raise BenchArgumentError(f"--tensor-parallel-size must be >= 1, got {settings.tensor_parallel_size}")

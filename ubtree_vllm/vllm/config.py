@@ -129,9 +129,14 @@ def default_budget_schedule(budget: int) -> tuple[tuple[int, int, int], ...]:
 # context (the kernel plain decoding uses) and the Triton kernel adds the path rows by log-sum-exp;
 # "triton_stock_roots" (Model Runner V2, FlashAttention) -- in uniform decode steps FlashAttention computes
 # the roots alone (q_len 1, plain decoding's call) and the Triton kernel every other row, so no FlashAttention
-# work lands on rows the kernel overwrites (vllm/attention/tree_rows.py). "triton" stays the default until
-# the H200 measures the others (greedy tests, round time, agreement rate).
-TREE_ATTENTION_MODES = ("triton", "flash_merge", "triton_stock_roots")
+# work lands on rows the kernel overwrites (vllm/attention/tree_rows.py); "flash_exact" (Model Runner V2,
+# FlashAttention 3) -- as "triton_stock_roots", but every other row too is computed by FlashAttention 3 as plain
+# decoding computes it, each a sequence of its own over scratch pages (vllm/attention/exact_rows.py; greedy
+# agreement with plain decoding in bf16, issue 19). "triton" stays the default until the H200 measures the others
+# (greedy tests, round time, agreement rate).
+TREE_ATTENTION_MODES = ("triton", "flash_merge", "triton_stock_roots", "flash_exact")
+# ... the modes that lay out uniform decode steps with the roots alone for FlashAttention (Model Runner V2 only)
+MRV2_TREE_ATTENTION_MODES = ("triton_stock_roots", "flash_exact")
 
 
 @dataclass(frozen=True)

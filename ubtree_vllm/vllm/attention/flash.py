@@ -29,6 +29,11 @@ shapes and no host read, so it is captured in the same graphs. The context lengt
 per forward, by its first tree layer, and shared by the others (``TreeForwardState.step_cache``, keyed
 by the forward's metadata object): four elementwise launches per forward, not per layer.
 
+``tree_attention: "flash_exact"`` (Model Runner V2, FlashAttention 3): in uniform decode steps the roots as with
+``triton_stock_roots``, then every other row by one more FlashAttention 3 call, each row a sequence of its own over
+scratch pages holding its context tail and path, split as it would be decoded alone (:meth:`_exact_rows`,
+``exact_rows.py``): the tree rows get plain decoding's bits at batch 1.
+
 The KV commit of accepted paths copies inside this cache
 (:func:`ubtree_vllm.vllm.kv_commit.commit_accepted_paths_in_cache`), so nothing is stashed.
 
@@ -41,7 +46,7 @@ import torch
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                                    FlashAttentionMetadata)
 
-from ubtree_vllm.vllm.attention.state import tree_forward_state
+from ubtree_vllm.vllm.attention.state import RowBuffers, tree_forward_state
 from ubtree_vllm.vllm.attention.tree_rows import TreeRowsImpl
 
 
@@ -89,6 +94,34 @@ class TreeFlashAttentionImpl(TreeRowsImpl, FlashAttentionImpl):
             causal=True, block_table=attn_metadata.block_table, fa_version=self.vllm_flash_attn_version,
             num_splits=attn_metadata.max_num_splits)
 
+    def _exact_rows(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, attn_metadata: FlashAttentionMetadata, output: torch.Tensor,
+                    buffers: RowBuffers) -> None:
+        """"flash_exact": the covered rows' virtual sequences (built once per forward, shared by its layers through
+        ``TreeForwardState.step_cache``), their scratch pages filled from this layer's cache and fresh K/V, then one
+        FlashAttention 3 call over them (``attention/exact_rows.py``)."""
+        from ubtree_vllm.vllm.attention.exact_rows import (attend_rows_exactly, copy_rows_to_scratch,
+                                                           pinned_scheduler_metadata, virtual_rows)
+
+        num_tokens, block_size = query.shape[0], key_cache.shape[1]
+        num_splits = attn_metadata.max_num_splits  # vLLM's cap under CUDA graphs, as plain decoding's call
+        step = tree_forward_state().step_cache
+        cached = step.get(_EXACT_ROWS)
+        if cached is not None and cached[0] is attn_metadata:
+            rows, metadata = cached[1]
+        else:
+            rows = virtual_rows(buffers.row_index[:num_tokens], buffers.row_req[:num_tokens],
+                                buffers.row_context_len[:num_tokens], buffers.row_path[:num_tokens],
+                                attn_metadata.block_table, self.ubtree_exact_scratch, block_size)
+            # eager steps (num_splits 0) leave the split counts to FlashAttention, as plain decoding's eager call does
+            metadata = (pinned_scheduler_metadata(rows, attn_metadata.max_seq_len, self.num_heads, self.num_kv_heads,
+                                                  self.head_size, query.dtype, block_size, num_splits)
+                        if num_splits > 0 else None)
+            step[_EXACT_ROWS] = (attn_metadata, (rows, metadata))
+        copy_rows_to_scratch(key_cache, value_cache, key, value, rows)
+        attend_rows_exactly(query, key_cache, value_cache, output, rows, self.scale, attn_metadata.max_seq_len,
+                            metadata, num_splits)
+
     def _tree_context(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       attn_metadata: FlashAttentionMetadata) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """"flash_merge": the context part by FlashAttention's context-only call; "triton": none."""
@@ -123,6 +156,7 @@ class TreeFlashAttentionImpl(TreeRowsImpl, FlashAttentionImpl):
 
 _CONTEXT_LENS = "flash_merge_context_lens"  # step_cache key: (metadata, [R] int32) of the forward in flight
 _ROOT_LENS = "stock_roots_lens"  # step_cache key: (metadata, ([R + 1], [R]) int32) of the forward in flight
+_EXACT_ROWS = "flash_exact_rows"  # step_cache key: (metadata, (VirtualRows, FA3 metadata)) of the forward in flight
 
 
 def root_context_lens(

@@ -152,10 +152,12 @@ class TreeForwardState:
 
 
 def bind_tree_layers(forward_context: Mapping[str, Any], row_buffers: RowBuffers,
-                     exclude: Collection[str] = (), tree_attention: str = "triton") -> list[Any]:
+                     exclude: Collection[str] = (), tree_attention: str = "triton",
+                     exact_scratch: Any = None) -> list[Any]:
     """The engine's attention layers (names in ``exclude``, e.g. a draft model's, left out), each checked
     to run a tree-aware impl and bound to this engine's ``row_buffers`` and ``tree_attention`` mode
-    (read by ``flash.py``; ``vllm.config.TREE_ATTENTION_MODES``).
+    (read by ``flash.py``; ``vllm.config.TREE_ATTENTION_MODES``); with ``"flash_exact"``, to the runner's
+    ``exact_scratch`` pages (``exact_rows.ScratchPages``; None until the runner's KV cache holds them).
 
     RuntimeError when there is none or one runs a stock impl (it would answer tree rows wrongly).
     """
@@ -173,11 +175,18 @@ def bind_tree_layers(forward_context: Mapping[str, Any], row_buffers: RowBuffers
                                               for m in layers):
         raise RuntimeError(f"tree_attention {tree_attention!r} needs the CUDA FlashAttention tree backend; the "
                            f"target's attention layers use {sorted({type(m.impl).__name__ for m in layers})}")
+    if tree_attention == "flash_exact":
+        from ubtree_vllm.vllm.attention.exact_rows import check_exact_rows_layer
+
+        for m in layers:
+            check_exact_rows_layer(m.impl)
     for m in layers:
         m.impl.ubtree_row_buffers = row_buffers
         m.impl.ubtree_layer = m  # MLA impls stash their rows from forward_mha, which is not given the layer
         if tree_attention != "triton":
             m.impl.ubtree_context_from_flash = tree_attention == "flash_merge"
+        if tree_attention == "flash_exact":
+            m.impl.ubtree_exact_scratch = exact_scratch
     return layers
 
 

@@ -16,8 +16,9 @@ through a method MRV2 already calls:
    K/V goes to the slot of row root + j), the tree layout rewrites the positions to
    root + depth and fills the row buffers; the tree-aware FLASH_ATTN impl
    (``ubtree_vllm/vllm/attention/flash.py``) then recomputes the tree rows' attention. With
-   ``tree_attention: "triton_stock_roots"``, in a uniform decode step (:func:`stock_roots_only`) the
-   buffers cover every draft row and FlashAttention computes the roots alone.
+   ``tree_attention: "triton_stock_roots"`` or ``"flash_exact"``, in a uniform decode step
+   (:func:`stock_roots_only`) the buffers cover every draft row and FlashAttention computes the roots alone
+   (``"flash_exact"``: and every draft row, over scratch pages past the scheduler's blocks, ``exact_rows.py``).
 4. ``postprocess_sampled``: after vLLM's bookkeeping, one launch commits the accepted paths
    (``triton_ops/accepted_rows.py:commit_accepted_paths``): the accepted nodes' K/V move to the
    slots of their depths in every target layer, the logits rows' linear positions are restored,
@@ -32,6 +33,7 @@ KV move, ``draft_context``: linearising the target rows, ``draft``: the block fo
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -39,8 +41,9 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 from ubtree_vllm.triton_ops.accepted_rows import commit_accepted_paths
 from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers
+from ubtree_vllm.vllm.attention.exact_rows import ScratchPages, engine_scratch_pages
 from ubtree_vllm.vllm.attention.state import RowBuffers, bind_tree_layers, tree_forward_state
-from ubtree_vllm.vllm.config import from_vllm_config
+from ubtree_vllm.vllm.config import MRV2_TREE_ATTENTION_MODES, from_vllm_config
 from ubtree_vllm.vllm.mrv2.rejection_sampler import UBTreeRejectionSampler
 from ubtree_vllm.vllm.mrv2.path_processors import install_path_processors
 from ubtree_vllm.vllm.mrv2.speculator import UBTreeSpeculator
@@ -81,8 +84,10 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         if self.use_pp:  # PCP is refused with the engine arguments (the PCP manager exists only after KV init)
             raise NotImplementedError("ubtree on Model Runner V2 does not support pipeline parallelism")
         self.ubtree_config = config
-        # tree_attention "triton_stock_roots": in uniform decode steps FlashAttention computes the roots alone
-        self._stock_roots_mode = config.tree_attention == "triton_stock_roots"
+        # tree_attention "triton_stock_roots" / "flash_exact": in uniform decode steps FlashAttention computes the
+        # roots alone; "flash_exact" the other rows too, over scratch pages past the scheduler's (set at KV init)
+        self._stock_roots_mode = config.tree_attention in MRV2_TREE_ATTENTION_MODES
+        self._exact_scratch: ScratchPages | None = None
         self.gamma = config.tree.block_size
         self.ubtree_stage_clock = StageClock.from_env(device)
         self.speculator = UBTreeSpeculator(vllm_config, device)  # replaces MRV2's DFlashSpeculator
@@ -126,6 +131,13 @@ class UBTreeModelRunnerV2(GPUModelRunner):
                             kv_cache_allocation_context: Any = None) -> None:
         # Bind before any step or graph capture (a FULL graph captured before the bind would
         # hold no tree attention); again after the profiling run's caches are replaced.
+        self._exact_scratch = None
+        if self.ubtree_config.tree_attention == "flash_exact" and not is_profiling:
+            # the engine core gave the scheduler this many blocks fewer (patch engine_core_kv_cache_configs): the
+            # views cover them again, past every block the scheduler hands out
+            self._exact_scratch = engine_scratch_pages(self.vllm_config, first_page=kv_cache_config.num_blocks)
+            kv_cache_config = copy.copy(kv_cache_config)
+            kv_cache_config.num_blocks += self._exact_scratch.num_pages
         super().initialize_kv_cache(kv_cache_config, is_profiling, kv_cache_allocation_context)
         self._bind_target_layers()
         self._kv_cache_ptrs = None
@@ -134,7 +146,8 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         """The target's attention layers (the drafter's excluded) read the row buffers; after every KV init."""
         self._target_layers = bind_tree_layers(self.compilation_config.static_forward_context, self._row_buffers,
                                                exclude=self.speculator.draft_attn_layer_names,
-                                               tree_attention=self.ubtree_config.tree_attention)
+                                               tree_attention=self.ubtree_config.tree_attention,
+                                               exact_scratch=self._exact_scratch)
         elsewhere = sorted({type(m.impl).__name__ for m in self._target_layers
                             if not getattr(m.impl, "ubtree_commit_in_cache", False)})
         if elsewhere:
@@ -146,6 +159,11 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         if len(groups) != 1:
             raise NotImplementedError(f"ubtree on MRV2 needs the target's layers in one KV cache group, got {groups}")
         self._target_group = groups[0]
+        kernel_pages = self.kernel_block_sizes[self._target_group]
+        if self._exact_scratch is not None and kernel_pages != self.cache_config.block_size:
+            raise NotImplementedError(f"tree_attention 'flash_exact' needs the attention kernel's pages to be the KV "
+                                      f"cache blocks; this engine splits blocks of {self.cache_config.block_size} "
+                                      f"into kernel pages of {kernel_pages}")
 
     def _full_graphs_uniform_decode(self) -> bool:
         """Every FULL graph replays uniform decode steps only: the mixed mode is not FULL (else a FULL graph may replay
@@ -165,6 +183,10 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         buffers = self._row_buffers
         if input_batch.num_draft_tokens > 0:
             buffers.covers_forward = self._stock_roots_mode and stock_roots_only(input_batch)
+            scratch = self._exact_scratch
+            if buffers.covers_forward and scratch is not None and input_batch.num_tokens > scratch.max_entries:
+                raise RuntimeError(f"ubtree: a uniform decode step of {input_batch.num_tokens} rows exceeds the "
+                                   f"{scratch.max_entries} rows tree_attention 'flash_exact' keeps scratch pages for")
             lay_out_tree_rows(input_batch.positions, input_batch.logits_indices, input_batch.cu_num_logits,
                               input_batch.expanded_idx_mapping, input_batch.expanded_local_pos,
                               self.speculator.topology.parents, self.speculator.topology.depth, self.gamma,

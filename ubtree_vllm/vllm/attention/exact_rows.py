@@ -1,0 +1,247 @@
+"""``tree_attention: "flash_exact"``: every tree row computed by FlashAttention 3 as plain decoding computes it.
+
+Greedy agreement with plain decoding in bf16 (issue 19, ``docs/design/mrv2.md`` §13): a chain verification is exact
+because each of its rows goes through the FlashAttention 3 decode kernel with the same key tiles, in the same order
+and split the same way, as the one-row decode of that position; the tree rows of the Triton kernel are not. Here
+each tree row becomes a *virtual sequence* of its own, ``q_len`` 1 and ``seqused_k = L + d + 1`` (L its request's
+committed tokens, d its depth), which is the sequence plain decoding would attend over at that position:
+
+* its block table is the request's full pages (the first ``L // block_size``), then ``pages_per_row`` private
+  *scratch pages* that hold the request's last partial page of committed K/V (``L % block_size`` tokens) followed by
+  the K/V of the row's root -> row path (this forward's fresh rows, root first);
+* the scratch pages lie past the pages vLLM's scheduler hands out (:func:`scratch_pages`: the engine core gives the
+  scheduler that many fewer blocks, the runner's KV cache keeps them), one run of ``pages_per_row`` per entry of the
+  runner's row buffers (entry m = the forward's row m in a covered uniform decode step), plus one dump page that
+  absorbs the copies of unused entries;
+* FA3's scheduler metadata gets, per virtual sequence, the split count that sequence would get decoded alone
+  (:func:`fa3_split_counts`), not the one it gets inside a batch of 65: that is plain decoding's at batch 1.
+
+Per forward (first layer; shared by the others through ``TreeForwardState.step_cache``): :func:`virtual_rows` builds
+the tables and the copy indices, :func:`pinned_scheduler_metadata` the metadata. Per layer, after vLLM wrote this
+forward's K/V into the cache: :func:`copy_rows_to_scratch` fills the scratch pages and :func:`attend_rows_exactly`
+makes one FA3 call over the virtual sequences and writes the tree rows of ``output``. Fixed shapes, no host read of
+a device value: captured in the FULL graphs of uniform decode steps like ``triton_stock_roots``, whose roots-only
+FlashAttention call computes the roots.
+
+Exact at batch 1 under FULL CUDA graphs (vLLM's split cap ``max_num_splits``); with several requests in flight plain
+decoding's own split counts depend on the whole batch, so no speculative method matches it token for token there.
+GPU only (FlashAttention 3, head sizes 64 and 128); the layout and the copies are plain torch and tested on the CPU
+against a paged reference (``tests/unit/test_exact_rows.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+FA3_MAX_SPLITS = 32  # vLLM's attention_config.flash_attn_max_num_splits_for_cuda_graph default
+FA3_DECODE_BLOCK_N = {64: 192, 128: 128}  # head size -> key block of FA3's one-warpgroup decode tile
+
+
+def fa3_split_counts(seq_lens: torch.Tensor, head_size: int, num_kv_heads: int, num_sms: int, alone: bool,
+                     max_splits: int = FA3_MAX_SPLITS) -> torch.Tensor:
+    """[N] int32: FA3's split count per one-query-row sequence, each decoded alone (``alone``) or all in one batch,
+    in the scheduler's own fp32 arithmetic (vLLM's flash-attention, ``hopper/flash_prepare_scheduler.cu``,
+    ``prepare_varlen_num_blocks_kernel``): per sequence n = ceil(keys / block_n) key blocks; blocks_per_sm =
+    ceil(total * 1.1 * kv_heads / num_sms), total the batch's blocks (one query block per sequence); splits =
+    clamp(ceil(n / blocks_per_sm), 1, max_splits). block_n is the one-warpgroup decode tile's key width
+    (``hopper/tile_size.h``)."""
+    if head_size not in FA3_DECODE_BLOCK_N:
+        raise ValueError(f"head_size {head_size}: FA3's decode tile is known here for {sorted(FA3_DECODE_BLOCK_N)}")
+    block_n = FA3_DECODE_BLOCK_N[head_size]
+    n_blocks = (seq_lens.long() + block_n - 1) // block_n
+    total = n_blocks if alone else n_blocks.sum().expand_as(n_blocks)
+    work = total.to(torch.float32) * torch.tensor(1.1, dtype=torch.float32) * float(num_kv_heads) / float(num_sms)
+    blocks_per_sm = torch.ceil(work).long()
+    return ((n_blocks + blocks_per_sm - 1) // blocks_per_sm).clamp(1, max_splits).to(torch.int32)
+
+
+def split_count_slice(batch: int) -> slice:
+    """Where FA3's metadata tensor holds the per-sequence split counts: after round_up(batch, 4) prepare_seqlen_q
+    (``hopper/flash_api.cpp``)."""
+    rounded = -(-batch // 4) * 4
+    return slice(rounded, rounded + batch)
+
+
+@dataclass(frozen=True)
+class ScratchPages:
+    """The KV cache pages the virtual sequences use: ``pages_per_row`` per row-buffer entry below ``max_entries``,
+    from ``first_page``, then the dump page."""
+
+    first_page: int
+    pages_per_row: int
+    max_entries: int
+
+    @property
+    def dump_page(self) -> int:
+        return self.first_page + self.max_entries * self.pages_per_row
+
+    @property
+    def num_pages(self) -> int:
+        return self.max_entries * self.pages_per_row + 1
+
+
+def pages_per_row(block_size: int, path_width: int) -> int:
+    """Scratch pages one virtual sequence needs: a committed tail of up to ``block_size - 1`` tokens, then a path of
+    up to ``path_width`` (the row buffers' path width, gamma + 1)."""
+    return -(-(block_size - 1 + path_width) // block_size)
+
+
+def max_covered_entries(budget: int, schedule: tuple[tuple[int, int, int], ...] | None, max_num_seqs: int,
+                        max_num_batched_tokens: int) -> int:
+    """The most token rows a uniform decode step of this engine can have, i.e. row-buffer entries a covered step
+    uses: ``n * (1 + B'(n))`` at most over the request counts n the scheduler can form (``max_num_seqs``), B'(n) the
+    load-adaptive schedule's budget (B without one), capped by the scheduler's token budget."""
+    if schedule is None:
+        rows = max_num_seqs * (1 + budget)
+    else:
+        rows = max((min(last, max_num_seqs) * (1 + nodes) for first, last, nodes in schedule if first <= max_num_seqs),
+                   default=0)
+    return max(1, min(rows, max_num_batched_tokens))
+
+
+def scratch_pages(first_page: int, block_size: int, path_width: int, max_entries: int) -> ScratchPages:
+    return ScratchPages(first_page=first_page, pages_per_row=pages_per_row(block_size, path_width),
+                        max_entries=max_entries)
+
+
+def engine_scratch_pages(vllm_config: Any, first_page: int = 0) -> ScratchPages:
+    """The scratch pages of a ``"flash_exact"`` engine, from ``first_page``: computed alike by the engine core, which
+    keeps them from the scheduler (patch ``engine_core_kv_cache_configs``), and by the runner, which uses them (the row
+    buffers' path width is gamma + 1)."""
+    from ubtree_vllm.vllm.config import from_vllm_config
+
+    config = from_vllm_config(vllm_config)
+    scheduler = vllm_config.scheduler_config
+    max_entries = max_covered_entries(config.tree.tree_budget, config.budget_schedule, scheduler.max_num_seqs,
+                                      scheduler.max_num_batched_tokens)
+    return scratch_pages(first_page, vllm_config.cache_config.block_size, config.tree.block_size + 1, max_entries)
+
+
+@dataclass
+class VirtualRows:
+    """One forward's virtual sequences, one per row-buffer entry (E = the forward's token count)."""
+
+    # [E] bool: the entry is a tree row computed here; [E] int64 its forward row (0 for the others)
+    valid: torch.Tensor
+    query_rows: torch.Tensor
+    # [E + 1] int32 0..E (q_len 1 each); [E] int32 keys per sequence (0 for unused entries)
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    # [E, W + pages_per_row] int32 pages per sequence (W = the request block tables' width)
+    block_table: torch.Tensor
+    # committed tail copies [E * (block_size - 1)]: page / offset read, page / offset written (unused: the dump page)
+    tail_src: tuple[torch.Tensor, torch.Tensor]
+    tail_dst: tuple[torch.Tensor, torch.Tensor]
+    # path copies [E * P]: the forward row read, page / offset written
+    path_rows: torch.Tensor
+    path_dst: tuple[torch.Tensor, torch.Tensor]
+
+
+def virtual_rows(
+        # [E] int the row-buffer entries of this forward (RowBuffers; root-first paths, -1 padded / unused)
+        row_index: torch.Tensor, row_req: torch.Tensor, row_context_len: torch.Tensor,
+        # [E, P]
+        row_path: torch.Tensor,
+        # [R, W] int32 the requests' pages
+        block_table: torch.Tensor,
+        scratch: ScratchPages, block_size: int) -> VirtualRows:
+    """The virtual sequences of the forward's tree rows (module docstring). Fixed-shape torch ops only."""
+    num_entries, path_width = row_path.shape
+    device = row_index.device
+    pages = scratch.pages_per_row
+    entry = torch.arange(num_entries, device=device)  # [E]
+    valid = (row_index >= 0) & (entry < scratch.max_entries)  # [E]
+    context = row_context_len.long().clamp(min=0)  # [E]
+    request = row_req.long().clamp(min=0)  # [E]
+    path_len = (row_path >= 0).sum(dim=1)  # [E]
+    full, tail = context // block_size, context % block_size  # [E]
+    first = scratch.first_page + entry * pages  # [E] the entry's first scratch page (past max_entries: unused)
+
+    width = block_table.shape[1]
+    column = torch.arange(width + pages, device=device)[None, :]  # [1, W + pages]
+    own = torch.nn.functional.pad(block_table[request].long(), (0, pages))  # [E, W + pages]
+    private = first[:, None] + (column - full[:, None])
+    table = torch.where(column < full[:, None], own, torch.where(column < (full + pages)[:, None], private, 0))
+    table = torch.where(valid[:, None], table, 0).to(torch.int32)
+
+    dump = scratch.dump_page * block_size
+    offset = torch.arange(block_size - 1, device=device)[None, :]  # [1, bs - 1]
+    tail_ok = valid[:, None] & (offset < tail[:, None])  # [E, bs - 1]
+    tail_page = block_table[request, full.clamp(max=width - 1)].long()  # [E] the page holding the committed tail
+    tail_src = torch.where(tail_ok, tail_page[:, None] * block_size + offset, 0).flatten()
+    tail_dst = torch.where(tail_ok, first[:, None] * block_size + offset, dump).flatten()
+
+    step = torch.arange(path_width, device=device)[None, :]  # [1, P]
+    path_ok = valid[:, None] & (row_path >= 0)  # [E, P]
+    path_rows = torch.where(path_ok, row_path.long(), 0).flatten()
+    path_dst = torch.where(path_ok, first[:, None] * block_size + tail[:, None] + step, dump).flatten()
+
+    def paged(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return slots // block_size, slots % block_size
+
+    return VirtualRows(
+        valid=valid, query_rows=torch.where(valid, row_index.long(), 0),
+        cu_seqlens_q=torch.arange(num_entries + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.where(valid, context + path_len, 0).to(torch.int32), block_table=table,
+        tail_src=paged(tail_src), tail_dst=paged(tail_dst), path_rows=path_rows, path_dst=paged(path_dst))
+
+
+def copy_rows_to_scratch(
+        # [num_blocks, block_size, H_kv, D] one layer's paged cache views (may be strided), mutated
+        key_cache: torch.Tensor, value_cache: torch.Tensor,
+        # [T, H_kv, D] the layer's fresh K/V of this forward
+        key: torch.Tensor, value: torch.Tensor, rows: VirtualRows) -> None:
+    """Fill every virtual sequence's scratch pages: its request's committed tail, then its path's fresh K/V."""
+    for cache, fresh in ((key_cache, key), (value_cache, value)):
+        cache[rows.tail_dst] = cache[rows.tail_src]
+        cache[rows.path_dst] = fresh[rows.path_rows]
+
+
+def pinned_scheduler_metadata(rows: VirtualRows, max_seq_len: int, num_heads: int, num_kv_heads: int,
+                              head_size: int, dtype: torch.dtype, block_size: int, num_splits: int) -> torch.Tensor:
+    """FA3's scheduler metadata for the virtual sequences, each split as it would be decoded alone (GPU only)."""
+    from vllm.vllm_flash_attn import get_scheduler_metadata
+
+    num_entries = rows.seq_lens.shape[0]
+    metadata = get_scheduler_metadata(
+        batch_size=num_entries, max_seqlen_q=1, max_seqlen_k=max_seq_len, num_heads_q=num_heads,
+        num_heads_kv=num_kv_heads, headdim=head_size, cache_seqlens=rows.seq_lens, qkv_dtype=dtype,
+        cu_seqlens_q=rows.cu_seqlens_q, page_size=block_size, causal=True, num_splits=num_splits)
+    num_sms = torch.cuda.get_device_properties(rows.seq_lens.device).multi_processor_count
+    metadata[split_count_slice(num_entries)] = fa3_split_counts(rows.seq_lens, head_size, num_kv_heads, num_sms,
+                                                                alone=True, max_splits=num_splits)
+    return metadata
+
+
+def attend_rows_exactly(
+        # [T, H, D] the forward's queries; [num_blocks, block_size, H_kv, D] the layer's cache views
+        query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        # [T, H, D] mutable: the valid entries' rows are overwritten
+        output: torch.Tensor, rows: VirtualRows, scale: float, max_seq_len: int,
+        scheduler_metadata: torch.Tensor | None, num_splits: int) -> None:
+    """One FA3 call over the virtual sequences (after :func:`copy_rows_to_scratch`), into the tree rows of
+    ``output``; unused entries write back what ``output`` held (the roots' row 0, computed before)."""
+    from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    q = query[rows.query_rows]  # [E, H, D]
+    out = torch.empty_like(q)
+    flash_attn_varlen_func(
+        q=q, k=canonicalize_singleton_dim_strides(key_cache), v=canonicalize_singleton_dim_strides(value_cache),
+        out=out, cu_seqlens_q=rows.cu_seqlens_q, max_seqlen_q=1, seqused_k=rows.seq_lens, max_seqlen_k=max_seq_len,
+        softmax_scale=scale, causal=True, block_table=rows.block_table, scheduler_metadata=scheduler_metadata,
+        fa_version=3, num_splits=num_splits)
+    output.index_put_((rows.query_rows,), torch.where(rows.valid[:, None, None], out, output[rows.query_rows]))
+
+
+def check_exact_rows_layer(impl: Any) -> None:
+    """NotImplementedError unless ``impl`` (a tree-aware FLASH_ATTN impl) can serve ``"flash_exact"``."""
+    version = getattr(impl, "vllm_flash_attn_version", None)
+    if version != 3:
+        raise NotImplementedError(f"tree_attention 'flash_exact' needs FlashAttention 3 (Hopper); this layer runs "
+                                  f"FlashAttention {version}")
+    if impl.head_size not in FA3_DECODE_BLOCK_N:
+        raise NotImplementedError(f"tree_attention 'flash_exact' supports head sizes {sorted(FA3_DECODE_BLOCK_N)} "
+                                  f"(FA3's decode tile known here), got {impl.head_size}")
