@@ -115,6 +115,8 @@ def test_scratch_pages_cover_the_widest_uniform_decode_step():
     assert max_covered_entries(64, ((1, 8, 64), (9, 1024, 0)), 12, 8192) == 8 * 65
     scratch = scratch_pages(1000, 16, 17, 520)
     assert (scratch.first_page, scratch.pages_per_row, scratch.num_pages, scratch.dump_page) == (1000, 2, 1041, 2040)
+    # a covered forward of up to 520 rows (8 requests x 65) gets exact rows, a wider one the Triton kernel's
+    assert scratch.serves(520) and scratch.serves(65) and not scratch.serves(528)
 
 
 def test_fa3_split_counts_follow_the_scheduler_alone_and_in_one_batch():

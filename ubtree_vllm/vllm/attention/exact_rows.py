@@ -9,10 +9,11 @@ committed tokens, d its depth), which is the sequence plain decoding would atten
 * its block table is the request's full pages (the first ``L // block_size``), then ``pages_per_row`` private
   *scratch pages* that hold the request's last partial page of committed K/V (``L % block_size`` tokens) followed by
   the K/V of the row's root -> row path (this forward's fresh rows, root first);
-* the scratch pages lie past the pages vLLM's scheduler hands out (:func:`scratch_pages`: the engine core gives the
-  scheduler that many fewer blocks, the runner's KV cache keeps them), one run of ``pages_per_row`` per entry of the
-  runner's row buffers (entry m = the forward's row m in a covered uniform decode step), plus one dump page that
-  absorbs the copies of unused entries;
+* the scratch pages lie past the pages vLLM's scheduler hands out (:func:`engine_scratch_pages`: the engine core
+  gives the scheduler that many fewer blocks, the runner's KV cache keeps them), one run of ``pages_per_row`` per
+  entry of the runner's row buffers (entry m = the forward's row m in a covered uniform decode step) for the widest
+  step of up to :data:`EXACT_ROWS_MAX_REQUESTS` requests, plus one dump page that absorbs the copies of unused
+  entries; wider steps take the Triton kernel's rows (:meth:`ScratchPages.serves`);
 * FA3's scheduler metadata gets, per virtual sequence, the split count that sequence would get decoded alone
   (:func:`fa3_split_counts`), not the one it gets inside a batch of 65: that is plain decoding's at batch 1.
 
@@ -36,6 +37,10 @@ from typing import Any
 import torch
 
 FA3_MAX_SPLITS = 32  # vLLM's attention_config.flash_attn_max_num_splits_for_cuda_graph default
+# Exact rows serve uniform decode steps of up to this many requests; wider steps take the Triton kernel's rows. Plain
+# decoding's own split counts depend on the whole batch, so exactness is a small-batch property anyway, and scratch
+# for every row of the widest step (up to max_num_seqs x (1 + B')) would take a large share of the KV cache.
+EXACT_ROWS_MAX_REQUESTS = 8
 FA3_DECODE_BLOCK_N = {64: 192, 128: 128}  # head size -> key block of FA3's one-warpgroup decode tile
 
 
@@ -81,6 +86,11 @@ class ScratchPages:
     def num_pages(self) -> int:
         return self.max_entries * self.pages_per_row + 1
 
+    def serves(self, num_tokens: int) -> bool:
+        """A covered forward of ``num_tokens`` rows (the padded count, the same at a FULL graph's capture and replay)
+        gets exact rows; a wider one, the Triton kernel's."""
+        return num_tokens <= self.max_entries
+
 
 def pages_per_row(block_size: int, path_width: int) -> int:
     """Scratch pages one virtual sequence needs: a committed tail of up to ``block_size - 1`` tokens, then a path of
@@ -114,7 +124,8 @@ def engine_scratch_pages(vllm_config: Any, first_page: int = 0) -> ScratchPages:
 
     config = from_vllm_config(vllm_config)
     scheduler = vllm_config.scheduler_config
-    max_entries = max_covered_entries(config.tree.tree_budget, config.budget_schedule, scheduler.max_num_seqs,
+    max_entries = max_covered_entries(config.tree.tree_budget, config.budget_schedule,
+                                      min(scheduler.max_num_seqs, EXACT_ROWS_MAX_REQUESTS),
                                       scheduler.max_num_batched_tokens)
     return scratch_pages(first_page, vllm_config.cache_config.block_size, config.tree.block_size + 1, max_entries)
 

@@ -67,7 +67,7 @@ class TreeRowsImpl:
         key_cache, value_cache = cache_views(kv_cache, self.head_size)  # type: ignore[attr-defined]
         if covered:
             self._stock_roots(query, key_cache, value_cache, attn_metadata, output)
-            if self.ubtree_exact_scratch is not None:
+            if self.ubtree_exact_scratch is not None and self.ubtree_exact_scratch.serves(query.shape[0]):
                 self._exact_rows(query, key, value, key_cache, value_cache, attn_metadata, output, buffers)
                 return output
         context_out, context_lse = self._tree_context(query, key_cache, value_cache, attn_metadata)

@@ -183,10 +183,6 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         buffers = self._row_buffers
         if input_batch.num_draft_tokens > 0:
             buffers.covers_forward = self._stock_roots_mode and stock_roots_only(input_batch)
-            scratch = self._exact_scratch
-            if buffers.covers_forward and scratch is not None and input_batch.num_tokens > scratch.max_entries:
-                raise RuntimeError(f"ubtree: a uniform decode step of {input_batch.num_tokens} rows exceeds the "
-                                   f"{scratch.max_entries} rows tree_attention 'flash_exact' keeps scratch pages for")
             lay_out_tree_rows(input_batch.positions, input_batch.logits_indices, input_batch.cu_num_logits,
                               input_batch.expanded_idx_mapping, input_batch.expanded_local_pos,
                               self.speculator.topology.parents, self.speculator.topology.depth, self.gamma,
