@@ -192,3 +192,61 @@ def test_the_flash_attention_impl_computes_the_covered_rows_once_per_forward_lay
         layouts.append(state.step_cache[flash._EXACT_ROWS][1][0])
         torch.testing.assert_close(output, want, equal_nan=True, atol=0, rtol=0)
     assert layouts[0] is layouts[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
+def test_exact_rows_are_the_lone_decode_of_each_row_on_gpu(graph):
+    """The premise and the code of "flash_exact" at once (H100/H200): for SmolLM2's attention shape in bf16, one request
+    whose context crosses several FA3 key blocks (so a batch of 65 rows would split differently from one row), every
+    tree row's output from :func:`attend_rows_exactly` has the bits of FlashAttention 3 decoding that row's sequence
+    alone with vLLM's graph cap of 32 splits; also when the layout, the pinned metadata, the copies and the call are
+    captured in a CUDA graph and replayed (the engine captures them in its FULL graphs of uniform decode steps)."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    from ubtree_vllm.bench.attention_bench import bench_parents
+    from ubtree_vllm.vllm.attention.exact_rows import attend_rows_exactly, pinned_scheduler_metadata
+
+    device = torch.device("cuda")
+    inputs = make_inputs([(1000, bench_parents(0))], device=device, num_heads=9, num_kv_heads=3, head_size=64,
+                         block_size=BLOCK, dtype=torch.bfloat16, extra_path_pad=0, prefill_rows=0, seed=0)
+    num_tokens = inputs.query.shape[0]
+    entries = torch.full((num_tokens,), -1, dtype=torch.long, device=device)
+    row_req, row_context_len = torch.zeros_like(entries), torch.zeros_like(entries)
+    row_path = torch.full((num_tokens, inputs.row_path.shape[1]), -1, dtype=torch.long, device=device)
+    rows_at = inputs.row_index.long()  # entry m = row m, as Model Runner V2 lays out a covered step
+    entries[rows_at], row_req[rows_at] = rows_at, inputs.row_req.long()
+    row_context_len[rows_at], row_path[rows_at] = inputs.row_context_len.long(), inputs.row_path.long()
+    scratch = scratch_pages(inputs.key_cache.shape[0], BLOCK, row_path.shape[1], max_entries=num_tokens)
+    _, key_cache, value_cache = with_scratch(inputs, scratch.num_pages)
+    max_seq_len, splits = int(inputs.seq_lens.max()), 32
+    output = torch.zeros_like(inputs.query)
+
+    def forward():
+        rows = virtual_rows(entries, row_req, row_context_len, row_path, inputs.block_table, scratch, BLOCK)
+        metadata = pinned_scheduler_metadata(rows, max_seq_len, 9, 3, 64, torch.bfloat16, BLOCK, splits)
+        copy_rows_to_scratch(key_cache, value_cache, inputs.key, inputs.value, rows)
+        attend_rows_exactly(inputs.query, key_cache, value_cache, output, rows, inputs.scale, max_seq_len, metadata,
+                            splits)
+        return rows
+
+    if graph:
+        forward()  # warm-up outside the capture
+        torch.cuda.synchronize()
+        output.zero_()
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            rows = forward()
+        output.zero_()
+        captured.replay()
+    else:
+        rows = forward()
+    torch.cuda.synchronize()
+    lone = torch.empty_like(output[:1])
+    for m in rows_at.tolist():
+        flash_attn_varlen_func(
+            q=inputs.query[m:m + 1], k=key_cache, v=value_cache, out=lone, max_seqlen_q=1,
+            cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device=device), max_seqlen_k=max_seq_len,
+            seqused_k=rows.seq_lens[m:m + 1], block_table=rows.block_table[m:m + 1], softmax_scale=inputs.scale,
+            causal=True, fa_version=3, num_splits=splits)
+        assert torch.equal(output[m], lone[0]), f"row {m}: {(output[m] != lone[0]).float().mean():.3f} of the bits differ"
