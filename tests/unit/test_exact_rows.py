@@ -200,7 +200,8 @@ def test_exact_rows_are_the_lone_decode_of_each_row_on_gpu(graph):
     """The premise and the code of "flash_exact" at once (H100/H200): for SmolLM2's attention shape in bf16, one request
     whose context crosses several FA3 key blocks (so a batch of 65 rows would split differently from one row), every
     tree row's output from :func:`attend_rows_exactly` has the bits of FlashAttention 3 decoding that row's sequence
-    alone with vLLM's graph cap of 32 splits; also when the layout, the pinned metadata, the copies and the call are
+    alone (its own length as max_seqlen_k, as plain decoding at batch 1 calls it) with vLLM's graph cap of 32 splits;
+    also when the layout, the pinned metadata, the copies and the call are
     captured in a CUDA graph and replayed (the engine captures them in its FULL graphs of uniform decode steps)."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
@@ -246,7 +247,7 @@ def test_exact_rows_are_the_lone_decode_of_each_row_on_gpu(graph):
     for m in rows_at.tolist():
         flash_attn_varlen_func(
             q=inputs.query[m:m + 1], k=key_cache, v=value_cache, out=lone, max_seqlen_q=1,
-            cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device=device), max_seqlen_k=max_seq_len,
+            cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device=device), max_seqlen_k=int(rows.seq_lens[m]),
             seqused_k=rows.seq_lens[m:m + 1], block_table=rows.block_table[m:m + 1], softmax_scale=inputs.scale,
             causal=True, fa_version=3, num_splits=splits)
         assert torch.equal(output[m], lone[0]), f"row {m}: {(output[m] != lone[0]).float().mean():.3f} of the bits differ"
