@@ -1,7 +1,10 @@
-"""``tree_attention: "flash_exact"`` on the CPU: the virtual sequences hold exactly what plain decoding attends over
-(the request's context, then the row's root -> row path), in scratch pages only, and FA3's split counts as
-predicted (ubtree_vllm/vllm/attention/exact_rows.py; the FA3 call itself runs on the GPU)."""
+"""``tree_attention: "flash_exact"`` on the CPU: each row's virtual sequence holds exactly what plain decoding attends
+over at that position (a root: its request's context and itself; a tree row: the context, then its root -> row path),
+the copies write scratch pages only, and FA3's split counts are plain decoding's (ubtree_vllm/vllm/attention/
+exact_rows.py; the FA3 call itself is checked against FA3's lone decode on the GPU, last test)."""
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
@@ -9,17 +12,10 @@ import torch
 from ubtree_vllm.triton_ops.reference import _context_kv, tree_attention_reference
 from ubtree_vllm.triton_ops.tree_attention_inputs import make_inputs, random_parents
 from ubtree_vllm.vllm.attention.exact_rows import (copy_rows_to_scratch, fa3_split_counts, max_covered_entries,
-                                                   pages_per_row, scratch_pages, split_count_slice, virtual_rows)
+                                                   pages_per_row, plain_split_counts, scratch_pages,
+                                                   split_count_slice, virtual_rows)
 
 BLOCK = 16
-
-
-def with_scratch(inputs, extra_pages):
-    """The inputs' cache grown by ``extra_pages`` pages of noise (the pages the scheduler never hands out)."""
-    base = torch.cat([inputs.key_cache, inputs.value_cache], dim=-1).transpose(1, 2)  # [nb, H_kv, bs, 2D]
-    grown = torch.cat([base, torch.randn(extra_pages, *base.shape[1:], dtype=base.dtype)])
-    key_cache, value_cache = grown.transpose(1, 2).split(inputs.key_cache.shape[-1], dim=-1)
-    return grown, key_cache, value_cache
 
 
 def tree_requests(seed):
@@ -28,79 +24,145 @@ def tree_requests(seed):
     return [(context, random_parents(nodes, 6, 3, gen)) for context, nodes in ((48, 12), (33, 20), (7, 9), (95, 17))]
 
 
-def padded_entries(inputs, unused):
-    """The inputs' tree rows as row-buffer entries, with ``unused`` entries of -1 between and after them."""
-    rows = inputs.row_index.shape[0]
-    order = torch.randperm(rows + unused, generator=torch.Generator().manual_seed(1))
+def covered_step(requests, padding, *, device="cpu", num_heads=6, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                 seed=0, scratch_rows=None):
+    """A covered uniform-decode-like step as Model Runner V2 hands it to attention: the requests' rows (root first),
+    then ``padding`` rows of no request and one padded request (first row the first padding row, no keys); entry m of
+    the row buffers = row m (roots and padding: -1); this forward's K/V written at the requests' linear slots (root
+    at L, node j at L + j, as vLLM's cache update does); the cache grown by the scratch pages."""
+    inputs = make_inputs(requests, device="cpu", num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                         block_size=BLOCK, dtype=dtype, extra_path_pad=0, prefill_rows=0, seed=seed)
+    real = inputs.query.shape[0]
+    num_rows = real + padding
+    gen = torch.Generator().manual_seed(seed + 1)
 
-    def spread(values, fill):
-        out = torch.full((rows + unused, *values.shape[1:]), fill, dtype=values.dtype)
-        out[order[:rows]] = values
-        return out
-    return (spread(inputs.row_index, -1), spread(inputs.row_req, 0), spread(inputs.row_context_len, 0),
-            spread(inputs.row_path, -1))
+    def pad(x):
+        return torch.cat([x, torch.randn(padding, *x.shape[1:], generator=gen).to(x.dtype)])
+
+    query, key, value = pad(inputs.query), pad(inputs.key), pad(inputs.value)
+    entries = inputs.row_index.long()
+    row_index = torch.full((num_rows,), -1, dtype=torch.long)
+    row_req, row_context_len = torch.zeros(num_rows, dtype=torch.long), torch.zeros(num_rows, dtype=torch.long)
+    row_path = torch.full((num_rows, inputs.row_path.shape[1]), -1, dtype=torch.long)
+    row_index[entries], row_req[entries] = entries, inputs.row_req.long()
+    row_context_len[entries], row_path[entries] = inputs.row_context_len.long(), inputs.row_path.long()
+    scratch = scratch_pages(inputs.key_cache.shape[0], BLOCK, row_path.shape[1],
+                            max_entries=num_rows if scratch_rows is None else scratch_rows)
+    base = torch.cat([inputs.key_cache, inputs.value_cache], dim=-1).transpose(1, 2)  # [nb, H_kv, bs, 2D]
+    grown = torch.cat([base, torch.randn(scratch.num_pages, *base.shape[1:], generator=gen).to(dtype)])
+    key_cache, value_cache = grown.transpose(1, 2).split(head_size, dim=-1)
+    for r, (context, parents) in enumerate(requests):  # this forward's K/V at the linear slots
+        first = int(inputs.query_start_loc[r])
+        positions = torch.arange(context, context + len(parents))
+        pages = inputs.block_table[r, positions // BLOCK].long()
+        key_cache[pages, positions % BLOCK] = key[first:first + len(parents)]
+        value_cache[pages, positions % BLOCK] = value[first:first + len(parents)]
+    starts = torch.cat([inputs.query_start_loc, torch.tensor([real], dtype=torch.int32)])  # + one padded request
+    block_table = torch.cat([inputs.block_table, torch.zeros_like(inputs.block_table[:1])])
+    seq_lens = torch.cat([inputs.seq_lens, torch.zeros(1, dtype=torch.int32)])
+    step = types.SimpleNamespace(
+        query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache, row_index=row_index,
+        row_req=row_req, row_context_len=row_context_len, row_path=row_path, block_table=block_table,
+        query_start_loc=starts, seq_lens=seq_lens, scratch=scratch, scale=inputs.scale, num_real=real,
+        roots=inputs.query_start_loc[:-1].long(), scheduler_pages=inputs.key_cache.shape[0])
+    return {name: (t.to(device) if isinstance(t, torch.Tensor) else t) for name, t in vars(step).items()}
+
+
+def layout(step):
+    return virtual_rows(step["row_index"], step["row_req"], step["row_context_len"], step["row_path"],
+                        step["block_table"], step["query_start_loc"], step["seq_lens"], step["scratch"], BLOCK)
+
+
+def expected_attention(step):
+    """[T, H, D] fp32: each real row's attention as plain decoding computes it at its position (tree reference: a
+    root over its context and itself, a tree row over its context and its path); padding rows NaN."""
+    rows, roots = step["row_index"], step["roots"]
+    entries = torch.cat([rows[rows >= 0], roots])
+    requests = torch.cat([step["row_req"][rows >= 0], torch.arange(roots.shape[0])])
+    contexts = torch.cat([step["row_context_len"][rows >= 0],
+                          (step["seq_lens"][:-1] - (step["query_start_loc"][1:-1] - step["query_start_loc"][:-2]))])
+    paths = torch.cat([step["row_path"][rows >= 0],
+                       torch.nn.functional.pad(roots[:, None], (0, step["row_path"].shape[1] - 1), value=-1)])
+    out = torch.full(step["query"].shape, float("nan"))
+    return tree_attention_reference(step["query"], step["key"], step["value"], step["key_cache"], step["value_cache"],
+                                    step["block_table"], entries, requests, contexts, paths, step["scale"], out)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_each_virtual_sequence_is_its_rows_context_then_its_path(seed):
-    inputs = make_inputs(tree_requests(seed), device="cpu", num_heads=6, num_kv_heads=2, head_size=32,
-                         block_size=BLOCK, dtype=torch.bfloat16, extra_path_pad=2, prefill_rows=2, seed=seed)
-    row_index, row_req, row_context_len, row_path = padded_entries(inputs, unused=5)
-    num_entries, path_width = row_path.shape
-    scheduler_pages = inputs.key_cache.shape[0]
-    scratch = scratch_pages(scheduler_pages, BLOCK, path_width, max_entries=num_entries)
-    _, key_cache, value_cache = with_scratch(inputs, scratch.num_pages)
-    before = key_cache[:scheduler_pages].clone(), value_cache[:scheduler_pages].clone()
-
-    rows = virtual_rows(row_index, row_req, row_context_len, row_path, inputs.block_table, scratch, BLOCK)
-    copy_rows_to_scratch(key_cache, value_cache, inputs.key, inputs.value, rows)
+def test_each_rows_virtual_sequence_is_what_plain_decoding_attends_over(seed):
+    step = covered_step(tree_requests(seed), padding=5, dtype=torch.bfloat16, seed=seed)
+    key_cache, value_cache, scratch = step["key_cache"], step["value_cache"], step["scratch"]
+    before = key_cache[:scratch.first_page].clone(), value_cache[:scratch.first_page].clone()
+    rows = layout(step)
+    copy_rows_to_scratch(key_cache, value_cache, step["key"], step["value"], rows)
 
     # only scratch pages were written
-    assert torch.equal(key_cache[:scheduler_pages], before[0]) and torch.equal(value_cache[:scheduler_pages], before[1])
-    assert rows.valid.tolist() == (row_index >= 0).tolist()
-    assert rows.cu_seqlens_q.tolist() == list(range(num_entries + 1))
-    for e in range(num_entries):
-        if row_index[e] < 0:
-            assert rows.seq_lens[e] == 0 and rows.query_rows[e] == 0 and not rows.block_table[e].any()
+    assert torch.equal(key_cache[:scratch.first_page], before[0])
+    assert torch.equal(value_cache[:scratch.first_page], before[1])
+    num_rows = step["query"].shape[0]
+    assert rows.tree.tolist() == (step["row_index"] >= 0).tolist()
+    assert rows.root.nonzero().flatten().tolist() == step["roots"].tolist()
+    assert rows.cu_seqlens_q.tolist() == list(range(num_rows + 1)) and rows.num_reqs == len(step["roots"]) + 1
+    for m in range(num_rows):
+        seq_len = int(rows.seq_lens[m])
+        seen = _context_kv(key_cache, value_cache, rows.block_table, m, seq_len)
+        if rows.tree[m]:
+            path, context, request = ([p for p in step["row_path"][m].tolist() if p >= 0],
+                                      int(step["row_context_len"][m]), int(step["row_req"][m]))
+            # the private pages are the row's own run of scratch pages
+            first = scratch.first_page + m * scratch.pages_per_row
+            assert rows.block_table[m, context // BLOCK: context // BLOCK + scratch.pages_per_row].tolist() == list(
+                range(first, first + scratch.pages_per_row))
+        elif rows.root[m]:
+            request = int((step["roots"] == m).nonzero())
+            path, context = [m], int(step["seq_lens"][request]) - int(
+                step["query_start_loc"][request + 1] - step["query_start_loc"][request])
+        else:  # padding rows attend to nothing
+            assert m >= step["num_real"] and seq_len == 0 and not rows.block_table[m].any()
             continue
-        path = [p for p in row_path[e].tolist() if p >= 0]
-        context = int(row_context_len[e])
-        assert rows.seq_lens[e] == context + len(path) and rows.query_rows[e] == row_index[e]
-        seen_k, seen_v = _context_kv(key_cache, value_cache, rows.block_table, e, int(rows.seq_lens[e]))
-        want_k, want_v = _context_kv(key_cache, value_cache, inputs.block_table, int(row_req[e]), context)
-        assert torch.equal(seen_k, torch.cat([want_k, inputs.key[path]]))
-        assert torch.equal(seen_v, torch.cat([want_v, inputs.value[path]]))
-        # the private pages are the entry's own run of scratch pages
-        private = rows.block_table[e, context // BLOCK: context // BLOCK + scratch.pages_per_row].tolist()
-        first = scratch.first_page + e * scratch.pages_per_row
-        assert private == list(range(first, first + scratch.pages_per_row))
+        want = _context_kv(key_cache, value_cache, step["block_table"], request, context)
+        assert seq_len == context + len(path) and int(rows.request[m]) == request
+        assert torch.equal(seen[0], torch.cat([want[0], step["key"][path]]))
+        assert torch.equal(seen[1], torch.cat([want[1], step["value"][path]]))
 
-    # attention over the virtual sequences (no path rows) is the tree attention of the same rows
-    valid = rows.valid
-    want = tree_attention_reference(*inputs.args(), torch.zeros(inputs.query.shape, dtype=torch.float32))
-    entries = torch.arange(num_entries)
+    # attention over the virtual sequences alone is the tree attention of the same rows, bit for bit
+    every = torch.arange(num_rows)
     got = tree_attention_reference(
-        inputs.query[rows.query_rows], inputs.key[:0], inputs.value[:0], key_cache, value_cache, rows.block_table,
-        torch.where(valid, entries, -1), entries, rows.seq_lens, torch.full((num_entries, 1), -1), inputs.scale,
-        torch.zeros(num_entries, *inputs.query.shape[1:], dtype=torch.float32))
-    assert torch.equal(got[valid], want[rows.query_rows[valid]])
+        step["query"], step["key"][:0], step["value"][:0], key_cache, value_cache, rows.block_table,
+        torch.where(rows.seq_lens > 0, every, -1), every, rows.seq_lens, torch.full((num_rows, 1), -1), step["scale"],
+        torch.full(step["query"].shape, float("nan")))
+    torch.testing.assert_close(got, expected_attention(step), equal_nan=True, atol=0, rtol=0)
 
 
-def test_entries_past_the_scratch_pages_are_left_alone():
-    inputs = make_inputs(tree_requests(2)[:2], device="cpu", num_heads=4, num_kv_heads=2, head_size=16,
-                         block_size=BLOCK, prefill_rows=0, seed=2)
-    num_entries, path_width = inputs.row_path.shape
-    scheduler_pages = inputs.key_cache.shape[0]
-    scratch = scratch_pages(scheduler_pages, BLOCK, path_width, max_entries=num_entries - 3)
-    _, key_cache, value_cache = with_scratch(inputs, scratch.num_pages)
-    rows = virtual_rows(inputs.row_index, inputs.row_req, inputs.row_context_len, inputs.row_path,
-                        inputs.block_table, scratch, BLOCK)
-    assert rows.valid.tolist() == [True] * (num_entries - 3) + [False] * 3
+def test_rows_past_the_scratch_pages_are_left_alone():
+    step = covered_step(tree_requests(2)[:2], padding=0, scratch_rows=20)
+    rows = layout(step)
+    assert rows.tree.tolist() == [bool(i >= 0 and m < 20) for m, i in enumerate(step["row_index"].tolist())]
     # every copy lands inside the scratch pages (the dump page included), none past them
     for pages, _ in (rows.tail_dst, rows.path_dst):
-        assert int(pages.min()) >= scratch.first_page and int(pages.max()) == scratch.dump_page
-    assert int(rows.block_table.max()) < scratch.dump_page
-    copy_rows_to_scratch(key_cache, value_cache, inputs.key, inputs.value, rows)
+        assert int(pages.min()) >= step["scratch"].first_page and int(pages.max()) == step["scratch"].dump_page
+    assert int(rows.block_table.max()) < step["scratch"].dump_page
+    copy_rows_to_scratch(step["key_cache"], step["value_cache"], step["key"], step["value"], rows)
+
+
+def test_split_counts_are_plain_decodings_at_each_rows_position():
+    # SmolLM2's shape (key blocks of 192, 3 KV heads) on 132 SMs
+    alone = types.SimpleNamespace(seq_lens=torch.tensor([1000, 1001, 1160, 0], dtype=torch.int32),
+                                  root=torch.tensor([True, False, False, False]), request=torch.tensor([0, 0, 0, 0]),
+                                  num_reqs=2)
+    # one request: each row as if decoded alone (6 blocks -> 6 splits; 1160 keys -> 7 blocks -> 7 splits); padding 1
+    assert plain_split_counts(alone, 64, 3, 132, 32).tolist() == [6, 6, 7, 1]
+    assert plain_split_counts(alone, 64, 3, 132, 32).tolist()[:3] == fa3_split_counts(
+        alone.seq_lens[:3], 64, 3, 132, alone=True).tolist()
+    # two requests of 6 and 40 blocks: blocks per SM ceil(46 * 1.1 * 3 / 132) = 2 for rows of both
+    two = types.SimpleNamespace(seq_lens=torch.tensor([1000, 1100, 7680, 7700], dtype=torch.int32),
+                                root=torch.tensor([True, False, True, False]), request=torch.tensor([0, 0, 1, 1]),
+                                num_reqs=2)
+    assert plain_split_counts(two, 64, 3, 132, 32).tolist() == [3, 3, 20, 21]
+    # ... which is the scheduler's count for a batch holding the row and the other request's root
+    assert plain_split_counts(two, 64, 3, 132, 32)[3] == fa3_split_counts(torch.tensor([1000, 7700]), 64, 3, 132,
+                                                                            alone=False)[1]
+    assert plain_split_counts(two, 64, 3, 132, 4).tolist() == [3, 3, 4, 4]
 
 
 def test_scratch_pages_cover_the_widest_uniform_decode_step():
@@ -152,12 +214,11 @@ def paged_decode_reference(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, 
                                     seqused_k, torch.full((num_seqs, 1), -1), softmax_scale, out)
 
 
-def test_the_flash_attention_impl_computes_the_covered_rows_once_per_forward_layout(monkeypatch):
-    """TreeFlashAttentionImpl._exact_rows with FlashAttention's call played by the paged reference: every tree row of
-    the forward gets its tree attention (context + path, from the layer's fresh K/V), every other row keeps what it
-    held; the layout is built by the forward's first layer and reused by the others."""
+def test_the_flash_attention_impl_computes_every_row_with_one_layout_per_forward(monkeypatch):
+    """TreeFlashAttentionImpl._exact_rows with FlashAttention's call played by the paged reference: every real row of
+    the forward, roots included, gets plain decoding's attention at its position (context + path, from the layer's
+    fresh K/V), in place; the layout is built by the forward's first layer and reused by the others."""
     import sys
-    import types
 
     from ubtree_vllm.vllm.attention import flash
     from ubtree_vllm.vllm.attention.flash import TreeFlashAttentionImpl
@@ -167,74 +228,57 @@ def test_the_flash_attention_impl_computes_the_covered_rows_once_per_forward_lay
                         types.SimpleNamespace(flash_attn_varlen_func=paged_decode_reference))
     state = TreeForwardState()
     monkeypatch.setattr(flash, "tree_forward_state", lambda: state)
-
-    inputs = make_inputs(tree_requests(3), device="cpu", num_heads=4, num_kv_heads=2, head_size=64, block_size=BLOCK,
-                         dtype=torch.float32, extra_path_pad=0, prefill_rows=3, seed=3)
-    num_tokens = inputs.query.shape[0]
-    buffers = types.SimpleNamespace(row_index=torch.full((num_tokens + 4,), -1), row_req=torch.zeros(num_tokens + 4, dtype=torch.long),
-                                    row_context_len=torch.zeros(num_tokens + 4, dtype=torch.long),
-                                    row_path=torch.full((num_tokens + 4, inputs.row_path.shape[1]), -1))
-    tree_rows = inputs.row_index.shape[0]
-    buffers.row_index[:tree_rows], buffers.row_req[:tree_rows] = inputs.row_index, inputs.row_req
-    buffers.row_context_len[:tree_rows], buffers.row_path[:tree_rows] = inputs.row_context_len, inputs.row_path
-    scratch = scratch_pages(inputs.key_cache.shape[0], BLOCK, inputs.row_path.shape[1], max_entries=num_tokens)
-    _, key_cache, value_cache = with_scratch(inputs, scratch.num_pages)
-    impl = types.SimpleNamespace(scale=inputs.scale, num_heads=4, num_kv_heads=2, head_size=64,
-                                 ubtree_exact_scratch=scratch)
-    metadata = types.SimpleNamespace(block_table=inputs.block_table, max_num_splits=0,
-                                     max_seq_len=int(inputs.seq_lens.max()))
-    want = tree_attention_reference(*inputs.args(), torch.full(inputs.query.shape, float("nan")))
+    step = covered_step(tree_requests(3), padding=3, num_heads=4, num_kv_heads=2, head_size=64, seed=3)
+    buffers = types.SimpleNamespace(row_index=step["row_index"], row_req=step["row_req"],
+                                    row_context_len=step["row_context_len"], row_path=step["row_path"])
+    impl = types.SimpleNamespace(scale=step["scale"], num_heads=4, num_kv_heads=2, head_size=64,
+                                 ubtree_exact_scratch=step["scratch"])
+    metadata = types.SimpleNamespace(block_table=step["block_table"], query_start_loc=step["query_start_loc"],
+                                     seq_lens=step["seq_lens"], max_num_splits=0,
+                                     max_seq_len=int(step["seq_lens"].max()))
+    want = expected_attention(step)
+    real = step["num_real"]
     layouts = []
     for _ in range(2):  # two layers of one forward
-        output = torch.full(inputs.query.shape, float("nan"))
-        TreeFlashAttentionImpl._exact_rows(impl, inputs.query, inputs.key, inputs.value, key_cache, value_cache,
-                                           metadata, output, buffers)
+        output = torch.full(step["query"].shape, float("nan"))
+        TreeFlashAttentionImpl._exact_rows(impl, step["query"], step["key"], step["value"], step["key_cache"],
+                                           step["value_cache"], metadata, output, buffers)
         layouts.append(state.step_cache[flash._EXACT_ROWS][1][0])
-        torch.testing.assert_close(output, want, equal_nan=True, atol=0, rtol=0)
+        torch.testing.assert_close(output[:real], want[:real], atol=0, rtol=0)
     assert layouts[0] is layouts[1]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
 def test_exact_rows_are_the_lone_decode_of_each_row_on_gpu(graph):
-    """The premise and the code of "flash_exact" at once (H100/H200): for SmolLM2's attention shape in bf16, one request
-    whose context crosses several FA3 key blocks (so a batch of 65 rows would split differently from one row), every
-    tree row's output from :func:`attend_rows_exactly` has the bits of FlashAttention 3 decoding that row's sequence
-    alone (its own length as max_seqlen_k, as plain decoding at batch 1 calls it) with vLLM's graph cap of 32 splits;
-    also when the layout, the pinned metadata, the copies and the call are
-    captured in a CUDA graph and replayed (the engine captures them in its FULL graphs of uniform decode steps)."""
+    """The premise and the code of "flash_exact" at once (H100/H200): SmolLM2's attention shape in bf16, one request
+    whose context crosses several FA3 key blocks (so a batch of 65 sequences would split differently from one): every
+    row's output from :func:`attend_rows_exactly`, root and tree rows, has the bits of FlashAttention 3 decoding that
+    row's sequence alone (its own length as max_seqlen_k, as plain decoding at batch 1 calls it) with vLLM's graph
+    cap of 32 splits; also when the layout, the pinned metadata, the copies and the call are captured in a CUDA graph
+    and replayed (the engine captures them in its FULL graphs of uniform decode steps)."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     from ubtree_vllm.bench.attention_bench import bench_parents
     from ubtree_vllm.vllm.attention.exact_rows import attend_rows_exactly, pinned_scheduler_metadata
 
     device = torch.device("cuda")
-    inputs = make_inputs([(1000, bench_parents(0))], device=device, num_heads=9, num_kv_heads=3, head_size=64,
-                         block_size=BLOCK, dtype=torch.bfloat16, extra_path_pad=0, prefill_rows=0, seed=0)
-    num_tokens = inputs.query.shape[0]
-    entries = torch.full((num_tokens,), -1, dtype=torch.long, device=device)
-    row_req, row_context_len = torch.zeros_like(entries), torch.zeros_like(entries)
-    row_path = torch.full((num_tokens, inputs.row_path.shape[1]), -1, dtype=torch.long, device=device)
-    rows_at = inputs.row_index.long()  # entry m = row m, as Model Runner V2 lays out a covered step
-    entries[rows_at], row_req[rows_at] = rows_at, inputs.row_req.long()
-    row_context_len[rows_at], row_path[rows_at] = inputs.row_context_len.long(), inputs.row_path.long()
-    scratch = scratch_pages(inputs.key_cache.shape[0], BLOCK, row_path.shape[1], max_entries=num_tokens)
-    _, key_cache, value_cache = with_scratch(inputs, scratch.num_pages)
-    max_seq_len, splits = int(inputs.seq_lens.max()), 32
-    output = torch.zeros_like(inputs.query)
+    step = covered_step([(1000, bench_parents(0))], padding=3, device=device, num_heads=9, num_kv_heads=3,
+                        head_size=64, dtype=torch.bfloat16)
+    query, max_seq_len, splits = step["query"], int(step["seq_lens"].max()), 32
+    output = torch.zeros_like(query)
 
     def forward():
-        rows = virtual_rows(entries, row_req, row_context_len, row_path, inputs.block_table, scratch, BLOCK)
+        rows = layout(step)
         metadata = pinned_scheduler_metadata(rows, max_seq_len, 9, 3, 64, torch.bfloat16, BLOCK, splits)
-        copy_rows_to_scratch(key_cache, value_cache, inputs.key, inputs.value, rows)
-        attend_rows_exactly(inputs.query, key_cache, value_cache, output, rows, inputs.scale, max_seq_len, metadata,
-                            splits)
+        copy_rows_to_scratch(step["key_cache"], step["value_cache"], step["key"], step["value"], rows)
+        attend_rows_exactly(query, step["key_cache"], step["value_cache"], output, rows, step["scale"], max_seq_len,
+                            metadata, splits)
         return rows
 
     if graph:
         forward()  # warm-up outside the capture
         torch.cuda.synchronize()
-        output.zero_()
         captured = torch.cuda.CUDAGraph()
         with torch.cuda.graph(captured):
             rows = forward()
@@ -244,10 +288,11 @@ def test_exact_rows_are_the_lone_decode_of_each_row_on_gpu(graph):
         rows = forward()
     torch.cuda.synchronize()
     lone = torch.empty_like(output[:1])
-    for m in rows_at.tolist():
+    for m in range(step["num_real"]):
         flash_attn_varlen_func(
-            q=inputs.query[m:m + 1], k=key_cache, v=value_cache, out=lone, max_seqlen_q=1,
+            q=query[m:m + 1], k=step["key_cache"], v=step["value_cache"], out=lone, max_seqlen_q=1,
             cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device=device), max_seqlen_k=int(rows.seq_lens[m]),
-            seqused_k=rows.seq_lens[m:m + 1], block_table=rows.block_table[m:m + 1], softmax_scale=inputs.scale,
+            seqused_k=rows.seq_lens[m:m + 1], block_table=rows.block_table[m:m + 1], softmax_scale=step["scale"],
             causal=True, fa_version=3, num_splits=splits)
-        assert torch.equal(output[m], lone[0]), f"row {m}: {(output[m] != lone[0]).float().mean():.3f} of the bits differ"
+        differ = (output[m] != lone[0]).float().mean()
+        assert torch.equal(output[m], lone[0]), f"row {m}: {differ:.3f} of the elements differ"

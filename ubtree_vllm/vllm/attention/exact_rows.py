@@ -1,33 +1,37 @@
-"""``tree_attention: "flash_exact"``: every tree row computed by FlashAttention 3 as plain decoding computes it.
+"""``tree_attention: "flash_exact"``: every row of a tree step computed by FlashAttention 3 as plain decoding would.
 
 Greedy agreement with plain decoding in bf16 (issue 19, ``docs/design/mrv2.md`` §13): a chain verification is exact
 because each of its rows goes through the FlashAttention 3 decode kernel with the same key tiles, in the same order
-and split the same way, as the one-row decode of that position; the tree rows of the Triton kernel are not. Here
-each tree row becomes a *virtual sequence* of its own, ``q_len`` 1 and ``seqused_k = L + d + 1`` (L its request's
-committed tokens, d its depth), which is the sequence plain decoding would attend over at that position:
+and split the same way, as the one-row decode of that position; the tree rows of the Triton kernel are not. Here,
+in a uniform decode step (Model Runner V2's covered layout: row m is entry m of the row buffers), every row becomes
+a *virtual sequence* of its own with ``q_len`` 1, the sequence plain decoding would attend over at that position,
+and one FA3 call computes them all, in place:
 
-* its block table is the request's full pages (the first ``L // block_size``), then ``pages_per_row`` private
-  *scratch pages* that hold the request's last partial page of committed K/V (``L % block_size`` tokens) followed by
-  the K/V of the row's root -> row path (this forward's fresh rows, root first);
-* the scratch pages lie past the pages vLLM's scheduler hands out (:func:`engine_scratch_pages`: the engine core
-  gives the scheduler that many fewer blocks, the runner's KV cache keeps them), one run of ``pages_per_row`` per
-  entry of the runner's row buffers (entry m = the forward's row m in a covered uniform decode step) for the widest
-  step of up to :data:`EXACT_ROWS_MAX_REQUESTS` requests, plus one dump page that absorbs the copies of unused
+* a request's root (its first row) attends to its committed context and itself: the request's own pages, ``L + 1``
+  keys (vLLM wrote the root's K/V at slot L before attention);
+* a tree row at depth d attends to ``L + d + 1`` keys: the request's full pages (the first ``L // block_size``),
+  then ``pages_per_row`` private *scratch pages* holding the request's last partial page of committed K/V
+  (``L % block_size`` tokens) followed by the K/V of the row's root -> row path (this forward's fresh rows);
+* padding rows get no keys;
+* the scratch pages lie past the blocks vLLM's scheduler hands out (:func:`engine_scratch_pages`: the engine core
+  gives the scheduler that many fewer blocks, the runner's KV cache keeps them), a run of ``pages_per_row`` per row
+  of the widest step of up to :data:`EXACT_ROWS_MAX_REQUESTS` requests, plus a dump page for the copies of unused
   entries; wider steps take the Triton kernel's rows (:meth:`ScratchPages.serves`);
-* FA3's scheduler metadata gets, per virtual sequence, the split count that sequence would get decoded alone
-  (:func:`fa3_split_counts`), not the one it gets inside a batch of 65: that is plain decoding's at batch 1.
+* FA3's scheduler metadata gets, per virtual sequence, the split count plain decoding's step would give that
+  position (:func:`plain_split_counts`: a batch of the step's requests at their roots' lengths, the row's own
+  request at the row's), not the one a batch of 65 sequences per request would get. At batch 1 that is the row
+  decoded alone.
 
 Per forward (first layer; shared by the others through ``TreeForwardState.step_cache``): :func:`virtual_rows` builds
 the tables and the copy indices, :func:`pinned_scheduler_metadata` the metadata. Per layer, after vLLM wrote this
 forward's K/V into the cache: :func:`copy_rows_to_scratch` fills the scratch pages and :func:`attend_rows_exactly`
-makes one FA3 call over the virtual sequences and writes the tree rows of ``output``. Fixed shapes, no host read of
-a device value: captured in the FULL graphs of uniform decode steps like ``triton_stock_roots``, whose roots-only
-FlashAttention call computes the roots.
+makes the FA3 call. Fixed shapes, no host read of a device value: captured in the FULL graphs of uniform decode steps.
 
-Exact at batch 1 under FULL CUDA graphs (vLLM's split cap ``max_num_splits``); with several requests in flight plain
-decoding's own split counts depend on the whole batch, so no speculative method matches it token for token there.
-GPU only (FlashAttention 3, head sizes 64 and 128); the layout and the copies are plain torch and tested on the CPU
-against a paged reference (``tests/unit/test_exact_rows.py``).
+Exact at batch 1 under FULL CUDA graphs (vLLM's split cap ``max_num_splits``); with several requests in flight it
+matches plain decoding's split counts whenever the other requests' key-block counts are their roots', and plain
+decoding's own batch then differs anyway (requests finish at other steps). GPU only (FlashAttention 3, head sizes 64
+and 128); the layout and the copies are plain torch and tested on the CPU against a paged reference
+(``tests/unit/test_exact_rows.py``), the FA3 call against FA3's lone decode on the GPU.
 """
 from __future__ import annotations
 
@@ -52,13 +56,26 @@ def fa3_split_counts(seq_lens: torch.Tensor, head_size: int, num_kv_heads: int, 
     ceil(total * 1.1 * kv_heads / num_sms), total the batch's blocks (one query block per sequence); splits =
     clamp(ceil(n / blocks_per_sm), 1, max_splits). block_n is the one-warpgroup decode tile's key width
     (``hopper/tile_size.h``)."""
+    n_blocks = key_blocks(seq_lens, head_size)
+    total = n_blocks if alone else n_blocks.sum().expand_as(n_blocks)
+    return splits_for(n_blocks, total, num_kv_heads, num_sms, max_splits)
+
+
+def key_blocks(seq_lens: torch.Tensor, head_size: int) -> torch.Tensor:
+    """[N] int64 FA3 key blocks of each one-query-row sequence (its decode tile's key width)."""
     if head_size not in FA3_DECODE_BLOCK_N:
         raise ValueError(f"head_size {head_size}: FA3's decode tile is known here for {sorted(FA3_DECODE_BLOCK_N)}")
     block_n = FA3_DECODE_BLOCK_N[head_size]
-    n_blocks = (seq_lens.long() + block_n - 1) // block_n
-    total = n_blocks if alone else n_blocks.sum().expand_as(n_blocks)
-    work = total.to(torch.float32) * torch.tensor(1.1, dtype=torch.float32) * float(num_kv_heads) / float(num_sms)
-    blocks_per_sm = torch.ceil(work).long()
+    return (seq_lens.long() + block_n - 1) // block_n
+
+
+def splits_for(n_blocks: torch.Tensor, total_blocks: torch.Tensor, num_kv_heads: int, num_sms: int,
+               max_splits: int) -> torch.Tensor:
+    """[N] int32 the scheduler's split count of sequences of ``n_blocks`` key blocks in a batch of ``total_blocks``,
+    in its fp32 arithmetic (an empty batch counts as one block per SM)."""
+    work = (total_blocks.to(torch.float32) * torch.tensor(1.1, dtype=torch.float32) * float(num_kv_heads)
+            / float(num_sms))
+    blocks_per_sm = torch.ceil(work).long().clamp(min=1)
     return ((n_blocks + blocks_per_sm - 1) // blocks_per_sm).clamp(1, max_splits).to(torch.int32)
 
 
@@ -132,70 +149,103 @@ def engine_scratch_pages(vllm_config: Any, first_page: int = 0) -> ScratchPages:
 
 @dataclass
 class VirtualRows:
-    """One forward's virtual sequences, one per row-buffer entry (E = the forward's token count)."""
+    """One covered forward's virtual sequences: one per row (T = the forward's padded row count; row m is entry m of
+    the row buffers, Model Runner V2's covered layout)."""
 
-    # [E] bool: the entry is a tree row computed here; [E] int64 its forward row (0 for the others)
-    valid: torch.Tensor
-    query_rows: torch.Tensor
-    # [E + 1] int32 0..E (q_len 1 each); [E] int32 keys per sequence (0 for unused entries)
+    # [T] bool: row m is a tree row (from the row buffers) / a request's root (from the attention metadata)
+    tree: torch.Tensor
+    root: torch.Tensor
+    # [T + 1] int32 0..T (q_len 1 each); [T] int32 keys per sequence (0 for padding rows)
     cu_seqlens_q: torch.Tensor
     seq_lens: torch.Tensor
-    # [E, W + pages_per_row] int32 pages per sequence (W = the request block tables' width)
+    # [T, W + pages_per_row] int32 pages per sequence (W = the request block tables' width)
     block_table: torch.Tensor
-    # committed tail copies [E * (block_size - 1)]: page / offset read, page / offset written (unused: the dump page)
+    # [T] int64 batch index of each row's request (0 for padding rows); the batch's request count (host)
+    request: torch.Tensor
+    num_reqs: int
+    # committed tail copies [T * (block_size - 1)]: page / offset read, page / offset written (unused: the dump page)
     tail_src: tuple[torch.Tensor, torch.Tensor]
     tail_dst: tuple[torch.Tensor, torch.Tensor]
-    # path copies [E * P]: the forward row read, page / offset written
+    # path copies [T * P]: the forward row read, page / offset written
     path_rows: torch.Tensor
     path_dst: tuple[torch.Tensor, torch.Tensor]
 
 
+def plain_split_counts(rows: VirtualRows, head_size: int, num_kv_heads: int, num_sms: int,
+                       max_splits: int) -> torch.Tensor:
+    """[T] int32 FA3 splits per virtual sequence, as plain decoding's step would split it: the scheduler's rule
+    (:func:`fa3_split_counts`) over a batch of this step's requests, each at its root's length but the row's own
+    request, at the row's length. At batch 1 that is the row decoded alone; with several requests it is plain
+    decoding's count whenever the other requests' key blocks are those of their roots (their lengths then differ by
+    the few tokens of a round)."""
+    blocks = key_blocks(rows.seq_lens, head_size)  # [T]
+    root_blocks = torch.where(rows.root, blocks, 0)
+    per_request = torch.zeros(rows.num_reqs, dtype=torch.long, device=blocks.device).index_add_(
+        0, rows.request, root_blocks)  # [R] each request's root blocks
+    total = root_blocks.sum() - per_request[rows.request] + blocks  # [T]
+    return splits_for(blocks, total, num_kv_heads, num_sms, max_splits)
+
+
 def virtual_rows(
-        # [E] int the row-buffer entries of this forward (RowBuffers; root-first paths, -1 padded / unused)
+        # [T] int the row buffers' entries, one per row of a covered forward (root-first paths, -1 padded / unused)
         row_index: torch.Tensor, row_req: torch.Tensor, row_context_len: torch.Tensor,
-        # [E, P]
+        # [T, P]
         row_path: torch.Tensor,
-        # [R, W] int32 the requests' pages
-        block_table: torch.Tensor,
+        # [R, W] int32 the requests' pages; [R + 1] int32 their first rows; [R] int32 their keys including this
+        # forward's rows (FlashAttention's metadata; padded requests: first row T, 0 keys)
+        block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
         scratch: ScratchPages, block_size: int) -> VirtualRows:
-    """The virtual sequences of the forward's tree rows (module docstring). Fixed-shape torch ops only."""
-    num_entries, path_width = row_path.shape
+    """The virtual sequences of a covered forward's rows (module docstring). Fixed-shape torch ops only."""
+    num_rows, path_width = row_path.shape
     device = row_index.device
     pages = scratch.pages_per_row
-    entry = torch.arange(num_entries, device=device)  # [E]
-    valid = (row_index >= 0) & (entry < scratch.max_entries)  # [E]
-    context = row_context_len.long().clamp(min=0)  # [E]
-    request = row_req.long().clamp(min=0)  # [E]
-    path_len = (row_path >= 0).sum(dim=1)  # [E]
-    full, tail = context // block_size, context % block_size  # [E]
-    first = scratch.first_page + entry * pages  # [E] the entry's first scratch page (past max_entries: unused)
+    row = torch.arange(num_rows, device=device)  # [T]
+    tree = (row_index >= 0) & (row < scratch.max_entries)  # [T]
+
+    # the roots: request r's first row, attending to its committed context and itself
+    num_reqs = seq_lens.shape[0]
+    first_row = query_start_loc[:-1].long().clamp(max=num_rows)  # [R]; padded requests land on the dump row T
+    query_len = (query_start_loc[1:] - query_start_loc[:-1]).long()  # [R]
+    # [R] a padded request (no keys) has no root: it must not count in the batch's key blocks (split counts)
+    root_keys = torch.where(seq_lens > 0, seq_lens.long() - query_len + 1, 0).clamp(min=0)
+    root_len = torch.zeros(num_rows + 1, dtype=torch.long, device=device).index_copy_(
+        0, first_row, root_keys)[:num_rows]  # [T]
+    root = (root_len > 0) & ~tree  # [T]
+    root_req = torch.zeros(num_rows + 1, dtype=torch.long, device=device).index_copy_(
+        0, first_row, torch.arange(num_reqs, device=device))[:num_rows]  # [T]
+
+    context = row_context_len.long().clamp(min=0)  # [T]
+    request = torch.where(tree, row_req.long().clamp(min=0), root_req)  # [T]
+    path_len = (row_path >= 0).sum(dim=1)  # [T]
+    full, tail = context // block_size, context % block_size  # [T]
+    first = scratch.first_page + row * pages  # [T] the row's first scratch page (past max_entries: unused)
 
     width = block_table.shape[1]
     column = torch.arange(width + pages, device=device)[None, :]  # [1, W + pages]
-    own = torch.nn.functional.pad(block_table[request].long(), (0, pages))  # [E, W + pages]
+    own = torch.nn.functional.pad(block_table[request].long(), (0, pages))  # [T, W + pages]
     private = first[:, None] + (column - full[:, None])
-    table = torch.where(column < full[:, None], own, torch.where(column < (full + pages)[:, None], private, 0))
-    table = torch.where(valid[:, None], table, 0).to(torch.int32)
+    tree_table = torch.where(column < full[:, None], own, torch.where(column < (full + pages)[:, None], private, 0))
+    table = torch.where(tree[:, None], tree_table, torch.where(root[:, None], own, 0)).to(torch.int32)
 
     dump = scratch.dump_page * block_size
     offset = torch.arange(block_size - 1, device=device)[None, :]  # [1, bs - 1]
-    tail_ok = valid[:, None] & (offset < tail[:, None])  # [E, bs - 1]
-    tail_page = block_table[request, full.clamp(max=width - 1)].long()  # [E] the page holding the committed tail
+    tail_ok = tree[:, None] & (offset < tail[:, None])  # [T, bs - 1]
+    tail_page = block_table[request, full.clamp(max=width - 1)].long()  # [T] the page holding the committed tail
     tail_src = torch.where(tail_ok, tail_page[:, None] * block_size + offset, 0).flatten()
     tail_dst = torch.where(tail_ok, first[:, None] * block_size + offset, dump).flatten()
 
     step = torch.arange(path_width, device=device)[None, :]  # [1, P]
-    path_ok = valid[:, None] & (row_path >= 0)  # [E, P]
+    path_ok = tree[:, None] & (row_path >= 0)  # [T, P]
     path_rows = torch.where(path_ok, row_path.long(), 0).flatten()
     path_dst = torch.where(path_ok, first[:, None] * block_size + tail[:, None] + step, dump).flatten()
 
     def paged(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return slots // block_size, slots % block_size
 
+    keys = torch.where(tree, context + path_len, torch.where(root, root_len, 0)).to(torch.int32)
     return VirtualRows(
-        valid=valid, query_rows=torch.where(valid, row_index.long(), 0),
-        cu_seqlens_q=torch.arange(num_entries + 1, dtype=torch.int32, device=device),
-        seq_lens=torch.where(valid, context + path_len, 0).to(torch.int32), block_table=table,
+        tree=tree, root=root, cu_seqlens_q=torch.arange(num_rows + 1, dtype=torch.int32, device=device),
+        seq_lens=keys, block_table=table, request=request, num_reqs=num_reqs,
         tail_src=paged(tail_src), tail_dst=paged(tail_dst), path_rows=path_rows, path_dst=paged(path_dst))
 
 
@@ -204,7 +254,7 @@ def copy_rows_to_scratch(
         key_cache: torch.Tensor, value_cache: torch.Tensor,
         # [T, H_kv, D] the layer's fresh K/V of this forward
         key: torch.Tensor, value: torch.Tensor, rows: VirtualRows) -> None:
-    """Fill every virtual sequence's scratch pages: its request's committed tail, then its path's fresh K/V."""
+    """Fill every tree row's scratch pages: its request's committed tail, then its path's fresh K/V."""
     for cache, fresh in ((key_cache, key), (value_cache, value)):
         cache[rows.tail_dst] = cache[rows.tail_src]
         cache[rows.path_dst] = fresh[rows.path_rows]
@@ -212,39 +262,35 @@ def copy_rows_to_scratch(
 
 def pinned_scheduler_metadata(rows: VirtualRows, max_seq_len: int, num_heads: int, num_kv_heads: int,
                               head_size: int, dtype: torch.dtype, block_size: int, num_splits: int) -> torch.Tensor:
-    """FA3's scheduler metadata for the virtual sequences, each split as it would be decoded alone (GPU only)."""
+    """FA3's scheduler metadata for the virtual sequences, their split counts replaced by plain decoding's
+    (:func:`plain_split_counts`; GPU only)."""
     from vllm.vllm_flash_attn import get_scheduler_metadata
 
-    num_entries = rows.seq_lens.shape[0]
+    num_rows = rows.seq_lens.shape[0]
     metadata = get_scheduler_metadata(
-        batch_size=num_entries, max_seqlen_q=1, max_seqlen_k=max_seq_len, num_heads_q=num_heads,
+        batch_size=num_rows, max_seqlen_q=1, max_seqlen_k=max_seq_len, num_heads_q=num_heads,
         num_heads_kv=num_kv_heads, headdim=head_size, cache_seqlens=rows.seq_lens, qkv_dtype=dtype,
         cu_seqlens_q=rows.cu_seqlens_q, page_size=block_size, causal=True, num_splits=num_splits)
     num_sms = torch.cuda.get_device_properties(rows.seq_lens.device).multi_processor_count
-    metadata[split_count_slice(num_entries)] = fa3_split_counts(rows.seq_lens, head_size, num_kv_heads, num_sms,
-                                                                alone=True, max_splits=num_splits)
+    metadata[split_count_slice(num_rows)] = plain_split_counts(rows, head_size, num_kv_heads, num_sms, num_splits)
     return metadata
 
 
 def attend_rows_exactly(
         # [T, H, D] the forward's queries; [num_blocks, block_size, H_kv, D] the layer's cache views
         query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        # [T, H, D] mutable: the valid entries' rows are overwritten
+        # [T, H, D] mutable: every row is written (padding rows: FlashAttention's output for no keys)
         output: torch.Tensor, rows: VirtualRows, scale: float, max_seq_len: int,
         scheduler_metadata: torch.Tensor | None, num_splits: int) -> None:
-    """One FA3 call over the virtual sequences (after :func:`copy_rows_to_scratch`), into the tree rows of
-    ``output``; unused entries write back what ``output`` held (the roots' row 0, computed before)."""
+    """One FA3 call over every row's virtual sequence (after :func:`copy_rows_to_scratch`), in place."""
     from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    q = query[rows.query_rows]  # [E, H, D]
-    out = torch.empty_like(q)
     flash_attn_varlen_func(
-        q=q, k=canonicalize_singleton_dim_strides(key_cache), v=canonicalize_singleton_dim_strides(value_cache),
-        out=out, cu_seqlens_q=rows.cu_seqlens_q, max_seqlen_q=1, seqused_k=rows.seq_lens, max_seqlen_k=max_seq_len,
+        q=query, k=canonicalize_singleton_dim_strides(key_cache), v=canonicalize_singleton_dim_strides(value_cache),
+        out=output, cu_seqlens_q=rows.cu_seqlens_q, max_seqlen_q=1, seqused_k=rows.seq_lens, max_seqlen_k=max_seq_len,
         softmax_scale=scale, causal=True, block_table=rows.block_table, scheduler_metadata=scheduler_metadata,
         fa_version=3, num_splits=num_splits)
-    output.index_put_((rows.query_rows,), torch.where(rows.valid[:, None, None], out, output[rows.query_rows]))
 
 
 def check_exact_rows_layer(impl: Any) -> None:

@@ -29,10 +29,10 @@ shapes and no host read, so it is captured in the same graphs. The context lengt
 per forward, by its first tree layer, and shared by the others (``TreeForwardState.step_cache``, keyed
 by the forward's metadata object): four elementwise launches per forward, not per layer.
 
-``tree_attention: "flash_exact"`` (Model Runner V2, FlashAttention 3): in uniform decode steps the roots as with
-``triton_stock_roots``, then every other row by one more FlashAttention 3 call, each row a sequence of its own over
-scratch pages holding its context tail and path, split as it would be decoded alone (:meth:`_exact_rows`,
-``exact_rows.py``): the tree rows get plain decoding's bits at batch 1.
+``tree_attention: "flash_exact"`` (Model Runner V2, FlashAttention 3): in uniform decode steps one FlashAttention 3
+call computes every row, each a sequence of its own (a root over its request's pages, a tree row over scratch pages
+holding its context tail and path), split as plain decoding would split it (:meth:`_exact_rows`,
+``exact_rows.py``): every row gets plain decoding's bits at batch 1.
 
 The KV commit of accepted paths copies inside this cache
 (:func:`ubtree_vllm.vllm.kv_commit.commit_accepted_paths_in_cache`), so nothing is stashed.
@@ -97,9 +97,9 @@ class TreeFlashAttentionImpl(TreeRowsImpl, FlashAttentionImpl):
     def _exact_rows(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, attn_metadata: FlashAttentionMetadata, output: torch.Tensor,
                     buffers: RowBuffers) -> None:
-        """"flash_exact": the covered rows' virtual sequences (built once per forward, shared by its layers through
-        ``TreeForwardState.step_cache``), their scratch pages filled from this layer's cache and fresh K/V, then one
-        FlashAttention 3 call over them (``attention/exact_rows.py``)."""
+        """"flash_exact": every row's virtual sequence (built once per forward, shared by its layers through
+        ``TreeForwardState.step_cache``), the tree rows' scratch pages filled from this layer's cache and fresh K/V,
+        then one FlashAttention 3 call over them all, in place (``attention/exact_rows.py``)."""
         from ubtree_vllm.vllm.attention.exact_rows import (attend_rows_exactly, copy_rows_to_scratch,
                                                            pinned_scheduler_metadata, virtual_rows)
 
@@ -112,7 +112,8 @@ class TreeFlashAttentionImpl(TreeRowsImpl, FlashAttentionImpl):
         else:
             rows = virtual_rows(buffers.row_index[:num_tokens], buffers.row_req[:num_tokens],
                                 buffers.row_context_len[:num_tokens], buffers.row_path[:num_tokens],
-                                attn_metadata.block_table, self.ubtree_exact_scratch, block_size)
+                                attn_metadata.block_table, attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                                self.ubtree_exact_scratch, block_size)
             # eager steps (num_splits 0) leave the split counts to FlashAttention, as plain decoding's eager call does
             metadata = (pinned_scheduler_metadata(rows, attn_metadata.max_seq_len, self.num_heads, self.num_kv_heads,
                                                   self.head_size, query.dtype, block_size, num_splits)

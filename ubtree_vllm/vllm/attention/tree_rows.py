@@ -14,8 +14,8 @@ FLASH_ATTN), a uniform decode step's buffers hold an entry for every row but the
 over every row: at batch 1 on SmolLM2 that call was among the largest items of a round's device time (H200
 profile, 2026-12-04), spent on rows the launch overwrites. Computing the roots with the tree kernel too
 (31e8dc1) failed the MRV2 greedy test on the H200 and was withdrawn. ``tree_attention: "flash_exact"`` lays out
-steps the same way and computes the covered rows by FlashAttention 3 too, each a sequence of its own
-(``attention/exact_rows.py``) instead of the Triton launch.
+steps the same way and computes every row of such a step, roots included, by one FlashAttention 3 call, each row a
+sequence of its own (``attention/exact_rows.py``), instead of the roots' call and the Triton launch.
 
 Both backends keep K and V in one cache of logical shape
 ``[num_blocks, H_kv, block_size, 2 * head_size]``, so the same views, launch and in-cache KV commit
@@ -65,11 +65,11 @@ class TreeRowsImpl:
         if buffers is None:
             return output
         key_cache, value_cache = cache_views(kv_cache, self.head_size)  # type: ignore[attr-defined]
+        if covered and self.ubtree_exact_scratch is not None and self.ubtree_exact_scratch.serves(query.shape[0]):
+            self._exact_rows(query, key, value, key_cache, value_cache, attn_metadata, output, buffers)
+            return output
         if covered:
             self._stock_roots(query, key_cache, value_cache, attn_metadata, output)
-            if self.ubtree_exact_scratch is not None and self.ubtree_exact_scratch.serves(query.shape[0]):
-                self._exact_rows(query, key, value, key_cache, value_cache, attn_metadata, output, buffers)
-                return output
         context_out, context_lse = self._tree_context(query, key_cache, value_cache, attn_metadata)
         attend_tree_rows(query, key, value, key_cache, value_cache, attn_metadata.block_table, output, buffers,
                          self.scale, context_out, context_lse)  # type: ignore[attr-defined]
@@ -83,8 +83,9 @@ class TreeRowsImpl:
 
     def _exact_rows(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, buffers: RowBuffers) -> None:
-        """Every covered row by the stock kernel as plain decoding computes it (``tree_attention: "flash_exact"``,
-        which ``attention/state.py:bind_tree_layers`` allows only for impls that implement this)."""
+        """Every row of a covered forward, roots included, by the stock kernel as plain decoding computes it
+        (``tree_attention: "flash_exact"``, which ``attention/state.py:bind_tree_layers`` allows only for impls that
+        implement this)."""
         raise NotImplementedError(f"{type(self).__name__} computes no exact tree rows")
 
     def _tree_context(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
