@@ -163,6 +163,22 @@ def compile_kv_path_commit(dtype: torch.dtype, heads: int, elems: int, arch: int
                     lambda name: _KV_PATH_COMMIT_KINDS.get(name, "i64"), arch)
 
 
+# (cache dtype, H_kv, head size) configurations of scratch_rows (flash_exact) to compile: SmolLM2, Qwen3-8B
+SCRATCH_ROWS_CONFIGS = ((torch.bfloat16, 3, 64), (torch.float16, 8, 128))
+
+
+def compile_scratch_rows(dtype: torch.dtype, heads: int, head_size: int, arch: int) -> int:
+    """`_scratch_rows_kernel` as its launcher compiles it (int64 copy lists); returns the cubin size."""
+    from ubtree_vllm.triton_ops.scratch_rows import launch_meta
+
+    def kind(name: str) -> str:
+        if name in ("key_cache_ptr", "value_cache_ptr", "key_ptr", "value_ptr"):
+            return _POINTER[dtype]
+        return "*i64" if name.endswith("_ptr") else "i32" if name == "num_tail" else "i64"
+
+    return _compile("scratch_rows", "_scratch_rows_kernel", launch_meta(heads, head_size), kind, arch)
+
+
 def compile_tree_accept(max_depth: int, num_nodes: int, arch: int) -> int:
     """`_tree_accept_kernel` as its launcher compiles it (int64 trees); returns the cubin size."""
     from ubtree_vllm.triton_ops.tree_accept import launch_meta
@@ -328,6 +344,10 @@ def main() -> int:
     for dtype, heads, elems in KV_PATH_COMMIT_CONFIGS:
         size = compile_kv_path_commit(dtype, heads, elems, args.arch)
         print(f"kv_path_commit sm_{args.arch} {str(dtype).removeprefix('torch.')} heads {heads} elems {elems}: "
+              f"cubin {size} bytes")
+    for dtype, heads, head_size in SCRATCH_ROWS_CONFIGS:
+        size = compile_scratch_rows(dtype, heads, head_size, args.arch)
+        print(f"scratch_rows sm_{args.arch} {str(dtype).removeprefix('torch.')} heads {heads} head {head_size}: "
               f"cubin {size} bytes")
     for max_depth, num_nodes in ((16, 65), (8, 17)):
         size = compile_tree_accept(max_depth, num_nodes, args.arch)

@@ -135,6 +135,26 @@ def kv_path_commit_reference(
                 cache[dst // block_size, :, dst % block_size] = cache[src // block_size, :, src % block_size].clone()
 
 
+def scratch_rows_reference(
+        # [num_blocks, block_size, H_kv, D] one layer's key / value cache views (mutated)
+        key_cache: torch.Tensor, value_cache: torch.Tensor,
+        # [T, H_kv, D] the layer's fresh key / value rows
+        key: torch.Tensor, value: torch.Tensor,
+        # [num_tail] page / slot read and page / slot written per tail copy
+        tail_src_page: torch.Tensor, tail_src_slot: torch.Tensor, tail_dst_page: torch.Tensor,
+        tail_dst_slot: torch.Tensor,
+        # [num_path] fresh row read and page / slot written per path copy
+        path_row: torch.Tensor, path_dst_page: torch.Tensor, path_dst_slot: torch.Tensor) -> None:
+    """Twin of :func:`ubtree_vllm.triton_ops.scratch_rows.scratch_rows`: the copies one by one, tails first."""
+    tails = zip(tail_src_page.tolist(), tail_src_slot.tolist(), tail_dst_page.tolist(), tail_dst_slot.tolist())
+    for src_page, src_slot, dst_page, dst_slot in tails:
+        for cache in (key_cache, value_cache):
+            cache[dst_page, dst_slot] = cache[src_page, src_slot].clone()
+    for row, dst_page, dst_slot in zip(path_row.tolist(), path_dst_page.tolist(), path_dst_slot.tolist()):
+        key_cache[dst_page, dst_slot] = key[row]
+        value_cache[dst_page, dst_slot] = value[row]
+
+
 def gated_delta_rule_chain_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                      beta: torch.Tensor, state: torch.Tensor, scale: float, delta: bool = True
                                      ) -> tuple[torch.Tensor, torch.Tensor]:

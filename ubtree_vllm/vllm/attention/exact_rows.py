@@ -254,10 +254,11 @@ def copy_rows_to_scratch(
         key_cache: torch.Tensor, value_cache: torch.Tensor,
         # [T, H_kv, D] the layer's fresh K/V of this forward
         key: torch.Tensor, value: torch.Tensor, rows: VirtualRows) -> None:
-    """Fill every tree row's scratch pages: its request's committed tail, then its path's fresh K/V."""
-    for cache, fresh in ((key_cache, key), (value_cache, value)):
-        cache[rows.tail_dst] = cache[rows.tail_src]
-        cache[rows.path_dst] = fresh[rows.path_rows]
+    """Fill every tree row's scratch pages: its request's committed tail, then its path's fresh K/V (one launch,
+    ``triton_ops/scratch_rows.py``)."""
+    from ubtree_vllm.triton_ops.scratch_rows import scratch_rows
+
+    scratch_rows(key_cache, value_cache, key, value, *rows.tail_src, *rows.tail_dst, rows.path_rows, *rows.path_dst)
 
 
 def pinned_scheduler_metadata(rows: VirtualRows, max_seq_len: int, num_heads: int, num_kv_heads: int,

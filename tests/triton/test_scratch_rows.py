@@ -1,0 +1,52 @@
+"""triton_ops.scratch_rows against its torch twin: flash_exact's tail and path copies into scratch pages, on a
+FlashAttention cache's strided key / value views, with copies of unused entries piling onto one dump slot.
+
+Without CUDA the kernel runs under the Triton interpreter on CPU tensors (tests/conftest.py sets
+``TRITON_INTERPRET=1``).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_device import DEVICE
+from ubtree_vllm.triton_ops.reference import scratch_rows_reference
+from ubtree_vllm.triton_ops.scratch_rows import scratch_rows
+
+
+@pytest.mark.parametrize("dtype,heads,head_size", [(torch.bfloat16, 3, 64), (torch.float32, 2, 48),
+                                                   (torch.float16, 8, 128)])
+def test_scratch_rows_matches_its_twin(dtype, heads, head_size):
+    gen = torch.Generator().manual_seed(heads)
+    num_blocks, block_size, rows = 12, 16, 9
+    kv_cache = torch.randn(num_blocks, heads, block_size, 2 * head_size, generator=gen).to(dtype)
+    qkv = torch.randn(rows, 4 * heads * head_size, generator=gen).to(dtype)  # fresh K/V: strided views of one tensor
+    key = qkv[:, :heads * head_size].view(rows, heads, head_size)
+    value = qkv[:, 2 * heads * head_size: 3 * heads * head_size].view(rows, heads, head_size)
+    # tails: scheduler pages 0..7 -> scratch pages 8..10; unused copies onto the dump page 11, slot 0
+    tail_src = torch.randint(0, 8 * block_size, (20,), generator=gen)
+    tail_dst = torch.randperm(3 * block_size, generator=gen)[:20] + 8 * block_size
+    tail_dst[15:] = 11 * block_size
+    path_row = torch.randint(0, rows, (14,), generator=gen)
+    path_dst = torch.randperm(3 * block_size, generator=gen)[:14] + 8 * block_size
+    path_dst[10:] = 11 * block_size
+    path_dst[:10] = torch.tensor([s for s in range(8 * block_size, 11 * block_size) if s not in tail_dst[:15]][:10])
+
+    def run(copy, cache):
+        key_cache, value_cache = cache.transpose(1, 2).split(head_size, dim=-1)  # FlashAttentionImpl's views
+        copy(key_cache, value_cache, key.to(DEVICE), value.to(DEVICE), tail_src // block_size, tail_src % block_size,
+             tail_dst // block_size, tail_dst % block_size, path_row, path_dst // block_size, path_dst % block_size)
+        return cache
+
+    ref = run(scratch_rows_reference, kv_cache.clone())
+    got = run(scratch_rows, kv_cache.clone().to(DEVICE)).cpu()
+    assert torch.equal(got[:11], ref[:11])  # every page but the dump page, bit for bit
+    assert torch.equal(got[:8], kv_cache[:8])  # the scheduler's pages untouched
+
+
+def test_no_copies_is_a_no_op():
+    cache = torch.randn(2, 1, 16, 8).to(DEVICE)
+    key_cache, value_cache = cache.transpose(1, 2).split(4, dim=-1)
+    empty = torch.zeros(0, dtype=torch.long, device=DEVICE)
+    scratch_rows(key_cache, value_cache, torch.zeros(1, 1, 4, device=DEVICE), torch.zeros(1, 1, 4, device=DEVICE),
+                 *(empty,) * 7)
