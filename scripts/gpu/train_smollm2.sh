@@ -55,14 +55,15 @@
 #   mrv2test tests/vllm/test_vllm_mrv2_gpu.py: UBTree on Model Runner V2: greedy equality, T > 0, sync guard
 #   servertest tests/vllm/test_vllm_server_gpu.py: examples/serve.sh (default runner, B=64, graphs) vs `vllm serve`
 #            over HTTP, multiprocess engine (GPU_SERVER_START_TIMEOUT_S per server, default 300)
-#   tests    the GPU tests of triton_ops (bf16/fp16 kernel vs its PyTorch reference), of the MRV2 draft body and of the
-#            draft-stage CUDA graphs; TESTS_K selects some (pytest -k); all of them took over 150 s with 4 workers (2026-12-03)
+#   tests    the GPU tests of triton_ops (bf16/fp16 kernel vs its PyTorch reference), of the MRV2 draft body, of the
+#            draft-stage CUDA graphs and of flash_exact's rows against FA3's lone decode (test_exact_rows.py); TESTS_K
+#            selects some (pytest -k, e.g. exact_rows); all of them took over 150 s with 4 workers (2026-12-03)
 #   bench    `ubtree bench e2e` at batch 1 (ar, dflash-chain, ubtree-mrv2 and ubtree (V1) B=16/32/64); METHODS, BUDGETS,
 #            BENCH_DATASETS (also one Spec-Bench task: spec_bench:summarization, spec_bench:rag, ...), BENCH_TEMPS and
 #            BENCH_PROMPTS (per set, default 10) select a slice so
 #            each call stays < 10 minutes; BENCH_DRAFTER (default the committed drafter; e.g. /tmp/kept-drafter, a
 #            slice's drafter) which drafter the tree methods use; BENCH_COMPARE=DIR[,DIR] runs them again with those
-#            drafters in the same invocation (--compare-drafters: one ar/ngram baseline, one machine); TREE_ATTENTION=flash_merge (bench, sweep, stages, roundprof, agreement) sets
+#            drafters in the same invocation (--compare-drafters: one ar/ngram baseline, one machine); TREE_ATTENTION=flash_merge / flash_exact / a list (bench, sweep, stages, roundprof, agreement) sets
 #            --tree-attention;
 #            BEAM_WIDTH=W (bench, sweep, stages, roundprof, options, agreement) sets the tree methods' beam width (default 12)
 #            ENGINE_CORE=process|in-process (bench, sweep; default process since 2026-12-06) says where each engine's
@@ -328,7 +329,8 @@ for phase in "$@"; do
       # -n 4 where pytest-xdist is installed (the device image has it): the kernel tests are compile-bound
       workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-4}")
       ( cd /tmp && python3 -m pytest -q -rfE "${workers[@]}" -p no:cacheprovider --rootdir "$R" -k "${TESTS_K:-}" \
-          "$R/tests/triton" "$R/tests/unit/test_draft_graphs.py" "$R/tests/unit/test_mrv2_speculator.py" ) ;;
+          "$R/tests/triton" "$R/tests/unit/test_draft_graphs.py" "$R/tests/unit/test_mrv2_speculator.py" \
+          "$R/tests/unit/test_exact_rows.py" ) ;;
     bench)
       ubtree bench e2e --target default --drafter "${BENCH_DRAFTER:-$DRAFTER}" --data-dir .gpudata --records "$RECORDS" --no-report \
         --gpu-memory-utilization "${GPU_MEM:-0.25}" ${INTERLEAVE:+--interleave "$INTERLEAVE"} ${KV_BYTES:+--kv-cache-memory-bytes "$KV_BYTES"} \
