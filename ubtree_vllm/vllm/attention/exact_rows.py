@@ -41,9 +41,10 @@ from typing import Any
 import torch
 
 FA3_MAX_SPLITS = 32  # vLLM's attention_config.flash_attn_max_num_splits_for_cuda_graph default
-# Exact rows serve uniform decode steps of up to this many requests; wider steps take the Triton kernel's rows. Plain
-# decoding's own split counts depend on the whole batch, so exactness is a small-batch property anyway, and scratch
-# for every row of the widest step (up to max_num_seqs x (1 + B')) would take a large share of the KV cache.
+# The scratch is sized for the widest uniform decode step of up to this many requests (8 x 65 rows at B = 64): any
+# covered step of at most that many rows gets exact rows, a wider one the Triton kernel's. Plain decoding's own split
+# counts depend on the whole batch, so exactness is a small-batch property anyway, and scratch for every row of the
+# widest step (up to max_num_seqs x (1 + B')) would take a large share of the KV cache.
 EXACT_ROWS_MAX_REQUESTS = 8
 FA3_DECODE_BLOCK_N = {64: 192, 128: 128}  # head size -> key block of FA3's one-warpgroup decode tile
 
