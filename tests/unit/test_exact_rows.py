@@ -260,9 +260,11 @@ def test_exact_rows_are_the_lone_decode_of_each_row_on_gpu(graph):
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     from ubtree_vllm.bench.attention_bench import bench_parents
-    from ubtree_vllm.vllm.attention.exact_rows import attend_rows_exactly, pinned_scheduler_metadata
+    from ubtree_vllm.vllm.attention.exact_rows import (attend_rows_exactly, check_scheduler_metadata_layout,
+                                                       pinned_scheduler_metadata)
 
     device = torch.device("cuda")
+    check_scheduler_metadata_layout(device, 9, 3, 64, torch.bfloat16, BLOCK)  # the layout the pinning assumes
     step = covered_step([(1000, bench_parents(0))], padding=3, device=device, num_heads=9, num_kv_heads=3,
                         head_size=64, dtype=torch.bfloat16)
     query, max_seq_len, splits = step["query"], int(step["seq_lens"].max()), 32

@@ -295,6 +295,37 @@ def attend_rows_exactly(
         fa_version=3, num_splits=num_splits)
 
 
+# Key blocks of the sequences the layout check hands FA3's scheduler: unsorted, so that split counts stored in any
+# other order than the batch's would show
+_LAYOUT_PROBE_BLOCKS = (3, 40, 1, 20, 7)
+
+
+def check_scheduler_metadata_layout(device: torch.device, num_heads: int, num_kv_heads: int, head_size: int,
+                                    dtype: torch.dtype, block_size: int, num_splits: int = FA3_MAX_SPLITS) -> None:
+    """NotImplementedError unless this FlashAttention build's scheduler metadata holds the per-sequence split counts
+    where :func:`pinned_scheduler_metadata` writes them, in batch order, with the values :func:`fa3_split_counts`
+    predicts for a probe batch (GPU only; at engine start, outside any graph). Another FA3 build could lay the
+    metadata out otherwise, and pinned counts written elsewhere would compute wrong rows."""
+    from vllm.vllm_flash_attn import get_scheduler_metadata
+
+    lens = torch.tensor([blocks * FA3_DECODE_BLOCK_N[head_size] for blocks in _LAYOUT_PROBE_BLOCKS],
+                        dtype=torch.int32, device=device)
+    batch = lens.shape[0]
+    metadata = get_scheduler_metadata(
+        batch_size=batch, max_seqlen_q=1, max_seqlen_k=int(lens.max()), num_heads_q=num_heads,
+        num_heads_kv=num_kv_heads, headdim=head_size, cache_seqlens=lens, qkv_dtype=dtype,
+        cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=device), page_size=block_size, causal=True,
+        num_splits=num_splits)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    predicted = fa3_split_counts(lens, head_size, num_kv_heads, num_sms, alone=False, max_splits=num_splits)
+    found = metadata[split_count_slice(batch)].tolist()  # SYNC: once, at engine start
+    if found != predicted.tolist():
+        raise NotImplementedError(
+            f"tree_attention 'flash_exact': this FlashAttention 3 build's scheduler metadata does not hold the split "
+            f"counts where flash_exact pins them (positions {split_count_slice(batch).start}.. of "
+            f"{metadata.shape[0]}: {found}, predicted {predicted.tolist()}); use another tree_attention")
+
+
 def check_exact_rows_layer(impl: Any) -> None:
     """NotImplementedError unless ``impl`` (a tree-aware FLASH_ATTN impl) can serve ``"flash_exact"``."""
     version = getattr(impl, "vllm_flash_attn_version", None)

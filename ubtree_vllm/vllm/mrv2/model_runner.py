@@ -41,7 +41,8 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 from ubtree_vllm.triton_ops.accepted_rows import commit_accepted_paths
 from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers
-from ubtree_vllm.vllm.attention.exact_rows import ScratchPages, engine_scratch_pages
+from ubtree_vllm.vllm.attention.exact_rows import (ScratchPages, check_scheduler_metadata_layout,
+                                                   engine_scratch_pages)
 from ubtree_vllm.vllm.attention.state import RowBuffers, bind_tree_layers, tree_forward_state
 from ubtree_vllm.vllm.config import MRV2_TREE_ATTENTION_MODES, from_vllm_config
 from ubtree_vllm.vllm.mrv2.rejection_sampler import UBTreeRejectionSampler
@@ -159,11 +160,19 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         if len(groups) != 1:
             raise NotImplementedError(f"ubtree on MRV2 needs the target's layers in one KV cache group, got {groups}")
         self._target_group = groups[0]
+        if self._exact_scratch is not None:
+            self._check_exact_rows()
+
+    def _check_exact_rows(self) -> None:
+        """tree_attention "flash_exact" at KV init: pages as the scratch assumes, and FA3's metadata as it pins it."""
         kernel_pages = self.kernel_block_sizes[self._target_group]
-        if self._exact_scratch is not None and kernel_pages != self.cache_config.block_size:
+        if kernel_pages != self.cache_config.block_size:
             raise NotImplementedError(f"tree_attention 'flash_exact' needs the attention kernel's pages to be the KV "
                                       f"cache blocks; this engine splits blocks of {self.cache_config.block_size} "
                                       f"into kernel pages of {kernel_pages}")
+        impl = self._target_layers[0].impl
+        check_scheduler_metadata_layout(self.device, impl.num_heads, impl.num_kv_heads, impl.head_size,
+                                        self.model_config.dtype, kernel_pages)
 
     def _full_graphs_uniform_decode(self) -> bool:
         """Every FULL graph replays uniform decode steps only: the mixed mode is not FULL (else a FULL graph may replay
