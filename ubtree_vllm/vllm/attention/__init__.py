@@ -7,6 +7,8 @@
 * :mod:`.tree_rows` -- what both CUDA backends add after their stock kernel: one launch of the Triton kernel
   :func:`ubtree_vllm.triton_ops.tree_attention` per layer over the tree rows.
 * :mod:`.flash`     -- FLASH_ATTN (CUDA, bf16/fp16 targets), with the "flash_merge" context mode.
+* :mod:`.exact_rows` -- "flash_exact" (Model Runner V2, FlashAttention 3): every row of a uniform decode step a
+  one-row FlashAttention sequence of its own over scratch pages, split as plain decoding would split it.
 * :mod:`.triton_attn` -- TRITON_ATTN (CUDA, float32 targets).
 
 The backend modules import vLLM's backend classes; they are imported by vLLM's attention
