@@ -202,6 +202,17 @@ def test_fa3_split_counts_sit_after_the_rounded_prepare_seqlen_q():
     assert split_count_slice(64) == slice(64, 128)
 
 
+def test_only_flash_attention_3_layers_of_known_head_sizes_take_exact_rows():
+    from ubtree_vllm.vllm.attention.exact_rows import check_exact_rows_layer
+
+    check_exact_rows_layer(types.SimpleNamespace(vllm_flash_attn_version=3, head_size=128))
+    with pytest.raises(NotImplementedError, match=r"needs FlashAttention 3 \(Hopper\); this layer runs "
+                                                  r"FlashAttention 2"):
+        check_exact_rows_layer(types.SimpleNamespace(vllm_flash_attn_version=2, head_size=64))
+    with pytest.raises(NotImplementedError, match=r"supports head sizes \[64, 128\] .* got 96"):
+        check_exact_rows_layer(types.SimpleNamespace(vllm_flash_attn_version=3, head_size=96))
+
+
 def paged_decode_reference(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale, causal,
                            block_table, scheduler_metadata, fa_version, num_splits):
     """FlashAttention's varlen call for one-query-row sequences, as the torch paged reference (fp32 math)."""
