@@ -6,8 +6,9 @@ import pytest
 from bench_args import e2e_args
 
 from ubtree_vllm.bench import records as rec
-from ubtree_vllm.bench.e2e import OptionLedger, cells
+from ubtree_vllm.bench.engines import cells
 from ubtree_vllm.bench.prompts import PromptSet
+from ubtree_vllm.bench.recorder import OptionLedger
 from ubtree_vllm.bench.report import render
 from ubtree_vllm.bench.sampling_options import (ADDED_METRIC, NEEDS_TOKENIZER, ROUND_METRIC, SAMPLING_OPTIONS,
                                                 check_sampling_options, describe, option_records)

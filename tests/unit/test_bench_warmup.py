@@ -2,7 +2,7 @@
 a full window of requests, of staggered lengths, so new requests are prefilled beside decoding ones."""
 from types import SimpleNamespace
 
-from ubtree_vllm.bench.e2e import WARMUP_TOKENS, warm_up_at
+from ubtree_vllm.bench.engines import WARMUP_TOKENS, warm_up_at
 from ubtree_vllm.bench.prompts import PromptSet
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
-from ubtree_vllm.bench.e2e import stop_engine
+from ubtree_vllm.bench.engines import stop_engine
 from vllm_engines import TINY_TREE, spec_counts
 from vllm_oracle import ReferenceOracle, engine_runner, install_oracle
 

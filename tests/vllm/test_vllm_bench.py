@@ -18,7 +18,8 @@ import sys
 import pytest
 
 from ubtree_vllm.bench import records as rec
-from ubtree_vllm.bench.e2e import run_e2e, summary_table
+from ubtree_vllm.bench.e2e import run_e2e
+from ubtree_vllm.bench.recorder import summary_table
 from ubtree_vllm.bench.prompts import PromptSet
 from ubtree_vllm.bench.report import regenerate
 from ubtree_vllm.bench.settings import E2ESettings, ngram_run, validate

@@ -27,7 +27,7 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
-from ubtree_vllm.bench.e2e import stop_engine
+from ubtree_vllm.bench.engines import stop_engine
 from hybrid_checks import check_copying_drafter, check_load_adaptive_budget, generate, plain_references
 from vllm_engines import ENGINE_KWARGS, TINY_TREE, spec_counts
 from vllm_models import (save_tiny_deepseek_v2, save_tiny_deepseek_v3, save_tiny_falcon_h1, save_tiny_nemotron_h,

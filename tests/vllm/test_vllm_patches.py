@@ -940,7 +940,7 @@ def test_a_hybrid_budget_that_does_not_fit_names_the_largest_that_does(vllm_mode
 
     from vllm import LLM
 
-    from ubtree_vllm.bench.e2e import stop_engine
+    from ubtree_vllm.bench.engines import stop_engine
     from vllm_engines import ENGINE_KWARGS
     from vllm_models import save_tiny_qwen3_next, save_untrained_drafter
 

@@ -71,7 +71,7 @@ def test_vllm_dummy_weights_make_a_bigram_model_and_the_scaled_ones_do_not(tmp_p
     from vllm.inputs import TokensPrompt
 
     from test_vllm_gpu import prompts_for
-    from ubtree_vllm.bench.e2e import stop_engine
+    from ubtree_vllm.bench.engines import stop_engine
     from vllm_engines import ENGINE_KWARGS
     from vllm_models import save_tiny_llama
 

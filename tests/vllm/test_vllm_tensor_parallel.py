@@ -29,7 +29,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from http_servers import free_port
-from ubtree_vllm.bench.e2e import stop_engine
+from ubtree_vllm.bench.engines import stop_engine
 from vllm_engines import ENGINE_KWARGS, TINY_TREE, ray_cli, ray_env, spec_counts, stop_ray
 from vllm_models import save_tiny_falcon_h1, save_tiny_nemotron_h, save_tiny_qwen3_next, save_untrained_drafter
 from vllm_oracle import install_oracle_in_worker, oracle_rounds_in_worker

@@ -33,33 +33,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import gc
-import json
 import tempfile
-import time
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ubtree_vllm.bench.agreement import agreement_record, tokens_in_prompt_order
-from ubtree_vllm.bench.measurement import RunResult, SpeedupTable, e2e_record, spec_counters, summarize_run
-from ubtree_vllm.bench.profile import STAGE_TIMING_MODE as PROFILE_MODE
+from ubtree_vllm.bench.engines import (TOKENIZER_FILES, Engine, Log, cells, close_engine, has_tokenizer, measure,
+                                       start_engine, warm_up, warm_up_at)
+from ubtree_vllm.bench.interleave import iter_interleaved
 from ubtree_vllm.bench.profile import profiled, python_profiled, run_name
 from ubtree_vllm.bench.prompts import PromptSet, dataset_prompt_sets
-from ubtree_vllm.bench.round_cost import CARRIED, round_cost_records
-from ubtree_vllm.bench.sampling_options import NEEDS_TOKENIZER, NONE, option_records, sampling_kwargs
-from ubtree_vllm.bench.settings import (DRAFTER_FREE_METHODS, TREE_METHODS, BenchArgumentError, E2ESettings,
-                                        MethodRun, dflash_chain_run, engine_core_env, engine_core_mode, environment,
-                                        mtp_run, ngram_run, parse_label, planned_engines, settings_from_args,
-                                        ubtree_chain_run, ubtree_run)
-from ubtree_vllm.bench.stage_timing import read_stage_times, stage_records, stage_timing_env, uses_runner_clock
-
-WARMUP_TOKENS = 32
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-Log = Callable[[str], None]
-
+from ubtree_vllm.bench.recorder import Recorder, summary_table
+from ubtree_vllm.bench.sampling_options import NEEDS_TOKENIZER, sampling_kwargs
+from ubtree_vllm.bench.settings import (BenchArgumentError, E2ESettings, engine_core_env, environment, planned_engines,
+                                        settings_from_args)
+from ubtree_vllm.bench.stage_timing import read_stage_times, uses_runner_clock
 
 def is_recurrent_hybrid(target_path: str | Path) -> bool:
     """Whether the target's architecture has recurrent layers UBTree forks per node (Gated DeltaNet, Mamba2): its
@@ -99,265 +87,11 @@ def check_mtp_target(target_path: str | Path, load_format: str) -> None:
                              "--load-format dummy to run every engine on random weights")
 
 
-def has_tokenizer(target_path: str | Path) -> bool:
-    return any((Path(target_path) / name).is_file() for name in TOKENIZER_FILES)
-
-
-def build_engine(target_path: str | Path, run: MethodRun, engine_kwargs: dict[str, Any]) -> Any:
-    """One `vllm.LLM` for `run`; stats logging on (spec-decode counters, per-request metrics)."""
-    from vllm import LLM
-
-    from ubtree_vllm import compat
-
-    compat.allow_cudagraph_capture_for_next_engine()  # in-process engines: see compat
-    kwargs = {"skip_tokenizer_init": not has_tokenizer(target_path), **engine_kwargs, "disable_log_stats": False}
-    if run.speculative_config is not None:
-        kwargs["speculative_config"] = dict(run.speculative_config)
-    with environment(run.env):
-        return LLM(model=str(target_path), **kwargs)
-
-
-def stop_engine(llm: Any) -> None:
-    """Stop the engine core (its process in multiprocess mode); the caller then drops `llm`."""
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
-
-
-def release_memory() -> None:
-    """Collect the dropped engine and give its cached device memory back."""
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def run_requests(llm: Any, prompts: Sequence[Sequence[int]], params: Any,
-                 concurrency: int) -> tuple[list[Any], float, int]:
-    """Finished RequestOutputs (completion order), wall seconds and engine steps, <= `concurrency` in flight.
-    `params`: one SamplingParams for every prompt, or a sequence of them, one per prompt."""
-    from vllm.inputs import TokensPrompt
-
-    engine = llm.llm_engine
-    per_prompt = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
-    queue = deque(zip(prompts, per_prompt))
-    outputs: list[Any] = []
-    in_flight = steps = 0
-    started = time.perf_counter()
-    while queue or in_flight:
-        while queue and in_flight < concurrency:
-            prompt, prompt_params = queue.popleft()
-            llm.enqueue(TokensPrompt(prompt_token_ids=list(prompt)), prompt_params, use_tqdm=False)
-            in_flight += 1
-        if not engine.has_unfinished_requests():
-            raise RuntimeError(f"vLLM reports no unfinished request while {in_flight} are in flight")
-        steps += 1
-        for output in engine.step():
-            if output.finished:
-                outputs.append(output)
-                in_flight -= 1
-    return outputs, time.perf_counter() - started, steps
-
-
-def sampling_params(prompt_set: PromptSet, temperature: float, max_new_tokens: int,
-                    options: Mapping[str, Any] | None = None) -> Any:
-    """The SamplingParams of every measured request (module docstring), plus ``options``."""
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=temperature, max_tokens=max_new_tokens, ignore_eos=False, detokenize=False,
-                          stop_token_ids=list(prompt_set.stop_token_ids) or None, **(options or {}))
-
-
-def measure(llm: Any, prompt_set: PromptSet, temperature: float, concurrency: int, max_new_tokens: int,
-            outputs_to: list[Any] | None = None, options: Mapping[str, Any] | None = None) -> RunResult:
-    """One measured run of a prompt set (counters read around it, see bench/measurement.py); the finished
-    RequestOutputs are appended to `outputs_to` when given; `options`: more SamplingParams keywords, on every
-    request (bench/sampling_options.py)."""
-    params = sampling_params(prompt_set, temperature, max_new_tokens, options)
-    before = spec_counters(llm.get_metrics())
-    outputs, wall_s, steps = run_requests(llm, prompt_set.prompts, params, concurrency)
-    if outputs_to is not None:
-        outputs_to.extend(outputs)
-    return summarize_run(outputs, wall_s, before, spec_counters(llm.get_metrics()), steps)
-
-
-def _start_engine(label: str, settings: E2ESettings, target_path: Path, engine_kwargs: dict[str, Any],
-                  scratch: Path, log: Log) -> tuple[MethodRun, Any]:
-    """(the run, its engine) for a planned label; dflash-chain falls back to ubtree-chain."""
-    method, budget, attention = parse_label(label)
-    if method in TREE_METHODS:
-        run = ubtree_run(settings, budget, method, attention)
-    elif label == "ngram":
-        run = ngram_run(settings)
-    elif label == "mtp":
-        run = mtp_run(settings)
-    elif label == "dflash-chain":
-        from ubtree_vllm.drafter.io import META_FILE, export_dflash_proposer
-
-        proposer = export_dflash_proposer(settings.drafter, Path(tempfile.mkdtemp(prefix="dflash-proposer-",
-                                                                                  dir=scratch)))
-        num_tokens = json.loads((proposer / META_FILE).read_text())["num_speculative_tokens"]
-        run = dflash_chain_run(settings, proposer, num_tokens)
-        try:
-            return run, build_engine(target_path, run, engine_kwargs)
-        except Exception as exc:  # vLLM re-raises loader errors from the engine core as various types
-            reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-            release_memory()
-            log(f"bench e2e: vLLM could not load the drafter's proposer as method 'dflash' ({reason}); "
-                f"falling back to ubtree-chain (B = block size {settings.block_size}, W = 1, K = 1)")
-            run = ubtree_chain_run(settings, note=f"fallback: vLLM 'dflash' failed to load ({reason})")
-    else:
-        run = MethodRun(label)
-    return run, build_engine(target_path, run, engine_kwargs)
-
-
-def warm_up_at(llm: Any, prompt_set: PromptSet, concurrency: int) -> None:
-    """Unmeasured: 2 x ``concurrency`` prompts of the set (cycled when it has fewer) through the same sliding
-    window, each request stopping after a different number of tokens (WARMUP_TOKENS / 4 .. WARMUP_TOKENS), so
-    requests finish at different steps and new ones are prefilled beside decoding ones: the batch sizes and the
-    mixed prefill + decode steps of a measured run meet their one-time work (a kernel's first compile, a
-    schedule's next bucket) here, not in the measurement, as in a server that has run a while."""
-    from vllm import SamplingParams
-
-    prompts = [prompt_set.prompts[i % len(prompt_set.prompts)] for i in range(2 * concurrency)]
-    params = [SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS * (1 + i % 4) // 4, ignore_eos=True,
-                             detokenize=False) for i in range(len(prompts))]
-    run_requests(llm, prompts, params, concurrency)
-
-
-def cells(prompt_sets: Sequence[PromptSet], settings: E2ESettings) -> Iterator[tuple[PromptSet, float, str | None]]:
-    """(prompt set, temperature, sampling option or None) of one engine and concurrency, in run order: with
-    --sampling-options each option of a cell right after "none", its baseline."""
-    for prompt_set in prompt_sets:
-        for temperature in settings.temperatures:
-            for option in settings.sampling_options or (None,):
-                yield prompt_set, temperature, option
-
-
-class OptionLedger:
-    """What the --sampling-options records of a run compare with: ar's tok/s with the same option in the same cell
-    (ar runs first), and the round time of the same engine without an option ("none" runs first in a cell)."""
-
-    def __init__(self) -> None:
-        self._ar_tokens_per_s: dict[tuple, float] = {}
-        self._no_option_round_ms: dict[tuple, float] = {}
-
-    def records(self, label: str, drafter: str | None, record: Mapping[str, Any], option: str) -> list[dict[str, Any]]:
-        """The cost records of one run (its e2e ``record``, measured with ``option``) of engine ``label``."""
-        cell = (record["dataset"], record["temperature"], record["concurrency"])
-        if record["method"] == "ar":
-            self._ar_tokens_per_s[(*cell, option)] = record["output_tokens_per_s"]
-        engine = (label, drafter, *cell)
-        new = option_records(record, option, self._ar_tokens_per_s.get((*cell, option)),
-                             self._no_option_round_ms.get(engine), {k: record.get(k) for k in CARRIED})
-        if option == NONE and new:
-            self._no_option_round_ms[engine] = new[0]["value"]
-        return new
-
-
 def run_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path: str | Path,
             engine_kwargs: dict[str, Any], records_path: str | Path | None = None,
             log: Log = print) -> list[dict[str, Any]]:
     """Every planned engine x concurrency x prompt set x temperature; returns the records (appended if a path)."""
     return list(iter_e2e(settings, prompt_sets, target_path, engine_kwargs, records_path, log))
-
-
-@dataclasses.dataclass
-class Engine:
-    """One started engine of the plan: its label, run, vLLM engine and drafter (with its training totals)."""
-
-    label: str
-    run: MethodRun
-    llm: Any
-    drafter: str | None
-    drafter_training: Mapping[str, int] | None
-
-
-class Recorder:
-    """Turns each measured run into the records of the invocation's mode (e2e + round cost, --agreement,
-    --stage-timing, --sampling-options), pairs them with ar's, appends them when a path is given."""
-
-    def __init__(self, settings: E2ESettings, target: str, cuda_graphs: bool, records_path: str | Path | None,
-                 log: Log) -> None:
-        self.settings, self.target, self.cuda_graphs, self.records_path, self.log = (
-            settings, target, cuda_graphs, records_path, log)
-        self.speedups = SpeedupTable()
-        self.rows: list[dict[str, Any]] = []
-        self.greedy_ar: dict[tuple[str, int], list[list[int]]] = {}  # --agreement: ar's outputs per (dataset, conc)
-        self.options = OptionLedger()  # --sampling-options: the baselines each option's records compare with
-        self.engine_core = engine_core_mode(settings)  # the e2e records' notes name it
-
-    def take(self, engine: Engine, prompt_set: PromptSet, temperature: float, concurrency: int, option: str | None,
-             result: RunResult, outputs: list[Any], stage_times: Any = None, records: bool = True,
-             note: str = "") -> list[dict[str, Any]]:
-        """The records of one measured run (appended if a path); ``records=False`` (--profile): log it only;
-        ``note``: how the run was measured, added to the run's own note in the records."""
-        from ubtree_vllm.bench.records import append_record
-
-        settings, run, drafter = self.settings, engine.run, engine.drafter
-        if note:
-            run = dataclasses.replace(run, note=f"{run.note}; {note}" if run.note else note)
-        speedup = (None if option else
-                   self.speedups.speedup(run.method, prompt_set.dataset, temperature, concurrency, result.tokens_per_s))
-        where = dict(target=self.target, drafter=drafter, dataset=prompt_set.dataset, temperature=temperature,
-                     concurrency=concurrency, max_new_tokens=settings.max_new_tokens, cuda_graphs=self.cuda_graphs,
-                     tp=settings.tensor_parallel_size)
-        record = e2e_record(run, result, speedup=speedup, drafter_training=engine.drafter_training,
-                            engine_core=self.engine_core, **where)
-        self.log(f"bench e2e: {summary_line(record)}" + (f" option={option}" if option else ""))
-        if not records:  # the profiler slows the steps: tables only, no records
-            new = []
-        elif settings.agreement:  # greedy outputs against ar's: agreement records only
-            tokens = tokens_in_prompt_order(outputs, prompt_set.prompts)
-            cell = (prompt_set.dataset, concurrency)
-            if run.method == "ar":
-                self.greedy_ar[cell] = tokens
-            new = [] if run.method == "ar" else [agreement_record(
-                run, self.greedy_ar[cell], tokens, target=self.target, drafter=drafter, dataset=prompt_set.dataset,
-                concurrency=concurrency, max_new_tokens=settings.max_new_tokens, cuda_graphs=self.cuda_graphs,
-                tau=result.tau, tp=settings.tensor_parallel_size)]
-        elif settings.stage_timing:  # timed steps are slower: stage records only
-            new = stage_records(run, result, stage_times, **where)
-        elif option:  # --sampling-options: the option's cost records only
-            new = self.options.records(engine.label, drafter, record, option)
-        else:  # + its round cost in plain steps against this invocation's ar cell
-            new = [record, *round_cost_records([*(r for r in self.rows if r["method"] == "ar"), record])]
-        if self.records_path is not None:
-            new = [append_record(r, self.records_path) for r in new]
-        self.rows.extend(new)
-        return new
-
-
-def start_engine(label: str, engine_settings: E2ESettings, settings: E2ESettings, target_path: Path,
-                 engine_kwargs: dict[str, Any], scratch: Path, log: Log) -> Engine:
-    """Log the start, then :func:`open_engine`."""
-    log_engine_start(label, engine_settings, settings, log)
-    return open_engine(label, engine_settings, settings, target_path, engine_kwargs, scratch, log)
-
-
-def log_engine_start(label: str, engine_settings: E2ESettings, settings: E2ESettings, log: Log) -> None:
-    log(f"bench e2e: starting engine for {label}" + (f" (drafter {engine_settings.drafter})"
-                                                     if settings.compare_drafters and label not in DRAFTER_FREE_METHODS
-                                                     else ""))
-
-
-def open_engine(label: str, engine_settings: E2ESettings, settings: E2ESettings, target_path: Path,
-                engine_kwargs: dict[str, Any], scratch: Path, log: Log) -> Engine:
-    """Build the engine of a planned label (under the stage-timing / profiling environment of the mode)."""
-    from ubtree_vllm.drafter.io import training_totals
-
-    drafter = engine_settings.drafter
-    profiling = settings.profile_dir is not None
-    with stage_timing_env("1" if settings.stage_timing else PROFILE_MODE if profiling else None):
-        run, llm = _start_engine(label, engine_settings, target_path, engine_kwargs, scratch, log)
-    return Engine(label, run, llm, drafter, training_totals(drafter) if drafter else None)
-
-
-def close_engine(engine: Engine) -> None:
-    stop_engine(engine.llm)
-    engine.llm = None
-    release_memory()
 
 
 def iter_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_path: str | Path,
@@ -382,8 +116,6 @@ def iter_e2e(settings: E2ESettings, prompt_sets: Sequence[PromptSet], target_pat
     # every engine (and each --interleave child, spawned with this environment) starts in the mode of --engine-core
     with tempfile.TemporaryDirectory(prefix="ubtree-bench-") as scratch, environment(engine_core_env(settings)):
         if settings.interleave > 1:
-            from ubtree_vllm.bench.interleave import iter_interleaved
-
             yield from iter_interleaved(settings, prompt_sets, target_path, engine_kwargs, Path(scratch), recorder, log)
             return
         for label, engine_settings in planned_engines(settings):
@@ -426,33 +158,6 @@ def _measure_engine(engine: Engine, settings: E2ESettings, prompt_sets: Sequence
             times = read_stage_times(llm, reset=True) if clocked else None
             yield from recorder.take(engine, prompt_set, temperature, concurrency, option, result, outputs, times,
                                      records=not profiling)
-
-
-def warm_up(llm: Any, prompt_sets: Sequence[PromptSet], settings: E2ESettings) -> None:
-    """One unmeasured request (the first prompt, WARMUP_TOKENS at most) right after the engine starts."""
-    warmup = dataclasses.replace(prompt_sets[0], prompts=prompt_sets[0].prompts[:1])
-    measure(llm, warmup, 0.0, 1, min(WARMUP_TOKENS, settings.max_new_tokens))
-
-
-SUMMARY_COLUMNS = (("method", "method", 12), ("B", "tree_budget", 4), ("dataset", "dataset", 10),
-                   ("T", "temperature", 4), ("conc", "concurrency", 4), ("tau", "tau", 6),
-                   ("tok/s", "output_tokens_per_s", 9), ("TPOT ms", "tpot_ms", 8), ("speedup", "speedup_vs_ar", 7))
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.2f}" if isinstance(value, float) else str(value)
-
-
-def summary_line(record: dict[str, Any]) -> str:
-    return " ".join(f"{name}={_cell(record[key])}" for name, key, _ in SUMMARY_COLUMNS)
-
-
-def summary_table(rows: Sequence[dict[str, Any]]) -> str:
-    lines = [" ".join(f"{name:>{width}}" for name, _, width in SUMMARY_COLUMNS)]
-    lines += [" ".join(f"{_cell(r[key]):>{width}}" for _, key, width in SUMMARY_COLUMNS) for r in rows]
-    return "\n".join(lines)
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -5,8 +5,8 @@ capture flags, the tree-attention hand-over): on the H200 (2026-12-04) the first
 tried to capture a CUDA graph in the middle of serving once the other two had started, and stopped. A child
 process per engine (``spawn``) gives each the state a lone engine has, as separate bench invocations would.
 
-The child builds the engine (:func:`~ubtree_vllm.bench.e2e.open_engine`) and then serves calls: ``warm_up``,
-``warm_up_at``, ``run`` (:func:`~ubtree_vllm.bench.e2e.run_requests`: the finished RequestOutputs, the wall
+The child builds the engine (:func:`~ubtree_vllm.bench.engines.open_engine`) and then serves calls: ``warm_up``,
+``warm_up_at``, ``run`` (:func:`~ubtree_vllm.bench.engines.run_requests`: the finished RequestOutputs, the wall
 seconds and the engine steps, all measured in the child, so the pipe's cost is never timed) and
 ``counters`` (the spec-decode counters). Errors come back as the child's traceback and are raised in the
 parent. The constructor only spawns the child; :meth:`EngineProcess.wait_started` waits for its engine. Engines
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ubtree_vllm.bench.settings import E2ESettings, engine_core_mode
 
 if TYPE_CHECKING:
-    from ubtree_vllm.bench.e2e import Engine
+    from ubtree_vllm.bench.engines import Engine
 
 START_TIMEOUT_S = 1800  # an engine start (compile, graph capture) on the slowest machine the bench runs on
 CLOSE_TIMEOUT_S = 120
@@ -48,7 +48,7 @@ def child_is_daemon(settings: E2ESettings) -> bool:
 
 class EngineProcess:
     """The parent's handle on one engine in a child process. ``engine``: its
-    :class:`~ubtree_vllm.bench.e2e.Engine` (label, run, drafter) with ``llm`` None: the engine lives in the child."""
+    :class:`~ubtree_vllm.bench.engines.Engine` (label, run, drafter) with ``llm`` None: the engine lives in the child."""
 
     def __init__(self, label: str, engine_settings: E2ESettings, settings: E2ESettings, target_path: Path,
                  engine_kwargs: dict[str, Any], scratch: Path) -> None:
@@ -65,7 +65,7 @@ class EngineProcess:
 
     def wait_started(self) -> None:
         """Wait for the child's engine to be up (RuntimeError with its traceback if it failed); sets ``engine``."""
-        from ubtree_vllm.bench.e2e import Engine
+        from ubtree_vllm.bench.engines import Engine
 
         if self.engine is None:
             run, drafter, training = self._receive(START_TIMEOUT_S)
@@ -106,7 +106,7 @@ class EngineProcess:
 def serve_engine(conn: Any, label: str, engine_settings: E2ESettings, settings: E2ESettings, target_path: Path,
                  engine_kwargs: dict[str, Any], scratch: Path) -> None:
     """The child: build the engine, answer calls until ``close`` (module docstring)."""
-    from ubtree_vllm.bench.e2e import close_engine, open_engine, run_requests, warm_up, warm_up_at
+    from ubtree_vllm.bench.engines import close_engine, open_engine, run_requests, warm_up, warm_up_at
     from ubtree_vllm.bench.measurement import spec_counters
 
     try:

@@ -20,10 +20,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ubtree_vllm.bench.e2e import Log, Recorder, cells, log_engine_start, sampling_params
 from ubtree_vllm.bench.engine_process import EngineProcess, starts_side_by_side
+from ubtree_vllm.bench.engines import Log, cells, log_engine_start, sampling_params
 from ubtree_vllm.bench.measurement import summarize_run
 from ubtree_vllm.bench.prompts import PromptSet
+from ubtree_vllm.bench.recorder import Recorder
 from ubtree_vllm.bench.sampling_options import sampling_kwargs
 from ubtree_vllm.bench.settings import E2ESettings, planned_engines
 

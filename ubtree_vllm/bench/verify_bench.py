@@ -109,7 +109,7 @@ def time_verify_forward(model_dir: str | Path, *, context_len: int = CONTEXT_LEN
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from ubtree_vllm.bench.e2e import release_memory, stop_engine
+    from ubtree_vllm.bench.engines import release_memory, stop_engine
 
     kwargs = {"load_format": "dummy", "skip_tokenizer_init": True, "enable_prefix_caching": True,
               "max_model_len": 4096, "gpu_memory_utilization": 0.85, "seed": seed, **engine_kwargs}
