@@ -82,11 +82,12 @@ def apply() -> None:
             return original(vllm_config, kv_cache_specs, available_memory)
         configs = hybrid_configs(vllm_config, kv_cache_specs, available_memory)
         if ubtree.tree_attention == "flash_exact":
+            scratch = engine_scratch_pages(vllm_config)
             for config in configs:
-                reserve_scratch_pages(config, engine_scratch_pages(vllm_config), vllm_config.cache_config.block_size,
+                reserve_scratch_pages(config, scratch, vllm_config.cache_config.block_size,
                                       vllm_config.model_config.max_model_len)
-                logger.info("ubtree: tree_attention 'flash_exact' keeps KV cache pages %d.. for the tree rows' "
-                            "scratch; the scheduler gets %d", config.num_blocks, config.num_blocks)
+                logger.info("ubtree: tree_attention 'flash_exact' keeps %d KV cache pages for the tree rows' scratch; "
+                            "the scheduler gets the other %d", scratch.num_pages, config.num_blocks)
         return configs
 
     replace_attr(core.EngineCore, "_initialize_kv_caches", _initialize_kv_caches, NAME)
@@ -102,7 +103,7 @@ def reserve_scratch_pages(config: Any, scratch: Any, block_size: int, max_model_
         raise ValueError(f"speculative_config.tree_attention 'flash_exact' keeps {scratch.num_pages} KV cache pages "
                          f"({scratch.num_pages * block_size} tokens: {scratch.pages_per_row} per tree row of up to "
                          f"{scratch.max_entries} in a step) for the tree rows' virtual sequences, leaving "
-                         f"{max(left, 0)} of {config.num_blocks}, fewer than one request of max_model_len {max_model_len} needs "
-                         f"({needed}); give the KV cache more memory, lower max_num_seqs or num_speculative_tokens, or "
-                         "use another tree_attention")
+                         f"{max(left, 0)} of {config.num_blocks}, fewer than one request of max_model_len "
+                         f"{max_model_len} needs ({needed}); give the KV cache more memory, lower max_num_seqs or "
+                         "num_speculative_tokens, or use another tree_attention")
     config.num_blocks = left

@@ -17,12 +17,8 @@ the fraction of output elements whose bits differ from `lone`. `pinned` at zero 
 with FA3 itself; the notes also say whether the metadata FA3 computed for the batch held the split counts this
 module predicts (`fa3_split_counts`), i.e. whether its reading of FA3's scheduler and metadata layout is right.
 
-FA3's scheduler (`hopper/flash_prepare_scheduler.cu` of vLLM's flash-attention, `prepare_varlen_num_blocks_kernel`):
-per sequence n = ceil(keys / block_n) key blocks; blocks_per_sm = ceil(total * 1.1 * kv_heads / num_sms), total the
-batch's blocks (one query block per sequence here); splits = clamp(ceil(n / blocks_per_sm), 1, num_splits). The
-metadata tensor (`hopper/flash_api.cpp`) holds prepare_seqlen_q for round_up(batch, 4) sequences, then the split
-counts. block_n is the one-warpgroup decode tile's key width (`hopper/tile_size.h`): 192 at head size 64, 128 at
-head size 128 (paged K/V keeps the causal tile there).
+FA3's split rule and metadata layout as this module reads them: `fa3_split_counts` and `split_count_slice` in
+ubtree_vllm/vllm/attention/exact_rows.py, which serves the exact form.
 
 GPU only (FlashAttention 3); the pure helpers are tested on the CPU.
 """
@@ -34,7 +30,8 @@ from typing import Any
 
 import torch
 
-from ubtree_vllm.vllm.attention.exact_rows import FA3_MAX_SPLITS, fa3_split_counts, split_count_slice
+from ubtree_vllm.vllm.attention.exact_rows import (FA3_MAX_SPLITS, decode_scheduler_metadata, fa3_split_counts,
+                                                   num_sms, split_count_slice)
 
 
 @dataclass(frozen=True)
@@ -48,18 +45,6 @@ class VirtualRowsResult:
     lone_splits: tuple[int, int]  # min, max over the rows
 
 
-def _batch_metadata(seqs: Any) -> torch.Tensor:
-    from vllm.vllm_flash_attn import get_scheduler_metadata
-
-    num_rows, num_heads, head_size = seqs.query.shape
-    return get_scheduler_metadata(
-        batch_size=num_rows, max_seqlen_q=1, max_seqlen_k=int(seqs.seq_lens.max()), num_heads_q=num_heads,
-        num_heads_kv=seqs.key_cache.shape[2], headdim=head_size, cache_seqlens=seqs.seq_lens,
-        qkv_dtype=seqs.query.dtype, cu_seqlens_q=torch.arange(num_rows + 1, dtype=torch.int32,
-                                                              device=seqs.query.device),
-        page_size=seqs.key_cache.shape[1], causal=True, num_splits=FA3_MAX_SPLITS)
-
-
 def measure(shape: Any, context_len: int, device: torch.device, seed: int = 0) -> VirtualRowsResult:
     """The three computations of one shape and context (GPU only; module docstring)."""
     from ubtree_vllm.bench.attention_bench import tree_inputs
@@ -67,20 +52,20 @@ def measure(shape: Any, context_len: int, device: torch.device, seed: int = 0) -
 
     inputs = tree_inputs(context_len, device, shape=shape, seed=seed)
     seqs = path_sequences(inputs, context_len)
-    num_rows = seqs.query.shape[0]
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    kv_heads, head_size = seqs.key_cache.shape[2], seqs.query.shape[2]
+    num_rows, num_heads, head_size = seqs.query.shape
+    kv_heads, sms = seqs.key_cache.shape[2], num_sms(device)
 
     every_row = slice(0, num_rows)
     lone = plain_decode_attention(seqs, inputs.scale, num_splits=FA3_MAX_SPLITS, fa_version=3)
     batch = torch.empty_like(seqs.query)
     flash_decode_rows(seqs, inputs.scale, every_row, batch, num_splits=FA3_MAX_SPLITS, fa_version=3)
 
-    metadata = _batch_metadata(seqs)
+    metadata = decode_scheduler_metadata(seqs.seq_lens, int(seqs.seq_lens.max()), num_heads, kv_heads, head_size,
+                                         seqs.query.dtype, seqs.key_cache.shape[1], FA3_MAX_SPLITS)
     counts = split_count_slice(num_rows)
-    predicted = fa3_split_counts(seqs.seq_lens, head_size, kv_heads, num_sms, alone=False)
+    predicted = fa3_split_counts(seqs.seq_lens, head_size, kv_heads, sms, alone=False)
     layout_confirmed = bool(torch.equal(metadata[counts].cpu(), predicted.cpu()))
-    lone_splits = fa3_split_counts(seqs.seq_lens, head_size, kv_heads, num_sms, alone=True)
+    lone_splits = fa3_split_counts(seqs.seq_lens, head_size, kv_heads, sms, alone=True)
     metadata[counts] = lone_splits.to(device)
     pinned = torch.empty_like(seqs.query)
     flash_decode_rows(seqs, inputs.scale, every_row, pinned, num_splits=FA3_MAX_SPLITS, fa_version=3,

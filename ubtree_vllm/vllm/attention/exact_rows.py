@@ -30,8 +30,9 @@ makes the FA3 call. Fixed shapes, no host read of a device value: captured in th
 Exact at batch 1 under FULL CUDA graphs (vLLM's split cap ``max_num_splits``); with several requests in flight it
 matches plain decoding's split counts whenever the other requests' key-block counts are their roots', and plain
 decoding's own batch then differs anyway (requests finish at other steps). GPU only (FlashAttention 3, head sizes 64
-and 128); the layout and the copies are plain torch and tested on the CPU against a paged reference
-(``tests/unit/test_exact_rows.py``), the FA3 call against FA3's lone decode on the GPU.
+and 128); the layout (plain torch) and the copies (one Triton launch, ``triton_ops/scratch_rows.py``) are tested on
+the CPU against a paged reference (``tests/unit/test_exact_rows.py``), the FA3 call against FA3's lone decode on the
+GPU.
 """
 from __future__ import annotations
 
@@ -78,6 +79,25 @@ def splits_for(n_blocks: torch.Tensor, total_blocks: torch.Tensor, num_kv_heads:
             / float(num_sms))
     blocks_per_sm = torch.ceil(work).long().clamp(min=1)
     return ((n_blocks + blocks_per_sm - 1) // blocks_per_sm).clamp(1, max_splits).to(torch.int32)
+
+
+def decode_scheduler_metadata(seq_lens: torch.Tensor, max_seqlen_k: int, num_heads: int, num_kv_heads: int,
+                              head_size: int, dtype: torch.dtype, block_size: int, num_splits: int) -> torch.Tensor:
+    """FA3's scheduler metadata (``get_scheduler_metadata``) for a batch of one-query-row paged sequences of
+    ``seq_lens`` [N] int32 keys, as FA3 would compute it itself (GPU only)."""
+    from vllm.vllm_flash_attn import get_scheduler_metadata
+
+    batch = seq_lens.shape[0]
+    return get_scheduler_metadata(
+        batch_size=batch, max_seqlen_q=1, max_seqlen_k=max_seqlen_k, num_heads_q=num_heads,
+        num_heads_kv=num_kv_heads, headdim=head_size, cache_seqlens=seq_lens, qkv_dtype=dtype,
+        cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=seq_lens.device), page_size=block_size,
+        causal=True, num_splits=num_splits)
+
+
+def num_sms(device: torch.device) -> int:
+    """The SM count FA3's scheduler divides the work by."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def split_count_slice(batch: int) -> slice:
@@ -266,15 +286,10 @@ def pinned_scheduler_metadata(rows: VirtualRows, max_seq_len: int, num_heads: in
                               head_size: int, dtype: torch.dtype, block_size: int, num_splits: int) -> torch.Tensor:
     """FA3's scheduler metadata for the virtual sequences, their split counts replaced by plain decoding's
     (:func:`plain_split_counts`; GPU only)."""
-    from vllm.vllm_flash_attn import get_scheduler_metadata
-
-    num_rows = rows.seq_lens.shape[0]
-    metadata = get_scheduler_metadata(
-        batch_size=num_rows, max_seqlen_q=1, max_seqlen_k=max_seq_len, num_heads_q=num_heads,
-        num_heads_kv=num_kv_heads, headdim=head_size, cache_seqlens=rows.seq_lens, qkv_dtype=dtype,
-        cu_seqlens_q=rows.cu_seqlens_q, page_size=block_size, causal=True, num_splits=num_splits)
-    num_sms = torch.cuda.get_device_properties(rows.seq_lens.device).multi_processor_count
-    metadata[split_count_slice(num_rows)] = plain_split_counts(rows, head_size, num_kv_heads, num_sms, num_splits)
+    metadata = decode_scheduler_metadata(rows.seq_lens, max_seq_len, num_heads, num_kv_heads, head_size, dtype,
+                                         block_size, num_splits)
+    metadata[split_count_slice(rows.seq_lens.shape[0])] = plain_split_counts(
+        rows, head_size, num_kv_heads, num_sms(rows.seq_lens.device), num_splits)
     return metadata
 
 
@@ -306,18 +321,12 @@ def check_scheduler_metadata_layout(device: torch.device, num_heads: int, num_kv
     where :func:`pinned_scheduler_metadata` writes them, in batch order, with the values :func:`fa3_split_counts`
     predicts for a probe batch (GPU only; at engine start, outside any graph). Another FA3 build could lay the
     metadata out otherwise, and pinned counts written elsewhere would compute wrong rows."""
-    from vllm.vllm_flash_attn import get_scheduler_metadata
-
     lens = torch.tensor([blocks * FA3_DECODE_BLOCK_N[head_size] for blocks in _LAYOUT_PROBE_BLOCKS],
                         dtype=torch.int32, device=device)
     batch = lens.shape[0]
-    metadata = get_scheduler_metadata(
-        batch_size=batch, max_seqlen_q=1, max_seqlen_k=int(lens.max()), num_heads_q=num_heads,
-        num_heads_kv=num_kv_heads, headdim=head_size, cache_seqlens=lens, qkv_dtype=dtype,
-        cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=device), page_size=block_size, causal=True,
-        num_splits=num_splits)
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    predicted = fa3_split_counts(lens, head_size, num_kv_heads, num_sms, alone=False, max_splits=num_splits)
+    metadata = decode_scheduler_metadata(lens, int(lens.max()), num_heads, num_kv_heads, head_size, dtype, block_size,
+                                         num_splits)
+    predicted = fa3_split_counts(lens, head_size, num_kv_heads, num_sms(device), alone=False, max_splits=num_splits)
     found = metadata[split_count_slice(batch)].tolist()  # SYNC: once, at engine start
     if found != predicted.tolist():
         raise NotImplementedError(
