@@ -81,8 +81,8 @@ def test_mrv2_attention_mode_with_load_adaptive_budget_greedy_equality_smollm2(m
     the FULL CUDA graphs of the verification. "flash_merge": FlashAttention's context part (its lengths computed once
     per forward) merged with the kernel's path part; "triton_stock_roots": in uniform decode steps (every FULL graph
     of tree steps) FlashAttention computes the roots alone (q_len 1, strided views) and the kernel every other row;
-    "flash_exact": the roots so, every other row by FlashAttention 3 over its own virtual sequence (scratch pages
-    filled per layer, the split counts pinned, the engine core's scheduler given fewer blocks)."""
+    "flash_exact": in uniform decode steps one FlashAttention 3 call over every row, each its own virtual sequence
+    (scratch pages filled per layer, the split counts pinned, the engine core's scheduler given fewer blocks)."""
     from test_vllm_gpu import TREE
 
     tree = {**TREE, "prompt_lookup": True, "tree_attention": mode,
@@ -97,8 +97,8 @@ def test_mrv2_attention_mode_with_load_adaptive_budget_greedy_equality_smollm2(m
 def test_mrv2_flash_exact_is_token_identical_to_plain_decoding_at_batch_1(mrv2, default_target_dir, tmp_path):
     """Issue 19: with tree_attention "flash_exact" every tree row's attention is FlashAttention 3's one-row decode of
     that position, split as plain decoding splits it at batch 1, so greedy output is plain decoding's token for token
-    in bf16 (no near-tie exception), one request at a time with FULL CUDA graphs (the roots' call and the virtual
-    sequences' call captured in the graphs of uniform decode steps)."""
+    in bf16 (no near-tie exception), one request at a time with FULL CUDA graphs (the virtual sequences' call, roots
+    included, captured in the graphs of uniform decode steps)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
