@@ -105,9 +105,11 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
     cuda_tree_form = current_platform.is_cuda() and (mla or any(a in RECURRENT_HYBRIDS for a in target.architectures))
     if spec.tree_attention != "triton" and not current_platform.is_cuda():
         raise ValueError(f"speculative_config.tree_attention {spec.tree_attention!r} runs on CUDA only (FlashAttention "
-                         f"attends the context); on {current_platform.device_name!r} use 'triton' (the default)")
+                         f"attends the context); on {current_platform.device_name!r} use 'triton' or 'auto'")
     mrv2 = current_platform.is_cuda() and _runs_on_mrv2(envs.UBTREE_VLLM_RUNNER, spec, args.tensor_parallel_size,
                                                         hybrid=cuda_tree_form)
+    if spec.tree_attention_auto:  # the user left the mode to the engine ("auto", the default)
+        spec = dataclasses.replace(spec, tree_attention=_auto_tree_attention(args, target_model_config, mrv2))
     if spec.tree_attention in MRV2_TREE_ATTENTION_MODES and not mrv2:
         raise ValueError(f"speculative_config.tree_attention {spec.tree_attention!r} runs on Model Runner V2 only (the "
                          "default CUDA runner; it lays out uniform decode steps for it); this engine runs the V1 "
@@ -142,6 +144,22 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
         args.attention_backend = cuda_tree_backend(target_model_config.dtype)
     if current_platform.is_cpu() and mla:
         _pin_cpu_mla(args)
+
+
+def _auto_tree_attention(args: Any, target_model_config: Any, mrv2: bool) -> str:
+    """The mode ``tree_attention: "auto"`` takes on this engine: "flash_exact" where the engine arguments say it can
+    serve it (``exact_rows.serves_exact_rows_by_default``), else "triton"."""
+    from vllm.platforms import current_platform
+
+    from ubtree_vllm.vllm.attention.exact_rows import serves_exact_rows_by_default
+
+    capability = current_platform.get_device_capability() if current_platform.is_cuda() else None
+    exact = serves_exact_rows_by_default(
+        mrv2=mrv2, capability_major=None if capability is None else capability.major,
+        dtype=target_model_config.dtype, head_size=target_model_config.get_head_size(),
+        attention_backend=_chosen_attention_backend(args), kv_cache_dtype=str(args.kv_cache_dtype),
+        sliding_window=target_model_config.get_sliding_window())
+    return "flash_exact" if exact else "triton"
 
 
 def _chosen_attention_backend(args: Any) -> str | None:

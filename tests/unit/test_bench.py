@@ -318,7 +318,9 @@ def test_tree_attention_mode_reaches_the_tree_engines_and_their_records(drafter_
     assert rec.append_record(record, tmp_path / "r.jsonl")["tree_attention"] == "flash_merge"
     default = ubtree_run(settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree-mrv2",
                                                      tree_budgets="16", top_k=16)), 16, "ubtree-mrv2")
-    assert "tree_attention" not in default.speculative_config and default.tree_attention is None
+    # the bench's triton is named to the engine (the serving default "auto" would take flash_exact on Hopper) and left
+    # out of the record, as before the default changed
+    assert default.speculative_config["tree_attention"] == "triton" and default.tree_attention is None
     from ubtree_vllm.bench.report import budget_label
 
     assert budget_label(record) == "16 (1-8:16,9-16:8,17-32:4,33-1024:2; flash_merge attention)"  # the default policy
@@ -599,6 +601,10 @@ def test_agreement_counts_prompts_whose_greedy_output_differs(drafter_dir):
     assert (record["metric"], record["value"], record["unit"]) == ("greedy_divergence_rate", 0.66667, "fraction")
     assert "2 of 3 greedy outputs differ" in record["notes"] and "token 0.5" in record["notes"]
     assert record["tree_budget"] == 32 and record["method"] == "ubtree-mrv2" and record["tau"] == 2.5
+    assert record["tree_attention"] is None  # the default mode; another names itself, as in the e2e records
+    exact = ubtree_run(E2ESettings(drafter="d", block_size=16), 32, "ubtree-mrv2", tree_attention="flash_exact")
+    assert agreement_record(exact, [[1]], [[1]], target="t", drafter="d", dataset="toy", concurrency=1,
+                            max_new_tokens=1, cuda_graphs=True, tau=1.0)["tree_attention"] == "flash_exact"
     with pytest.raises(BenchArgumentError, match="add ar to --methods"):
         settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree", tree_budgets="4", top_k=4,
                                     temperatures="0", agreement=True))

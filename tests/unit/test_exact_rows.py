@@ -4,6 +4,7 @@ the copies write scratch pages only, and FA3's split counts are plain decoding's
 exact_rows.py; the FA3 call itself is checked against FA3's lone decode on the GPU, last test)."""
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -16,6 +17,27 @@ from ubtree_vllm.vllm.attention.exact_rows import (copy_rows_to_scratch, fa3_spl
                                                    split_count_slice, virtual_rows)
 
 BLOCK = 16
+# Where the copies' Triton kernel runs: the GPU where there is one (a launch cannot take CPU tensors there), else CPU
+# tensors under the interpreter (tests/conftest.py sets TRITON_INTERPRET=1 for a CPU-only torch)
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def copy_where_the_kernel_runs(key_cache, value_cache, key, value, rows):
+    """copy_rows_to_scratch on this module's CPU tensors, run on KERNEL_DEVICE; the caches are updated in place."""
+    if KERNEL_DEVICE.type == "cpu":
+        copy_rows_to_scratch(key_cache, value_cache, key, value, rows)
+        return
+
+    def moved(x):
+        if isinstance(x, tuple):
+            return tuple(moved(t) for t in x)
+        return x.to(KERNEL_DEVICE) if isinstance(x, torch.Tensor) else x
+
+    on_device = dataclasses.replace(rows, **{f.name: moved(getattr(rows, f.name)) for f in dataclasses.fields(rows)})
+    caches = key_cache.to(KERNEL_DEVICE), value_cache.to(KERNEL_DEVICE)
+    copy_rows_to_scratch(*caches, key.to(KERNEL_DEVICE), value.to(KERNEL_DEVICE), on_device)
+    key_cache.copy_(caches[0].cpu())
+    value_cache.copy_(caches[1].cpu())
 
 
 def tree_requests(seed):
@@ -94,7 +116,7 @@ def test_each_rows_virtual_sequence_is_what_plain_decoding_attends_over(seed):
     key_cache, value_cache, scratch = step["key_cache"], step["value_cache"], step["scratch"]
     before = key_cache[:scratch.first_page].clone(), value_cache[:scratch.first_page].clone()
     rows = layout(step)
-    copy_rows_to_scratch(key_cache, value_cache, step["key"], step["value"], rows)
+    copy_where_the_kernel_runs(key_cache, value_cache, step["key"], step["value"], rows)
 
     # only scratch pages were written
     assert torch.equal(key_cache[:scratch.first_page], before[0])
@@ -142,7 +164,7 @@ def test_rows_past_the_scratch_pages_are_left_alone():
     for pages, _ in (rows.tail_dst, rows.path_dst):
         assert int(pages.min()) >= step["scratch"].first_page and int(pages.max()) == step["scratch"].dump_page
     assert int(rows.block_table.max()) < step["scratch"].dump_page
-    copy_rows_to_scratch(step["key_cache"], step["value_cache"], step["key"], step["value"], rows)
+    copy_where_the_kernel_runs(step["key_cache"], step["value_cache"], step["key"], step["value"], rows)
 
 
 def test_split_counts_are_plain_decodings_at_each_rows_position():
@@ -211,6 +233,31 @@ def test_only_flash_attention_3_layers_of_known_head_sizes_take_exact_rows():
         check_exact_rows_layer(types.SimpleNamespace(vllm_flash_attn_version=2, head_size=64))
     with pytest.raises(NotImplementedError, match=r"supports head sizes \[64, 128\] .* got 96"):
         check_exact_rows_layer(types.SimpleNamespace(vllm_flash_attn_version=3, head_size=96))
+    # what FlashAttention's own call passes and the exact rows' call does not (vLLM's FlashAttentionImpl attributes)
+    plain = dict(vllm_flash_attn_version=3, head_size=64, sliding_window=(-1, -1), alibi_slopes=None,
+                 logits_soft_cap=0, sinks=None, kv_cache_dtype="auto")
+    check_exact_rows_layer(types.SimpleNamespace(**plain))
+    for feature, value, name in (("sliding_window", (4095, 0), "a sliding window"),
+                                 ("alibi_slopes", torch.ones(4), "ALiBi"),
+                                 ("logits_soft_cap", 30.0, "a logits soft cap"),
+                                 ("sinks", torch.zeros(4), "attention sinks"),
+                                 ("kv_cache_dtype", "fp8_e4m3", "a quantized KV cache")):
+        with pytest.raises(NotImplementedError, match=rf"this layer uses {name}$"):
+            check_exact_rows_layer(types.SimpleNamespace(**{**plain, feature: value}))
+
+
+def test_auto_takes_exact_rows_where_the_engine_arguments_allow_them():
+    from ubtree_vllm.vllm.attention.exact_rows import serves_exact_rows_by_default
+
+    hopper = dict(mrv2=True, capability_major=9, dtype=torch.bfloat16, head_size=64, attention_backend=None,
+                  kv_cache_dtype="auto", sliding_window=None)
+    assert serves_exact_rows_by_default(**hopper)
+    assert serves_exact_rows_by_default(**{**hopper, "dtype": torch.float16, "head_size": 128,
+                                           "attention_backend": "FLASH_ATTN"})
+    for change in ({"mrv2": False}, {"capability_major": 8}, {"capability_major": 10}, {"capability_major": None},
+                   {"dtype": torch.float32}, {"head_size": 96}, {"attention_backend": "TRITON_ATTN"},
+                   {"kv_cache_dtype": "fp8"}, {"sliding_window": 4096}):
+        assert not serves_exact_rows_by_default(**{**hopper, **change}), change
 
 
 def paged_decode_reference(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale, causal,
@@ -231,12 +278,13 @@ def test_the_flash_attention_impl_computes_every_row_with_one_layout_per_forward
     fresh K/V), in place; the layout is built by the forward's first layer and reused by the others."""
     import sys
 
-    from ubtree_vllm.vllm.attention import flash
+    from ubtree_vllm.vllm.attention import exact_rows, flash
     from ubtree_vllm.vllm.attention.flash import TreeFlashAttentionImpl
     from ubtree_vllm.vllm.attention.state import TreeForwardState
 
     monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn",
                         types.SimpleNamespace(flash_attn_varlen_func=paged_decode_reference))
+    monkeypatch.setattr(exact_rows, "copy_rows_to_scratch", copy_where_the_kernel_runs)
     state = TreeForwardState()
     monkeypatch.setattr(flash, "tree_forward_state", lambda: state)
     step = covered_step(tree_requests(3), padding=3, num_heads=4, num_kv_heads=2, head_size=64, seed=3)

@@ -83,7 +83,8 @@ def test_additional_config_round_trip(tiny_drafter):
     ({"budget_policy": "fixed", "num_speculative_tokens_per_batch_size": [[1, 4, 8]]},
      r"budget_policy 'fixed' .* takes no num_speculative_tokens_per_batch_size; remove one of the two"),
     ({"tree_attention": "flash"}, r"speculative_config.tree_attention \(how tree rows attend on CUDA\) must be one of "
-                                  r"\['triton', 'flash_merge', 'triton_stock_roots', 'flash_exact'\], got 'flash'"),
+                                  r"\['auto', 'triton', 'flash_merge', 'triton_stock_roots', 'flash_exact'\], got "
+                                  r"'flash'"),
 ])
 def test_invalid_settings_name_field_and_allowed_values(tiny_drafter, overrides, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -255,13 +256,21 @@ def test_unsupported_request_options():
 
 
 def test_tree_attention_mode_reaches_the_workers(tiny_drafter):
-    """The mode travels in additional_config (the workers rebuild the config from it); 'triton' by default."""
-    assert parse_speculative_config(spec(tiny_drafter), TINY).tree_attention == "triton"
-    for mode in ("flash_merge", "triton_stock_roots", "flash_exact"):
+    """The mode travels in additional_config (the workers rebuild the config from it), with whether "auto" chose it;
+    the user's default is "auto": "triton" and tree_attention_auto until the engine-args rewrite picks the mode."""
+    default = parse_speculative_config(spec(tiny_drafter), TINY)
+    assert (default.tree_attention, default.tree_attention_auto) == ("triton", True)
+    named = parse_speculative_config(spec(tiny_drafter, tree_attention="auto"), TINY)
+    assert (named.tree_attention, named.tree_attention_auto) == ("triton", True)
+    for mode in ("triton", "flash_merge", "triton_stock_roots", "flash_exact"):
         cfg = parse_speculative_config(spec(tiny_drafter, tree_attention=mode), TINY)
+        assert not cfg.tree_attention_auto
         assert UBTreeVllmConfig.from_additional_config(cfg.to_additional_config()) == cfg
-    with pytest.raises(ValueError, match=r"\['tree_attention'\] .* must be one of"):
-        UBTreeVllmConfig.from_additional_config({**cfg.to_additional_config(), "tree_attention": "x"})
+    picked = dataclasses.replace(default, tree_attention="flash_exact")  # as the rewrite picks it
+    assert UBTreeVllmConfig.from_additional_config(picked.to_additional_config()) == picked
+    for field, value in (("tree_attention", "x"), ("tree_attention", "auto"), ("tree_attention_auto", "yes")):
+        with pytest.raises(ValueError, match=rf"\['{field}'\] .*must be"):
+            UBTreeVllmConfig.from_additional_config({**cfg.to_additional_config(), field: value})
 
 
 def test_budget_schedule_reaches_the_config(tiny_drafter):

@@ -187,6 +187,55 @@ def test_engine_args_default_runner_on_cuda_is_mrv2_where_it_applies(tiny_target
     assert method_for() == ("custom_class", "v1")
 
 
+def test_engine_args_tree_attention_auto_takes_flash_exact_where_it_can(tiny_target, tiny_drafter, monkeypatch,
+                                                                        tmp_path):
+    """tree_attention "auto" (the default): "flash_exact" on Model Runner V2 with FlashAttention 3 (Hopper) for a
+    bf16 or fp16 target of head size 64 or 128 (FLASH_ATTN), "triton" elsewhere, marked as chosen
+    for the user (a runner whose layers cannot serve it then falls back); a mode the user names is kept. Faked CUDA
+    and Hopper, rewrite only."""
+    from vllm.config import ModelConfig
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    rewrite = importlib.import_module("ubtree_vllm.patches.engine.patch_engine_args_speculative_config")
+    monkeypatch.delenv("UBTREE_VLLM_RUNNER", raising=False)
+    monkeypatch.setenv("UBTREE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    capability = [DeviceCapability(9, 0)]
+    monkeypatch.setattr(current_platform, "get_device_capability", lambda device_id=0: capability[0])
+    head_size = [64]
+    monkeypatch.setattr(ModelConfig, "get_head_size", lambda self: head_size[0])
+
+    def chosen(dtype="bfloat16", spec=None, **kwargs):
+        args = EngineArgs(model=str(tiny_target), skip_tokenizer_init=True, dtype=dtype, max_model_len=512,
+                          speculative_config=ubtree_spec(tiny_drafter, **(spec or {})), **kwargs)
+        rewrite._rewrite_to_vllm(args, args.create_model_config())
+        ubtree = args.additional_config[ADDITIONAL_CONFIG_KEY]
+        return ubtree["tree_attention"], ubtree["tree_attention_auto"]
+
+    assert chosen() == ("flash_exact", True)
+    assert chosen(dtype="float16") == ("flash_exact", True)
+    assert chosen(dtype="float32") == ("triton", True)  # FlashAttention has no fp32 kernel
+    assert chosen(attention_backend="TRITON_ATTN") == ("triton", True)
+    assert chosen(spec={"tree_attention": "triton"}) == ("triton", False)
+    assert chosen(spec={"tree_attention": "flash_exact"}) == ("flash_exact", False)
+    head_size[0] = 128
+    assert chosen() == ("flash_exact", True)
+    head_size[0] = 96  # no FA3 decode tile known here
+    assert chosen() == ("triton", True)
+    head_size[0] = 64
+    capability[0] = DeviceCapability(8, 0)  # Ampere: FlashAttention 2
+    assert chosen() == ("triton", True)
+    capability[0] = DeviceCapability(9, 0)
+    monkeypatch.setenv("UBTREE_VLLM_RUNNER", "v1")
+    assert chosen() == ("triton", True)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: False)  # the CPU
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: True)
+    monkeypatch.delenv("UBTREE_VLLM_RUNNER")
+    assert chosen(dtype="float32") == ("triton", True)
+
+
 def test_engine_args_record_whether_the_user_chose_graph_sizes(tiny_target, tiny_drafter):
     """Tree-step CUDA-graph sizes are added (vllm/decode_graphs.py) only where no capture size was chosen."""
     rewrite = importlib.import_module("ubtree_vllm.patches.engine.patch_engine_args_speculative_config")

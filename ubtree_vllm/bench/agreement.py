@@ -62,5 +62,6 @@ def agreement_record(run: MethodRun, reference: Sequence[Sequence[int]], got: Se
             "max_new_tokens": max_new_tokens, "temperature": 0.0, "batch_size": concurrency,
             "concurrency": concurrency, "tp": tp, "cuda_graphs": cuda_graphs, "tree_budget": run.tree_budget,
             "beam_width": run.beam_width, "top_k": run.top_k, "block_size": run.block_size,
+            "budget_schedule": run.budget_schedule, "tree_attention": run.tree_attention,
             "tau": None if tau is None else round(tau, 4), "metric": METRIC,
             "value": round(len(firsts) / len(reference), 5), "unit": "fraction", "notes": notes}

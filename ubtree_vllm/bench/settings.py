@@ -461,9 +461,11 @@ def ubtree_run(settings: E2ESettings, budget: int, method: str = "ubtree", tree_
 
         schedule = schedule_text(default_budget_schedule(budget))
         note += f" load-adaptive budget {schedule} (the default policy; requests in flight FIRST-LAST: nodes per tree)"
+    # always named: the serving default ("auto") takes flash_exact where it can; records name the mode when not triton
+    spec["tree_attention"] = tree_attention
     attention = None
     if tree_attention != "triton":
-        spec["tree_attention"] = attention = tree_attention
+        attention = tree_attention
         note += f" tree_attention={attention}"
     return MethodRun(method, spec, tree_budget=budget, beam_width=width, top_k=settings.top_k,
                      block_size=settings.block_size, note=note, env=dict(env), budget_schedule=schedule,

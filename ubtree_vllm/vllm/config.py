@@ -132,9 +132,14 @@ def default_budget_schedule(budget: int) -> tuple[tuple[int, int, int], ...]:
 # work lands on rows the kernel overwrites (vllm/attention/tree_rows.py); "flash_exact" (Model Runner V2,
 # FlashAttention 3) -- as "triton_stock_roots", but every other row too is computed by FlashAttention 3 as plain
 # decoding computes it, each a sequence of its own over scratch pages (vllm/attention/exact_rows.py; greedy
-# agreement with plain decoding in bf16, issue 19). "triton" stays the default until the H200 measures the others
-# (greedy tests, round time, agreement rate).
+# agreement with plain decoding in bf16, issue 19).
 TREE_ATTENTION_MODES = ("triton", "flash_merge", "triton_stock_roots", "flash_exact")
+# The default, "auto": "flash_exact" where an engine can serve it (Model Runner V2, FlashAttention 3 on Hopper, bf16 or
+# fp16, head size 64 or 128: exact_rows.serves_exact_rows_by_default), else "triton"; a runner that finds its layers
+# unable to after all (a FlashAttention feature the exact rows do not pass on) falls back to "triton" (logged). H100,
+# 2026-12-07 (records): greedy output differed from no speculation on 0 of 48 MT-Bench prompts with "flash_exact"
+# (vLLM's dflash 0 of 48; "triton" 38 of 48 on 2026-12-06), at a round of 1.85 plain steps against "triton"'s 1.78.
+TREE_ATTENTION_AUTO = "auto"
 # ... the modes that lay out uniform decode steps with the roots alone for FlashAttention (Model Runner V2 only)
 MRV2_TREE_ATTENTION_MODES = ("triton_stock_roots", "flash_exact")
 
@@ -179,6 +184,9 @@ class UBTreeVllmConfig:
     wide_decode_graphs: bool = True
     # How tree rows attend on CUDA (TREE_ATTENTION_MODES); CPU engines take "triton" only
     tree_attention: str = "triton"
+    # True when the user left the mode to the engine ("auto", the default): the engine-args rewrite then picks it, and
+    # a runner whose layers cannot serve the mode picked falls back to "triton" instead of refusing
+    tree_attention_auto: bool = False
     # Load-adaptive tree budget: vLLM's dynamic speculative decoding schedule, ((first, last batch
     # size, B'), ...); a step of n requests verifies the first B' nodes of each tree (a subtree: the
     # nodes are parents first). None: always B. Read by vLLM's scheduler, not by the workers.
@@ -197,7 +205,8 @@ class UBTreeVllmConfig:
     def to_additional_config(self) -> dict[str, Any]:
         """Plain JSON for ``VllmConfig.additional_config["ubtree"]`` (hashed by vLLM)."""
         return {"drafter": self.drafter_dir, "runner": self.runner, "wide_decode_graphs": self.wide_decode_graphs,
-                "tree_attention": self.tree_attention, "default_schedule": self.default_schedule,
+                "tree_attention": self.tree_attention, "tree_attention_auto": self.tree_attention_auto,
+                "default_schedule": self.default_schedule,
                 **self.tree.to_dict()}
 
     @classmethod
@@ -210,6 +219,10 @@ class UBTreeVllmConfig:
         default_schedule = values.pop("default_schedule", False)
         tree_attention = _tree_attention_mode(values.pop("tree_attention", "triton"),
                                               f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]['tree_attention']")
+        tree_attention_auto = values.pop("tree_attention_auto", False)
+        if not isinstance(tree_attention_auto, bool):
+            raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]['tree_attention_auto'] must be true or "
+                             f"false, got {tree_attention_auto!r}")
         if not isinstance(default_schedule, bool):
             raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]['default_schedule'] must be true or "
                              f"false, got {default_schedule!r}")
@@ -228,7 +241,7 @@ class UBTreeVllmConfig:
                              f"{drafter.block_size} ({drafter_dir} changed since the engine was configured)")
         return cls(drafter_dir=drafter_dir, tree=tree, drafter=drafter, runner=runner,
                    wide_decode_graphs=wide_decode_graphs, tree_attention=tree_attention,
-                   default_schedule=default_schedule)
+                   tree_attention_auto=tree_attention_auto, default_schedule=default_schedule)
 
 
 def load_drafter_config(model: Any) -> DrafterConfig:
@@ -327,15 +340,20 @@ def parse_speculative_config(spec: Mapping[str, Any], target: TargetInfo) -> UBT
         raise ValueError("speculative_config.budget_policy 'fixed' verifies num_speculative_tokens nodes at every step "
                          "and takes no num_speculative_tokens_per_batch_size; remove one of the two")
     schedule = _budget_schedule(spec.get("num_speculative_tokens_per_batch_size"), budget)
-    attention = _tree_attention_mode(spec.get("tree_attention", "triton"), "speculative_config.tree_attention")
+    attention = _tree_attention_mode(spec.get("tree_attention", TREE_ATTENTION_AUTO),
+                                     "speculative_config.tree_attention", auto=True)
+    auto = attention == TREE_ATTENTION_AUTO  # "triton" until the engine-args rewrite picks the engine's mode
     return UBTreeVllmConfig(drafter_dir=str(Path(spec["model"]).expanduser().resolve()), tree=tree,
-                            drafter=drafter, budget_schedule=schedule, budget_policy=policy, tree_attention=attention)
+                            drafter=drafter, budget_schedule=schedule, budget_policy=policy,
+                            tree_attention="triton" if auto else attention, tree_attention_auto=auto)
 
 
-def _tree_attention_mode(value: Any, field: str) -> str:
-    if value not in TREE_ATTENTION_MODES:
-        raise ValueError(f"{field} (how tree rows attend on CUDA) must be one of {list(TREE_ATTENTION_MODES)}, "
-                         f"got {value!r}")
+def _tree_attention_mode(value: Any, field: str, auto: bool = False) -> str:
+    """``value`` if it is a mode (or, where ``auto``, the user's default "auto", which the engine-args rewrite
+    resolves); ValueError naming ``field`` and the allowed values otherwise."""
+    allowed = (TREE_ATTENTION_AUTO, *TREE_ATTENTION_MODES) if auto else TREE_ATTENTION_MODES
+    if value not in allowed:
+        raise ValueError(f"{field} (how tree rows attend on CUDA) must be one of {list(allowed)}, got {value!r}")
     return value
 
 

@@ -336,7 +336,10 @@ def check_scheduler_metadata_layout(device: torch.device, num_heads: int, num_kv
 
 
 def check_exact_rows_layer(impl: Any) -> None:
-    """NotImplementedError unless ``impl`` (a tree-aware FLASH_ATTN impl) can serve ``"flash_exact"``."""
+    """NotImplementedError unless ``impl`` (a tree-aware FLASH_ATTN impl) can serve ``"flash_exact"``: FA3, a head
+    size whose decode tile is known here, and none of the FlashAttention features plain decoding's call passes and
+    :func:`attend_rows_exactly` does not (a sliding window, ALiBi, a logits soft cap, attention sinks, a quantized
+    KV cache and its scales)."""
     version = getattr(impl, "vllm_flash_attn_version", None)
     if version != 3:
         raise NotImplementedError(f"tree_attention 'flash_exact' needs FlashAttention 3 (Hopper); this layer runs "
@@ -344,3 +347,24 @@ def check_exact_rows_layer(impl: Any) -> None:
     if impl.head_size not in FA3_DECODE_BLOCK_N:
         raise NotImplementedError(f"tree_attention 'flash_exact' supports head sizes {sorted(FA3_DECODE_BLOCK_N)} "
                                   f"(FA3's decode tile known here), got {impl.head_size}")
+    features = {"a sliding window": tuple(getattr(impl, "sliding_window", (-1, -1)) or (-1, -1)) != (-1, -1),
+                "ALiBi": getattr(impl, "alibi_slopes", None) is not None,
+                "a logits soft cap": bool(getattr(impl, "logits_soft_cap", 0)),
+                "attention sinks": getattr(impl, "sinks", None) is not None,
+                "a quantized KV cache": str(getattr(impl, "kv_cache_dtype", "auto")).startswith("fp8")}
+    used = [name for name, on in features.items() if on]
+    if used:
+        raise NotImplementedError(f"tree_attention 'flash_exact' computes plain attention over paged bf16/fp16 keys; "
+                                  f"this layer uses {', '.join(used)}")
+
+
+def serves_exact_rows_by_default(*, mrv2: bool, capability_major: int | None, dtype: torch.dtype, head_size: int,
+                                 attention_backend: str | None, kv_cache_dtype: str,
+                                 sliding_window: int | None) -> bool:
+    """Whether ``tree_attention: "auto"`` (the default) takes ``"flash_exact"``, from what the engine arguments tell
+    before any model loads: Model Runner V2, a Hopper GPU (FlashAttention 3), a bf16 or fp16 target of a head size
+    whose FA3 decode tile is known here, FLASH_ATTN (unset or chosen), no quantized KV cache, no sliding window. What
+    only the loaded layers tell (:func:`check_exact_rows_layer`) makes the runner fall back to "triton"."""
+    return (mrv2 and capability_major == 9 and dtype in (torch.bfloat16, torch.float16)
+            and head_size in FA3_DECODE_BLOCK_N and attention_backend in (None, "auto", "FLASH_ATTN")
+            and not str(kv_cache_dtype).startswith("fp8") and not sliding_window)

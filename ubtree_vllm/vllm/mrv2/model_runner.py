@@ -37,6 +37,7 @@ import copy
 from typing import Any
 
 import torch
+from vllm.logger import init_logger
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 from ubtree_vllm.triton_ops.accepted_rows import commit_accepted_paths
@@ -51,6 +52,8 @@ from ubtree_vllm.vllm.mrv2.speculator import UBTreeSpeculator
 from ubtree_vllm.vllm.mrv2.tree_drafts_handler import TreeDraftTokensHandler
 from ubtree_vllm.vllm.mrv2.tree_layout import lay_out_tree_rows
 from ubtree_vllm.vllm.stage_clock import StageClock
+
+logger = init_logger(__name__)
 
 
 def stock_roots_only(input_batch: Any) -> bool:
@@ -87,6 +90,7 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         self.ubtree_config = config
         # tree_attention "triton_stock_roots" / "flash_exact": in uniform decode steps FlashAttention computes the
         # roots alone; "flash_exact" the other rows too, over scratch pages past the scheduler's (set at KV init)
+        self._tree_attention = config.tree_attention  # the mode served ("triton" after an "auto" fallback)
         self._stock_roots_mode = config.tree_attention in MRV2_TREE_ATTENTION_MODES
         self._exact_scratch: ScratchPages | None = None
         self.gamma = config.tree.block_size
@@ -134,20 +138,29 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         # hold no tree attention); again after the profiling run's caches are replaced.
         self._exact_scratch = None
         if self.ubtree_config.tree_attention == "flash_exact" and not is_profiling:
+            # (the pages are kept whatever the mode served: the engine core left them out of the scheduler's)
             # the engine core gave the scheduler this many blocks fewer (patch engine_core_kv_cache_configs): the
             # views cover them again, past every block the scheduler hands out
             self._exact_scratch = engine_scratch_pages(self.vllm_config, first_page=kv_cache_config.num_blocks)
             kv_cache_config = copy.copy(kv_cache_config)
             kv_cache_config.num_blocks += self._exact_scratch.num_pages
         super().initialize_kv_cache(kv_cache_config, is_profiling, kv_cache_allocation_context)
-        self._bind_target_layers()
+        try:
+            self._bind_target_layers()
+        except NotImplementedError as why:  # the layers cannot serve flash_exact after all
+            if not (self._tree_attention == "flash_exact" and self.ubtree_config.tree_attention_auto):
+                raise
+            logger.warning("ubtree: tree_attention 'auto' falls back to 'triton' (%s); the %d scratch pages kept for "
+                           "'flash_exact' stay unused", why, self._exact_scratch.num_pages)
+            self._tree_attention, self._stock_roots_mode, self._exact_scratch = "triton", False, None
+            self._bind_target_layers()
         self._kv_cache_ptrs = None
 
     def _bind_target_layers(self) -> None:
         """The target's attention layers (the drafter's excluded) read the row buffers; after every KV init."""
         self._target_layers = bind_tree_layers(self.compilation_config.static_forward_context, self._row_buffers,
                                                exclude=self.speculator.draft_attn_layer_names,
-                                               tree_attention=self.ubtree_config.tree_attention,
+                                               tree_attention=self._tree_attention,
                                                exact_scratch=self._exact_scratch)
         elsewhere = sorted({type(m.impl).__name__ for m in self._target_layers
                             if not getattr(m.impl, "ubtree_commit_in_cache", False)})
