@@ -13,6 +13,11 @@ without speculation (returning raw logits) must rank the UBTree token second, at
 ``NEAR_TIE_ULPS`` bf16 ulps below the first (logits are bf16, so a gap is a whole number of
 ulps: one ulp is the smallest gap there is); any other divergence fails.
 
+The reference engine's outputs (plain decoding of the same target, engine arguments and prompts) are kept by
+``reference_cache.py`` between tests and between calls on a warm device machine, keyed by everything they depend
+on (the target's files, the engine arguments, the environment, this repository's code, the builds and the GPU), so a
+test mostly starts one engine, the UBTree one.
+
 Optional environment (test-only): ``GPU_TEST_DRAFTER`` = a trained drafter folder for
 SmolLM2 (default: an untrained export, acceptance ~1, so no speed-up is expected);
 ``GPU_TEST_RECORDS`` = a records.jsonl path to append the tokens/s comparison to
@@ -32,6 +37,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from gpu_memory import settle_gpu_memory
+from reference_cache import cached_reference, light_outputs, reference_key
 from vllm_engines import TINY_TREE, spec_counts
 from vllm_models import (SCALED_DUMMY_FORMAT, assert_continuations_depend_on_context, register_scaled_dummy_loader,
                          save_tiny_deepseek_v2, save_tiny_falcon_h1, save_tiny_ling, save_tiny_llama,
@@ -115,24 +121,44 @@ def assert_greedy_equal_up_to_near_ties(spec: list[list[int]], plain_outputs, ca
     assert not failures, f"{where}{len(failures)} of {len(spec)} prompts: " + "; ".join(failures)
 
 
-def run_pair(target, drafter, num_prompts=8, inspect_ubtree_engine=None, tree=None, exact=False, **engine_kwargs):
+def plain_reference(target, num_prompts, fresh=False, **engine_kwargs):
+    """(greedy outputs with the top-2 raw logits, as ``reference_cache.light_outputs``; the prompts' token ids; seconds
+    for the first prompt alone after a warm-up) of ``target`` without speculation, from ``reference_cache`` unless
+    ``fresh`` or not there (then an engine computes them, and its seconds are this run's)."""
+    def compute():
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+        plain = engine(target, logprobs_mode="raw_logits", **engine_kwargs)
+        prompt_ids = prompts_for(plain.llm_engine.model_config.get_vocab_size(), num_prompts)
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
+        with_logits = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False,
+                                     logprobs=2)
+        reference = light_outputs(plain.generate(prompts, with_logits, use_tqdm=False))
+        plain.generate(prompts, params, use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        plain.generate(prompts[:1], params, use_tqdm=False)
+        plain_s = time.perf_counter() - start
+        del plain
+        gc.collect()  # the engine core process exits and frees its GPU memory before the next engine
+        return reference, prompt_ids, plain_s
+
+    key = reference_key(target, {"form": "run_pair", "num_prompts": num_prompts, "max_tokens": MAX_TOKENS,
+                                 "engine": engine_kwargs})
+    (reference, prompt_ids, plain_s), cached = cached_reference(key, compute, fresh=fresh)
+    if cached:
+        print(f"plain decoding of {target}: the cached reference {key} (its tok/s measured by the run that made it)")
+    return reference, prompt_ids, plain_s
+
+
+def run_pair(target, drafter, num_prompts=8, inspect_ubtree_engine=None, tree=None, exact=False, fresh_reference=False,
+             **engine_kwargs):
     """Greedy equality of ``num_prompts`` prompts, UBTree (speculative keys ``tree``, default TREE) vs no speculation
-    (``exact``: token for token, no near-tie exception; for float32 engines). ``inspect_ubtree_engine(llm)``
+    (``exact``: token for token, no near-tie exception; for float32 engines; the reference from
+    :func:`plain_reference`). ``inspect_ubtree_engine(llm)``
     runs before the UBTree engine shuts down and only collects facts (the caller asserts on them
     afterwards, so no traceback keeps the engine alive). Returns (plain tok/s, ubtree tok/s, tau) at batch 1."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
-    plain = engine(target, logprobs_mode="raw_logits", **engine_kwargs)
-    vocab = plain.llm_engine.model_config.get_vocab_size()
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts_for(vocab, num_prompts)]
-    with_logits = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False,
-                                 logprobs=2)
-    reference = plain.generate(prompts, with_logits, use_tqdm=False)
-    plain.generate(prompts, params, use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    plain.generate(prompts[:1], params, use_tqdm=False)
-    plain_s = time.perf_counter() - start
-    del plain
-    gc.collect()  # the engine core process exits and frees its GPU memory before the next engine
+    reference, prompt_ids, plain_s = plain_reference(target, num_prompts, fresh=fresh_reference, **engine_kwargs)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
     assert_continuations_depend_on_context([list(o.outputs[0].token_ids) for o in reference], str(target))
     ubtree = engine(target, {"method": "ubtree", "model": str(drafter), **(TREE if tree is None else tree)},
                     **engine_kwargs)
@@ -288,18 +314,25 @@ def test_hybrid_greedy_equality_and_copying_oracle(tiny_hybrid):
     An output off plain decoding's (even at a near-tie) leaves the oracle nothing to copy, so vLLM's acceptance
     counters, which count those rounds too, are printed only."""
     family, target, drafter, settings = tiny_hybrid
-    plain = engine(target, logprobs_mode="raw_logits", **settings)
-    vocab = plain.llm_engine.model_config.get_vocab_size()
-    prompt_ids = prompts_for(vocab)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
-    reference = plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                                       detokenize=False, logprobs=2), use_tqdm=False)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
-    # plain decoding against itself at another batch shape (each prompt alone): its GEMMs and attention split
-    # differently, as a verification's do, so no speculative method can be held to fewer divergences than this
-    alone = [list(plain.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
-    del plain
-    gc.collect()
+
+    def plain_decoding():
+        plain = engine(target, logprobs_mode="raw_logits", **settings)
+        vocab = plain.llm_engine.model_config.get_vocab_size()
+        prompt_ids = prompts_for(vocab)
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
+        reference = light_outputs(plain.generate(prompts, SamplingParams(
+            temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False, logprobs=2), use_tqdm=False))
+        # plain decoding against itself at another batch shape (each prompt alone): its GEMMs and attention split
+        # differently, as a verification's do, so no speculative method can be held to fewer divergences than this
+        alone = [list(plain.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
+        del plain
+        gc.collect()
+        return vocab, prompt_ids, reference, alone
+
+    (vocab, prompt_ids, reference, alone), _ = cached_reference(
+        reference_key(target, {"form": "hybrid", "max_tokens": MAX_TOKENS, "engine": settings}), plain_decoding)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
     continuations = [list(o.outputs[0].token_ids) for o in reference]
     assert_continuations_depend_on_context(continuations, str(target))
     batch_shape = divergences_beyond_near_ties(alone, reference, "plain decoding, one prompt at a time")
@@ -396,7 +429,7 @@ def smollm2_drafter(default_target_dir, tmp_path):
 
 def test_greedy_equality_and_speed_smollm2(default_target_dir, tmp_path):
     drafter = smollm2_drafter(default_target_dir, tmp_path)
-    plain_tps, ubtree_tps, tau = run_pair(default_target_dir, drafter)
+    plain_tps, ubtree_tps, tau = run_pair(default_target_dir, drafter, fresh_reference=True)  # both timed here
     print(f"SmolLM2 batch 1: no speculation {plain_tps:.1f} tok/s, ubtree {ubtree_tps:.1f} tok/s, tau {tau:.2f}")
     records = os.environ.get("GPU_TEST_RECORDS")
     if records:

@@ -2,7 +2,8 @@
 logits options: allowed ids, logit bias, min_tokens, penalties, bad words; logprobs; and structured output), T > 0 (min_p with logit_bias, and penalties, among the cases) and the host-sync guard on the H200.
 
 Skipped without CUDA (``gpu`` marker). Greedy: the first engine runs eagerly, the second with CUDA
-graphs (vLLM's default), each against the same target without speculation in the same process, with
+graphs (vLLM's default), each against the same target without speculation (its outputs cached between tests,
+test_vllm_gpu.py's ``plain_reference``), with
 the near-tie rule of test_vllm_gpu.py (a divergence only where the reference's top-2 raw logits are at
 most one bf16 ulp apart). T > 0: the two-sample test of test_vllm_gpu.py, with CUDA graphs.
 """
@@ -14,6 +15,7 @@ import warnings
 
 import pytest
 
+from reference_cache import cached_reference, reference_key
 from test_vllm_gpu import check_sampling_distribution, run_pair, save_tiny_qwen3, smollm2_drafter
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
@@ -112,10 +114,15 @@ def test_mrv2_flash_exact_is_token_identical_to_plain_decoding_at_batch_1(mrv2, 
         return [list(llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0].outputs[0].token_ids)
                 for p in prompts_for(vocab, 6)]
 
-    plain = engine(default_target_dir)
-    reference = one_at_a_time(plain)
-    del plain
-    gc.collect()
+    def plain_one_at_a_time():
+        plain = engine(default_target_dir)
+        tokens = one_at_a_time(plain)
+        del plain
+        gc.collect()
+        return tokens
+
+    reference, _ = cached_reference(reference_key(default_target_dir, {"form": "one_at_a_time", "num_prompts": 6,
+                                                                       "max_tokens": MAX_TOKENS}), plain_one_at_a_time)
     drafter = smollm2_drafter(default_target_dir, tmp_path)
     ubtree = engine(default_target_dir, {"method": "ubtree", "model": str(drafter), **TREE, "prompt_lookup": True,
                                          "tree_attention": "flash_exact"})
