@@ -140,7 +140,8 @@ MANIFEST: tuple[PatchSpec, ...] = (
              "specs each worker rebuilds for a smaller budget (HybridBudgetRPC in "
              "ubtree_vllm.vllm.recurrent.memory; reached through the executor that a thin wrapper of "
              "EngineCore._initialize_kv_caches makes visible). With 'flash_exact' it lowers each config's "
-             "num_blocks by the scratch pages (vllm/attention/exact_rows.py), which the MRV2 runner adds back. "
+             "num_blocks by the scratch pages (vllm/attention/exact_rows.py), which the MRV2 runner adds back; "
+             "where they do not fit and 'auto' chose the mode, the workers are told to serve 'triton' instead. "
              "Other engines call vLLM's function unchanged."),
         removal_condition=("vLLM sizes speculative recurrent-state slots itself and reports the largest "
                            "num_speculative_tokens that fits (no such check in 0.32), and lets a runner reserve "

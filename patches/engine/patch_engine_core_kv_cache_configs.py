@@ -12,11 +12,15 @@ through ``get_kv_cache_configs``, which raises a ValueError when one request of 
   ``_initialize_kv_caches`` is running (the second, thin wrapper).
 * **tree_attention "flash_exact"**: the scheduler is given fewer blocks than the configs hold, by the scratch pages
   the tree rows' virtual sequences use (vllm/attention/exact_rows.py), so it never hands them out; the workers'
-  runner (``UBTreeModelRunnerV2.initialize_kv_cache``) adds them back to its views and uses them.
+  runner (``UBTreeModelRunnerV2.initialize_kv_cache``) adds them back to its views and uses them. When they would
+  leave less than one request of ``max_model_len``: a ValueError naming the setting where the user chose
+  "flash_exact"; where "auto" chose it, the workers are told to serve "triton" (``DECLINE_EXACT_ROWS_RPC``) and no page
+  is kept.
 """
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
 from typing import Any
 
 from ubtree_vllm.patches._patching import replace_attr
@@ -24,6 +28,8 @@ from ubtree_vllm.patches._patching import replace_attr
 NAME = "engine_core_kv_cache_configs"
 # RPC of ubtree_vllm.vllm.recurrent.memory.HybridBudgetRPC (UBTree's CPU and GPU workers)
 SPEC_AT_BUDGET_RPC = "ubtree_kv_cache_spec_at_budget"
+# RPC of UBTreeGPUWorker: "auto"'s flash_exact declined (its scratch pages did not fit), the runner serves "triton"
+DECLINE_EXACT_ROWS_RPC = "ubtree_decline_exact_rows"
 _EXECUTOR: contextvars.ContextVar[Any] = contextvars.ContextVar("ubtree_kv_cache_executor", default=None)
 
 
@@ -82,21 +88,45 @@ def apply() -> None:
             return original(vllm_config, kv_cache_specs, available_memory)
         configs = hybrid_configs(vllm_config, kv_cache_specs, available_memory)
         if ubtree.tree_attention == "flash_exact":
+            executor = _EXECUTOR.get()
+
+            def decline(why: str) -> None:  # "auto" chose flash_exact: the runners serve "triton", add no pages
+                executor.collective_rpc(DECLINE_EXACT_ROWS_RPC)
+                logger.warning("ubtree: tree_attention 'auto' serves 'triton', not 'flash_exact': %s", why)
+
             scratch = engine_scratch_pages(vllm_config)
-            for config in configs:
-                reserve_scratch_pages(config, scratch, vllm_config.cache_config.block_size,
-                                      vllm_config.model_config.max_model_len)
+            if keep_scratch_pages(configs, scratch, vllm_config.cache_config.block_size,
+                                  vllm_config.model_config.max_model_len,
+                                  decline if ubtree.tree_attention_auto and executor is not None else None):
                 logger.info("ubtree: tree_attention 'flash_exact' keeps %d KV cache pages for the tree rows' scratch; "
-                            "the scheduler gets the other %d", scratch.num_pages, config.num_blocks)
+                            "the scheduler gets the other %d", scratch.num_pages, configs[0].num_blocks)
         return configs
 
     replace_attr(core.EngineCore, "_initialize_kv_caches", _initialize_kv_caches, NAME)
     replace_attr(core, "get_kv_cache_configs", get_kv_cache_configs, NAME)
 
 
-def reserve_scratch_pages(config: Any, scratch: Any, block_size: int, max_model_len: int) -> None:
-    """Take ``scratch.num_pages`` blocks off the end of ``config``'s pool (the scheduler's view; the workers' runner
-    adds them back); ValueError naming the setting when one request of ``max_model_len`` would no longer fit."""
+def keep_scratch_pages(configs: list[Any], scratch: Any, block_size: int, max_model_len: int,
+                       decline: Callable[[str], None] | None) -> bool:
+    """Take ``scratch.num_pages`` blocks off the end of every config's pool: True. Where a pool would then no longer
+    hold one request of ``max_model_len``: ``decline(why)`` and no config changed (False), or, without ``decline``
+    (the user chose "flash_exact"), the ValueError naming the setting."""
+    try:
+        for config in configs:  # every worker's pool checked before any is changed
+            check_scratch_pages_fit(config, scratch, block_size, max_model_len)
+    except ValueError as error:
+        if decline is None:
+            raise
+        decline(str(error))
+        return False
+    for config in configs:
+        config.num_blocks -= scratch.num_pages
+    return True
+
+
+def check_scratch_pages_fit(config: Any, scratch: Any, block_size: int, max_model_len: int) -> None:
+    """ValueError naming the setting when ``config``'s pool less ``scratch.num_pages`` blocks (taken off its end: the
+    scheduler's view; the workers' runner adds them back) no longer holds one request of ``max_model_len``."""
     left = config.num_blocks - scratch.num_pages
     needed = -(-max_model_len // block_size)
     if left < needed:
@@ -106,4 +136,3 @@ def reserve_scratch_pages(config: Any, scratch: Any, block_size: int, max_model_
                          f"{max(left, 0)} of {config.num_blocks}, fewer than one request of max_model_len "
                          f"{max_model_len} needs ({needed}); give the KV cache more memory, lower max_num_seqs or "
                          "num_speculative_tokens, or use another tree_attention")
-    config.num_blocks = left

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import types
 
 import pytest
@@ -957,23 +958,28 @@ def test_runner_choice_for_the_lookup_branch(monkeypatch):
 
 
 def test_flash_exact_keeps_its_scratch_pages_from_the_scheduler():
-    """tree_attention 'flash_exact': the scheduler's pool loses the scratch pages off its end (the MRV2 runner adds
-    them back, past every block the scheduler hands out); a pool left too small for one request is refused by name."""
+    """tree_attention 'flash_exact': every scheduler pool loses the scratch pages off its end (the MRV2 runner adds
+    them back, past every block the scheduler hands out); a pool left too small for one request is refused by name
+    where the user chose the mode, and where "auto" chose it the workers are told to serve "triton" and no pool
+    changes."""
     import types
 
-    from ubtree_vllm.patches.engine.patch_engine_core_kv_cache_configs import reserve_scratch_pages
+    from ubtree_vllm.patches.engine.patch_engine_core_kv_cache_configs import keep_scratch_pages
     from ubtree_vllm.vllm.attention.exact_rows import scratch_pages
 
     scratch = scratch_pages(0, 16, 17, max_entries=65)  # one B = 64 tree: 2 pages per row, + the dump page
-    config = types.SimpleNamespace(num_blocks=1000)
-    reserve_scratch_pages(config, scratch, block_size=16, max_model_len=4096)
-    assert scratch.num_pages == 131 and config.num_blocks == 1000 - 131
-    small = types.SimpleNamespace(num_blocks=300)
-    with pytest.raises(ValueError, match=r"tree_attention 'flash_exact' keeps 131 KV cache pages \(2096 tokens: 2 per "
-                                         r"tree row of up to 65 in a step\) .* leaving 169 of 300, fewer than one "
-                                         r"request of max_model_len 4096 needs \(256\)"):
-        reserve_scratch_pages(small, scratch, block_size=16, max_model_len=4096)
-    assert small.num_blocks == 300
+    configs = [types.SimpleNamespace(num_blocks=1000), types.SimpleNamespace(num_blocks=900)]
+    assert keep_scratch_pages(configs, scratch, block_size=16, max_model_len=4096, decline=None)
+    assert scratch.num_pages == 131 and [c.num_blocks for c in configs] == [1000 - 131, 900 - 131]
+    tight = [types.SimpleNamespace(num_blocks=1000), types.SimpleNamespace(num_blocks=300)]
+    refusal = (r"tree_attention 'flash_exact' keeps 131 KV cache pages \(2096 tokens: 2 per tree row of up to 65 in a "
+               r"step\) .* leaving 169 of 300, fewer than one request of max_model_len 4096 needs \(256\)")
+    with pytest.raises(ValueError, match=refusal):
+        keep_scratch_pages(tight, scratch, block_size=16, max_model_len=4096, decline=None)
+    declined = []
+    assert not keep_scratch_pages(tight, scratch, block_size=16, max_model_len=4096, decline=declined.append)
+    assert [c.num_blocks for c in tight] == [1000, 300] and len(declined) == 1
+    assert re.search(refusal, declined[0])
 
 
 @cpu_platform_only

@@ -34,6 +34,11 @@ class UBTreeGPUWorker(StageTimesRPC, TPDigestRPC, HybridBudgetRPC, Worker):
             check_tree_steps_fit(self.vllm_config, graph_sizes_chosen=not config.wide_decode_graphs,
                                  default_schedule=config.default_schedule)
 
+    def ubtree_decline_exact_rows(self) -> None:
+        """RPC of the engine core (patch engine_core_kv_cache_configs, DECLINE_EXACT_ROWS_RPC): the scratch pages of
+        the "flash_exact" that "auto" chose did not fit, so none are kept and the runner serves "triton"."""
+        self.model_runner.decline_exact_rows()
+
     def _make_model_runner(self) -> Any:
         config = from_vllm_config(self.vllm_config)
         mrv2 = config is not None and config.runner == "mrv2"

@@ -137,8 +137,7 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         # Bind before any step or graph capture (a FULL graph captured before the bind would
         # hold no tree attention); again after the profiling run's caches are replaced.
         self._exact_scratch = None
-        if self.ubtree_config.tree_attention == "flash_exact" and not is_profiling:
-            # (the pages are kept whatever the mode served: the engine core left them out of the scheduler's)
+        if self._tree_attention == "flash_exact" and not is_profiling:
             # the engine core gave the scheduler this many blocks fewer (patch engine_core_kv_cache_configs): the
             # views cover them again, past every block the scheduler hands out
             self._exact_scratch = engine_scratch_pages(self.vllm_config, first_page=kv_cache_config.num_blocks)
@@ -155,6 +154,14 @@ class UBTreeModelRunnerV2(GPUModelRunner):
             self._tree_attention, self._stock_roots_mode, self._exact_scratch = "triton", False, None
             self._bind_target_layers()
         self._kv_cache_ptrs = None
+
+    def decline_exact_rows(self) -> None:
+        """Serve "triton" where "auto" chose "flash_exact" and the engine core kept no scratch pages for it (they did
+        not fit beside one request of max_model_len); before the KV cache is initialized."""
+        if not (self._tree_attention == "flash_exact" and self.ubtree_config.tree_attention_auto):
+            raise RuntimeError(f"ubtree: only tree_attention 'auto' can decline 'flash_exact' (this runner serves "
+                               f"{self._tree_attention!r}, auto={self.ubtree_config.tree_attention_auto})")
+        self._tree_attention, self._stock_roots_mode = "triton", False
 
     def _bind_target_layers(self) -> None:
         """The target's attention layers (the drafter's excluded) read the row buffers; after every KV init."""
