@@ -149,8 +149,9 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         except NotImplementedError as why:  # the layers cannot serve flash_exact after all
             if not (self._tree_attention == "flash_exact" and self.ubtree_config.tree_attention_auto):
                 raise
+            unused = 0 if self._exact_scratch is None else self._exact_scratch.num_pages  # none in a profiling init
             logger.warning("ubtree: tree_attention 'auto' falls back to 'triton' (%s); the %d scratch pages kept for "
-                           "'flash_exact' stay unused", why, self._exact_scratch.num_pages)
+                           "'flash_exact' stay unused", why, unused)
             self._tree_attention, self._stock_roots_mode, self._exact_scratch = "triton", False, None
             self._bind_target_layers()
         self._kv_cache_ptrs = None
