@@ -158,10 +158,11 @@ class UBTreeModelRunnerV2(GPUModelRunner):
 
     def decline_exact_rows(self) -> None:
         """Serve "triton" where "auto" chose "flash_exact" and the engine core kept no scratch pages for it (they did
-        not fit beside one request of max_model_len); before the KV cache is initialized."""
-        if not (self._tree_attention == "flash_exact" and self.ubtree_config.tree_attention_auto):
-            raise RuntimeError(f"ubtree: only tree_attention 'auto' can decline 'flash_exact' (this runner serves "
-                               f"{self._tree_attention!r}, auto={self.ubtree_config.tree_attention_auto})")
+        not fit beside one request of max_model_len); before the KV cache is initialized. (A runner whose layers
+        refused flash_exact in the profiling run serves "triton" already.)"""
+        if not (self.ubtree_config.tree_attention == "flash_exact" and self.ubtree_config.tree_attention_auto):
+            raise RuntimeError(f"ubtree: only tree_attention 'auto' can decline 'flash_exact' (this engine's mode is "
+                               f"{self.ubtree_config.tree_attention!r}, auto={self.ubtree_config.tree_attention_auto})")
         self._tree_attention, self._stock_roots_mode = "triton", False
 
     def _bind_target_layers(self) -> None:
