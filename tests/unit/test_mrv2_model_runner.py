@@ -178,3 +178,24 @@ def test_root_context_lens():
 
     lens = root_context_lens(torch.tensor([100, 17, 0], dtype=torch.int32), 17)  # the last: a padded request
     assert lens.tolist() == [84, 1, 0] and lens.dtype == torch.int32
+
+
+def test_only_auto_declines_flash_exact_and_twice_is_harmless():
+    """The engine core's decline (its scratch pages did not fit): a runner of "auto"'s flash_exact serves "triton"
+    (also when its layers already refused flash_exact in the profiling run); a mode the user named is not changed."""
+    from types import SimpleNamespace
+
+    from ubtree_vllm.vllm.mrv2.model_runner import UBTreeModelRunnerV2
+
+    def runner(auto):
+        return SimpleNamespace(ubtree_config=SimpleNamespace(tree_attention="flash_exact", tree_attention_auto=auto),
+                               _tree_attention="flash_exact", _stock_roots_mode=True)
+
+    chosen = runner(auto=True)
+    for _ in range(2):
+        UBTreeModelRunnerV2.decline_exact_rows(chosen)
+        assert (chosen._tree_attention, chosen._stock_roots_mode) == ("triton", False)
+    named = runner(auto=False)
+    with pytest.raises(RuntimeError, match="only tree_attention 'auto' can decline 'flash_exact'"):
+        UBTreeModelRunnerV2.decline_exact_rows(named)
+    assert named._tree_attention == "flash_exact"
