@@ -189,12 +189,16 @@ def test_only_auto_declines_flash_exact_and_twice_is_harmless():
 
     def runner(auto):
         return SimpleNamespace(ubtree_config=SimpleNamespace(tree_attention="flash_exact", tree_attention_auto=auto),
-                               _tree_attention="flash_exact", _stock_roots_mode=True)
+                               _tree_attention="flash_exact")
+
+    def stock_roots(fake):
+        return UBTreeModelRunnerV2._stock_roots_mode.fget(fake)
 
     chosen = runner(auto=True)
+    assert stock_roots(chosen)
     for _ in range(2):
         UBTreeModelRunnerV2.decline_exact_rows(chosen)
-        assert (chosen._tree_attention, chosen._stock_roots_mode) == ("triton", False)
+        assert (chosen._tree_attention, stock_roots(chosen)) == ("triton", False)
     named = runner(auto=False)
     with pytest.raises(RuntimeError, match="only tree_attention 'auto' can decline 'flash_exact'"):
         UBTreeModelRunnerV2.decline_exact_rows(named)

@@ -82,17 +82,20 @@ def splits_for(n_blocks: torch.Tensor, total_blocks: torch.Tensor, num_kv_heads:
 
 
 def decode_scheduler_metadata(seq_lens: torch.Tensor, max_seqlen_k: int, num_heads: int, num_kv_heads: int,
-                              head_size: int, dtype: torch.dtype, block_size: int, num_splits: int) -> torch.Tensor:
+                              head_size: int, dtype: torch.dtype, block_size: int, num_splits: int,
+                              cu_seqlens_q: torch.Tensor | None = None) -> torch.Tensor:
     """FA3's scheduler metadata (``get_scheduler_metadata``) for a batch of one-query-row paged sequences of
-    ``seq_lens`` [N] int32 keys, as FA3 would compute it itself (GPU only)."""
+    ``seq_lens`` [N] int32 keys, as FA3 would compute it itself (GPU only); ``cu_seqlens_q`` [N + 1] = 0..N, built
+    here unless the caller has it."""
     from vllm.vllm_flash_attn import get_scheduler_metadata
 
     batch = seq_lens.shape[0]
+    if cu_seqlens_q is None:
+        cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=seq_lens.device)
     return get_scheduler_metadata(
         batch_size=batch, max_seqlen_q=1, max_seqlen_k=max_seqlen_k, num_heads_q=num_heads,
         num_heads_kv=num_kv_heads, headdim=head_size, cache_seqlens=seq_lens, qkv_dtype=dtype,
-        cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=seq_lens.device), page_size=block_size,
-        causal=True, num_splits=num_splits)
+        cu_seqlens_q=cu_seqlens_q, page_size=block_size, causal=True, num_splits=num_splits)
 
 
 def num_sms(device: torch.device) -> int:
@@ -287,7 +290,7 @@ def pinned_scheduler_metadata(rows: VirtualRows, max_seq_len: int, num_heads: in
     """FA3's scheduler metadata for the virtual sequences, their split counts replaced by plain decoding's
     (:func:`plain_split_counts`; GPU only)."""
     metadata = decode_scheduler_metadata(rows.seq_lens, max_seq_len, num_heads, num_kv_heads, head_size, dtype,
-                                         block_size, num_splits)
+                                         block_size, num_splits, cu_seqlens_q=rows.cu_seqlens_q)
     metadata[split_count_slice(rows.seq_lens.shape[0])] = plain_split_counts(
         rows, head_size, num_kv_heads, num_sms(rows.seq_lens.device), num_splits)
     return metadata

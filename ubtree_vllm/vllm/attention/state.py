@@ -185,9 +185,8 @@ def bind_tree_layers(forward_context: Mapping[str, Any], row_buffers: RowBuffers
         m.impl.ubtree_layer = m  # MLA impls stash their rows from forward_mha, which is not given the layer
         if tree_attention != "triton":
             m.impl.ubtree_context_from_flash = tree_attention == "flash_merge"
-        if tree_attention == "flash_exact" or getattr(m.impl, "ubtree_exact_scratch", None) is not None:
-            # (cleared on a rebind in another mode: a runner falling back from flash_exact)
-            m.impl.ubtree_exact_scratch = exact_scratch if tree_attention == "flash_exact" else None
+        # (cleared on a rebind in another mode: a runner falling back from flash_exact)
+        m.impl.ubtree_exact_scratch = exact_scratch if tree_attention == "flash_exact" else None
     return layers
 
 

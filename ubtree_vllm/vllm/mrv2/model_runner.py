@@ -91,7 +91,6 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         # tree_attention "triton_stock_roots" / "flash_exact": in uniform decode steps FlashAttention computes the
         # roots alone; "flash_exact" the other rows too, over scratch pages past the scheduler's (set at KV init)
         self._tree_attention = config.tree_attention  # the mode served ("triton" after an "auto" fallback)
-        self._stock_roots_mode = config.tree_attention in MRV2_TREE_ATTENTION_MODES
         self._exact_scratch: ScratchPages | None = None
         self.gamma = config.tree.block_size
         self.ubtree_stage_clock = StageClock.from_env(device)
@@ -152,9 +151,14 @@ class UBTreeModelRunnerV2(GPUModelRunner):
             unused = 0 if self._exact_scratch is None else self._exact_scratch.num_pages  # none in a profiling init
             logger.warning("ubtree: tree_attention 'auto' falls back to 'triton' (%s); the %d scratch pages kept for "
                            "'flash_exact' stay unused", why, unused)
-            self._tree_attention, self._stock_roots_mode, self._exact_scratch = "triton", False, None
+            self._tree_attention, self._exact_scratch = "triton", None
             self._bind_target_layers()
         self._kv_cache_ptrs = None
+
+    @property
+    def _stock_roots_mode(self) -> bool:
+        """The mode served lays out uniform decode steps with the roots alone for FlashAttention."""
+        return self._tree_attention in MRV2_TREE_ATTENTION_MODES
 
     def decline_exact_rows(self) -> None:
         """Serve "triton" where "auto" chose "flash_exact" and the engine core kept no scratch pages for it (they did
@@ -163,7 +167,7 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         if not (self.ubtree_config.tree_attention == "flash_exact" and self.ubtree_config.tree_attention_auto):
             raise RuntimeError(f"ubtree: only tree_attention 'auto' can decline 'flash_exact' (this engine's mode is "
                                f"{self.ubtree_config.tree_attention!r}, auto={self.ubtree_config.tree_attention_auto})")
-        self._tree_attention, self._stock_roots_mode = "triton", False
+        self._tree_attention = "triton"
 
     def _bind_target_layers(self) -> None:
         """The target's attention layers (the drafter's excluded) read the row buffers; after every KV init."""
