@@ -33,7 +33,21 @@ def test_mrv2_greedy_equality_tiny_qwen3(mrv2, tmp_path, enforce_eager):
 
 
 def test_mrv2_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path):
-    plain_tps, ubtree_tps, tau = run_pair(default_target_dir, smollm2_drafter(default_target_dir, tmp_path))
+    """tree_attention left at its default ("auto"): on compute capability 9 the SmolLM2 engine (bf16, head size 64,
+    FLASH_ATTN) must serve "flash_exact" after loading, not fall back to the Triton rows."""
+    import torch
+
+    from vllm_oracle import engine_runner
+
+    served = {}
+
+    def inspect(llm):
+        served["mode"] = engine_runner(llm)._tree_attention
+
+    plain_tps, ubtree_tps, tau = run_pair(default_target_dir, smollm2_drafter(default_target_dir, tmp_path),
+                                          inspect_ubtree_engine=inspect)
+    expected = "flash_exact" if torch.cuda.get_device_capability()[0] == 9 else "triton"
+    assert served["mode"] == expected, served
     print(f"MRV2 SmolLM2 batch 1: no speculation {plain_tps:.1f} tok/s, ubtree {ubtree_tps:.1f} tok/s, tau {tau:.2f}")
     if os.environ.get("GPU_TEST_DRAFTER"):  # a trained drafter: drafts are accepted, so the KV commit and the
         assert tau > 1.5, tau               # drafter's linearised context rows are exercised
