@@ -21,7 +21,6 @@ import os
 import shutil
 import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest

@@ -21,7 +21,8 @@ from ubtree_vllm.bench.measurement import (NUM_ACCEPTED, NUM_DRAFTS, RunResult, 
                                            tau_from_deltas)
 from ubtree_vllm.bench.microbench import MICROBENCHES, MicrobenchSettings, run_microbenches
 from ubtree_vllm.bench.settings import (BenchArgumentError, E2ESettings, MethodRun, mtp_run, ngram_run,
-                                        planned_methods, settings_from_args, ubtree_chain_run, ubtree_run, validate)
+                                        planned_methods, settings_from_args, ubtree_chain_run, ubtree_run, validate,
+                                        with_served_attention)
 from ubtree_vllm.drafter.config import DrafterConfig
 from ubtree_vllm.drafter.io import save_drafter
 from ubtree_vllm.drafter.proposer import UBTreeDrafter
@@ -291,10 +292,12 @@ def test_budget_schedule_reaches_the_tree_engines_and_their_records(drafter_dir,
     assert "num_speculative_tokens_per_batch_size" not in ngram_run(settings).speculative_config  # trees only
     result = RunResult(num_requests=8, output_tokens=800, wall_s=1.0, tpot_ms=1.0, tau=3.0, num_drafts=10,
                        num_accepted=20)
-    record = e2e_record(run, result, target="t", drafter=str(drafter_dir), dataset="mt_bench", temperature=0.0,
-                        concurrency=8, max_new_tokens=100, cuda_graphs=True, speedup=1.5, engine_core="process")
+    record = e2e_record(with_served_attention(run, None), result, target="t", drafter=str(drafter_dir),
+                        dataset="mt_bench", temperature=0.0, concurrency=8, max_new_tokens=100, cuda_graphs=True,
+                        speedup=1.5, engine_core="process")
     assert rec.append_record(record, tmp_path / "r.jsonl")["budget_schedule"] == "1-4:16,5-32:8"
-    pinned = e2e_record(ubtree_run(E2ESettings(drafter="d", block_size=4), 16), result, target="t", drafter="d",
+    pinned_run = with_served_attention(ubtree_run(E2ESettings(drafter="d", block_size=4), 16), None)
+    pinned = e2e_record(pinned_run, result, target="t", drafter="d",
                         dataset="mt_bench", temperature=0.0, concurrency=8, max_new_tokens=100, cuda_graphs=True,
                         speedup=1.5, engine_core="process")
     assert pinned["budget_schedule"] is None
@@ -318,9 +321,17 @@ def test_tree_attention_mode_reaches_the_tree_engines_and_their_records(drafter_
     assert rec.append_record(record, tmp_path / "r.jsonl")["tree_attention"] == "flash_merge"
     default = ubtree_run(settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree-mrv2",
                                                      tree_budgets="16", top_k=16)), 16, "ubtree-mrv2")
-    # the bench's triton is named to the engine (the serving default "auto" would take flash_exact on Hopper) and left
-    # out of the record, as before the default changed
-    assert default.speculative_config["tree_attention"] == "triton" and default.tree_attention is None
+    # the bench's default is the serving default "auto", named to the engine; the record names what the engine served
+    assert default.speculative_config["tree_attention"] == "auto" and default.tree_attention == "auto"
+    served = with_served_attention(default, "flash_exact")
+    assert served.tree_attention == "flash_exact" and served.note.endswith("tree_attention auto (served flash_exact)")
+    served = e2e_record(served, result, target="t", drafter=str(drafter_dir), dataset="mt_bench", temperature=0.0,
+                        concurrency=1, max_new_tokens=100, cuda_graphs=True, speedup=1.5, engine_core="process")
+    assert rec.append_record(served, tmp_path / "r.jsonl")["tree_attention"] == "flash_exact"
+    on_cpu = with_served_attention(default, None)  # the CPU backend has no tree_attention mode
+    assert on_cpu.tree_attention is None and on_cpu.note.endswith("(served by the CPU backend)")
+    explicit = with_served_attention(ubtree_run(settings, 16, "ubtree-mrv2", "flash_merge"), "flash_merge")
+    assert explicit.note == run.note  # a mode the user named is in the note already
     from ubtree_vllm.bench.report import budget_label
 
     assert budget_label(record) == "16 (1-8:16,9-16:8,17-32:4,33-1024:2; flash_merge attention)"  # the default policy
@@ -362,12 +373,16 @@ def test_tree_attention_modes_run_side_by_side_in_one_invocation(drafter_dir):
     settings = settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ar,ubtree-mrv2", tree_budgets="16,32",
                                            top_k=16, tree_attention="triton,flash_merge"))
     labels = planned_methods(settings)
-    assert labels == ["ar", "ubtree-mrv2:16", "ubtree-mrv2:16@flash_merge", "ubtree-mrv2:32",
+    assert labels == ["ar", "ubtree-mrv2:16@triton", "ubtree-mrv2:16@flash_merge", "ubtree-mrv2:32@triton",
                       "ubtree-mrv2:32@flash_merge"]
-    assert [parse_label(label) for label in labels[:3]] == [("ar", None, "triton"), ("ubtree-mrv2", 16, "triton"),
+    assert [parse_label(label) for label in labels[:3]] == [("ar", None, "auto"), ("ubtree-mrv2", 16, "triton"),
                                                             ("ubtree-mrv2", 16, "flash_merge")]
     runs = [ubtree_run(settings, 16, "ubtree-mrv2", mode) for mode in settings.tree_attention]
-    assert [run.tree_attention for run in runs] == [None, "flash_merge"]
+    assert [run.tree_attention for run in runs] == ["triton", "flash_merge"]
+    default = settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ar,ubtree-mrv2", tree_budgets="16",
+                                          top_k=16))
+    assert default.tree_attention == ("auto",) and planned_methods(default) == ["ar", "ubtree-mrv2:16"]
+    assert parse_label("ubtree-mrv2:16") == ("ubtree-mrv2", 16, "auto")
     for bad, message in (("flash", "--tree-attention: unknown mode 'flash'"),
                          ("triton,triton", "--tree-attention lists a mode twice")):
         with pytest.raises(BenchArgumentError, match=message):
@@ -375,7 +390,7 @@ def test_tree_attention_modes_run_side_by_side_in_one_invocation(drafter_dir):
                                         tree_attention=bad))
     roots = settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ar,ubtree-mrv2-lookup", tree_budgets="16",
                                         top_k=16, tree_attention="triton,triton_stock_roots"))
-    assert planned_methods(roots) == ["ar", "ubtree-mrv2-lookup:16", "ubtree-mrv2-lookup:16@triton_stock_roots"]
+    assert planned_methods(roots) == ["ar", "ubtree-mrv2-lookup:16@triton", "ubtree-mrv2-lookup:16@triton_stock_roots"]
     with pytest.raises(BenchArgumentError, match="triton_stock_roots runs on Model Runner V2 only; drop ubtree "):
         settings_from_args(e2e_args(drafter=str(drafter_dir), methods="ubtree,ubtree-mrv2", tree_budgets="16",
                                     top_k=16, tree_attention="triton_stock_roots"))
@@ -595,13 +610,13 @@ def test_agreement_counts_prompts_whose_greedy_output_differs(drafter_dir):
     assert tokens_in_prompt_order(outs, prompts) == [[1], [3], [2]]
     with pytest.raises(ValueError, match=r"no output for prompt\(s\) \[2\]"):
         tokens_in_prompt_order(outs[:2], prompts)
-    run = ubtree_run(E2ESettings(drafter="d", block_size=16), 32, "ubtree-mrv2")
+    run = with_served_attention(ubtree_run(E2ESettings(drafter="d", block_size=16), 32, "ubtree-mrv2"), "triton")
     record = agreement_record(run, [[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 9], [7]], target="t", drafter="d",
                               dataset="toy", concurrency=1, max_new_tokens=3, cuda_graphs=True, tau=2.5)
     assert (record["metric"], record["value"], record["unit"]) == ("greedy_divergence_rate", 0.66667, "fraction")
     assert "2 of 3 greedy outputs differ" in record["notes"] and "token 0.5" in record["notes"]
     assert record["tree_budget"] == 32 and record["method"] == "ubtree-mrv2" and record["tau"] == 2.5
-    assert record["tree_attention"] is None  # the default mode; another names itself, as in the e2e records
+    assert record["tree_attention"] == "triton"  # the mode the engine served, as in the e2e records
     exact = ubtree_run(E2ESettings(drafter="d", block_size=16), 32, "ubtree-mrv2", tree_attention="flash_exact")
     assert agreement_record(exact, [[1]], [[1]], target="t", drafter="d", dataset="toy", concurrency=1,
                             max_new_tokens=1, cuda_graphs=True, tau=1.0)["tree_attention"] == "flash_exact"

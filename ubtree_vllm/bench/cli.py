@@ -48,9 +48,11 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fixed-budget", action="store_true",
                         help="budget_policy fixed: every tree verifies B nodes at every load (default: the serving "
                              "default, load-adaptive on Model Runner V2)")
-    parser.add_argument("--tree-attention", default="triton",
-                        help=f"comma-separated speculative_config.tree_attention modes ({', '.join(TREE_ATTENTION_MODES)}; "
-                             "CUDA), each tree method runs once per mode: triton walks each tree row's context; "
+    parser.add_argument("--tree-attention", default="auto",
+                        help=f"comma-separated speculative_config.tree_attention modes (auto, "
+                             f"{', '.join(TREE_ATTENTION_MODES)}; CUDA), each tree method runs once per mode; records "
+                             "name the mode the engine serves: auto (the serving default) lets the engine choose "
+                             "(flash_exact where it can serve it, else triton); triton walks each tree row's context; "
                              "flash_merge has FlashAttention attend the context and adds the path; "
                              "triton_stock_roots and flash_exact (Model Runner V2) have FlashAttention compute the "
                              "roots alone, flash_exact every tree row too, as plain decoding would")

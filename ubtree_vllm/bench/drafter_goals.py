@@ -24,7 +24,9 @@ from typing import Any
 from ubtree_vllm.bench.standing import NGRAM_METHOD, on_gpu, same_invocation
 
 DEFAULT_TREE_METHOD = "ubtree-mrv2-lookup"
-DEFAULT_TREE_ATTENTION = (None, "triton")  # a record's tree_attention: None when the bench left the default
+# a record's tree_attention under the serving default "auto": flash_exact on compute capability 9, else triton
+# (records before the bench named the served mode leave it out for "triton", then the default)
+DEFAULT_TREE_ATTENTION = (None, "triton", "flash_exact")
 SINGLE_PATH_METHODS = ("ubtree-single", "dflash-chain", "ubtree-chain")
 SHIPPED_PREFIX = "checkpoints/"
 GOAL_BUDGET = 64

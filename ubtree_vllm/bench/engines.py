@@ -22,7 +22,8 @@ from ubtree_vllm.bench.measurement import RunResult, spec_counters, summarize_ru
 from ubtree_vllm.bench.profile import STAGE_TIMING_MODE as PROFILE_MODE
 from ubtree_vllm.bench.prompts import PromptSet
 from ubtree_vllm.bench.settings import (DRAFTER_FREE_METHODS, TREE_METHODS, E2ESettings, MethodRun, dflash_chain_run,
-                                        environment, mtp_run, ngram_run, parse_label, ubtree_chain_run, ubtree_run)
+                                        environment, mtp_run, ngram_run, parse_label, ubtree_chain_run, ubtree_run,
+                                        with_served_attention)
 from ubtree_vllm.bench.stage_timing import stage_timing_env
 
 WARMUP_TOKENS = 32
@@ -119,6 +120,8 @@ def _start_engine(label: str, settings: E2ESettings, target_path: Path, engine_k
     method, budget, attention = parse_label(label)
     if method in TREE_METHODS:
         run = ubtree_run(settings, budget, method, attention)
+        llm = build_engine(target_path, run, engine_kwargs)
+        return with_served_attention(run, llm.collective_rpc("ubtree_tree_attention")[0]), llm
     elif label == "ngram":
         run = ngram_run(settings)
     elif label == "mtp":

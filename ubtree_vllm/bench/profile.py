@@ -52,7 +52,7 @@ def run_name(label: str, dataset: str, temperature: float, concurrency: int, opt
     from ubtree_vllm.bench.settings import parse_label
 
     method, budget, mode = parse_label(label)
-    engine = (f"{method}-B{budget}" if budget else method) + ("" if mode == "triton" else f"-{mode}")
+    engine = (f"{method}-B{budget}" if budget else method) + ("" if mode == "auto" else f"-{mode}")
     return f"{engine}_{dataset}_T{temperature:g}_c{concurrency}" + (f"_{option}" if option else "")
 
 

@@ -9,7 +9,8 @@ The field set is the one of the project's benchmark-records design note:
             temperature, batch_size, concurrency, tp, cuda_graphs,
             tree_budget, beam_width, top_k, block_size, budget_schedule (optional: the load-adaptive
             budget, "FIRST-LAST:BUDGET,..." requests in flight -> nodes verified per tree),
-            tree_attention (optional: the CUDA tree-attention mode when not the default "triton"),
+            tree_attention (optional: the CUDA tree-attention mode the engine served; older records leave it
+                            out for the then default "triton"),
             sampling_options (optional: the named sampling option every request carried,
             bench/sampling_options.py)
             coupled_edge_weight (optional: the coupled edge weight w of a tree drafted under the target's

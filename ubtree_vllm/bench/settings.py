@@ -47,7 +47,7 @@ from ubtree_vllm.bench.sampling_options import check_sampling_options
 from ubtree_vllm.config import (DEFAULT_COUPLED_EDGE_WEIGHT, MAX_LOOKUP_N, MAX_TREE_BUDGET, check_coupled_edge_weight,
                                 max_tree_nodes)
 from ubtree_vllm.eval_datasets import EVAL_DATASETS, allowed_datasets
-from ubtree_vllm.vllm.config import MRV2_TREE_ATTENTION_MODES, TREE_ATTENTION_MODES
+from ubtree_vllm.vllm.config import MRV2_TREE_ATTENTION_MODES, TREE_ATTENTION_AUTO, TREE_ATTENTION_MODES
 
 METHODS = ("ar", "ngram", "mtp", "dflash-chain", "ubtree", "ubtree-mrv2", "ubtree-lookup", "ubtree-mrv2-lookup",
            "ubtree-mrv2-lookup-uncoupled")
@@ -93,7 +93,8 @@ class MethodRun:
     env: dict[str, str] = field(default_factory=dict)
     # load-adaptive tree budget, in --budget-schedule's form ("1-4:64,5-32:16"); None: always tree_budget
     budget_schedule: str | None = None
-    # speculative_config.tree_attention when not the default "triton" (None)
+    # tree methods: speculative_config.tree_attention asked for, then (bench/engines.py, once the engine runs) the mode
+    # the engine serves; None for the other methods and for the CPU, whose attention backend has no such mode
     tree_attention: str | None = None
     # the coupled edge weight a coupled tree method drafts with at T > 0 (drafter/coupling.py); None: no coupling
     coupled_edge_weight: float | None = None
@@ -156,7 +157,7 @@ class E2ESettings:
     # --fixed-budget: budget_policy "fixed", B at every step on every runner
     fixed_budget: bool = False
     # --tree-attention: speculative_config.tree_attention modes; every tree method runs once per mode and budget
-    tree_attention: tuple[str, ...] = ("triton",)
+    tree_attention: tuple[str, ...] = (TREE_ATTENTION_AUTO,)
     # --sampling-options: every cell runs once per option ("none" first) and appends the options' cost records
     # instead of e2e records (bench/sampling_options.py); () -- the mode is off
     sampling_options: tuple[str, ...] = ()
@@ -278,7 +279,7 @@ def validate(settings: E2ESettings, check_datasets: bool = True) -> E2ESettings:
         raise BenchArgumentError(f"--ngram-lookup-max must be >= --ngram-lookup-min ({settings.ngram_lookup_min}), "
                                  f"got {settings.ngram_lookup_max}")
     _check_members("--load-format", (settings.load_format,), LOAD_FORMATS, "load format")
-    _check_members("--tree-attention", settings.tree_attention, TREE_ATTENTION_MODES, "mode")
+    _check_members("--tree-attention", settings.tree_attention, (TREE_ATTENTION_AUTO, *TREE_ATTENTION_MODES), "mode")
     if len(set(settings.tree_attention)) != len(settings.tree_attention):
         raise BenchArgumentError(f"--tree-attention lists a mode twice: {','.join(settings.tree_attention)}")
     v1_tree, mrv2_tree = _tree_methods_on(settings.methods, "v1"), _tree_methods_on(settings.methods, "mrv2")
@@ -416,7 +417,8 @@ def settings_from_args(args: argparse.Namespace, check_datasets: bool = True) ->
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         budget_schedule=parse_budget_schedule(getattr(args, "budget_schedule", None)),
         fixed_budget=getattr(args, "fixed_budget", False),
-        tree_attention=parse_list("--tree-attention", getattr(args, "tree_attention", "triton"), str, "modes"),
+        tree_attention=parse_list("--tree-attention", getattr(args, "tree_attention", TREE_ATTENTION_AUTO), str,
+                                  "modes"),
         interleave=getattr(args, "interleave", 1),
         coupled_edge_weight=_edge_weight(getattr(args, "coupled_edge_weight", None)),
         engine_core=getattr(args, "engine_core", None),
@@ -425,9 +427,10 @@ def settings_from_args(args: argparse.Namespace, check_datasets: bool = True) ->
     ), check_datasets=check_datasets)
 
 
-def ubtree_run(settings: E2ESettings, budget: int, method: str = "ubtree", tree_attention: str = "triton") -> MethodRun:
+def ubtree_run(settings: E2ESettings, budget: int, method: str = "ubtree",
+               tree_attention: str = TREE_ATTENTION_AUTO) -> MethodRun:
     """A tree method (:data:`TREE_METHODS`) at tree budget B = ``budget``, its tree rows attending by
-    ``tree_attention`` (one of ``settings.tree_attention``)."""
+    ``tree_attention`` (one of ``settings.tree_attention``; "auto", the serving default, leaves it to the engine)."""
     width = min(settings.beam_width, budget)
     env = TREE_METHODS[method]
     spec = {"method": "ubtree", "model": str(settings.drafter), "num_speculative_tokens": budget,
@@ -461,15 +464,22 @@ def ubtree_run(settings: E2ESettings, budget: int, method: str = "ubtree", tree_
 
         schedule = schedule_text(default_budget_schedule(budget))
         note += f" load-adaptive budget {schedule} (the default policy; requests in flight FIRST-LAST: nodes per tree)"
-    # always named: the serving default ("auto") takes flash_exact where it can; records name the mode when not triton
+    # always named; "auto" (the serving default) is resolved by the engine, which bench/engines.py then asks
     spec["tree_attention"] = tree_attention
-    attention = None
-    if tree_attention != "triton":
-        attention = tree_attention
-        note += f" tree_attention={attention}"
+    if tree_attention != TREE_ATTENTION_AUTO:
+        note += f" tree_attention={tree_attention}"
     return MethodRun(method, spec, tree_budget=budget, beam_width=width, top_k=settings.top_k,
                      block_size=settings.block_size, note=note, env=dict(env), budget_schedule=schedule,
-                     tree_attention=attention, coupled_edge_weight=edge_weight)
+                     tree_attention=tree_attention, coupled_edge_weight=edge_weight)
+
+
+def with_served_attention(run: MethodRun, served: str | None) -> MethodRun:
+    """``run`` naming the tree-attention mode its engine serves (None on the CPU); the note says where "auto" chose
+    it."""
+    note = run.note
+    if run.tree_attention == TREE_ATTENTION_AUTO:
+        note += f" tree_attention auto (served {served or 'by the CPU backend'})"
+    return dataclasses.replace(run, tree_attention=served, note=note)
 
 
 def ngram_run(settings: E2ESettings) -> MethodRun:
@@ -508,14 +518,14 @@ def dflash_chain_run(settings: E2ESettings, proposer_dir: str | Path, num_specul
 
 def planned_methods(settings: E2ESettings) -> list[str]:
     """Engine labels in run order: 'ar', 'ngram', 'dflash-chain', then '<tree method>:B' per budget and tree-attention
-    mode ('<tree method>:B@<mode>' for a mode other than triton; :func:`parse_label` reads them back)."""
+    mode ('<tree method>:B@<mode>' for a mode other than "auto"; :func:`parse_label` reads them back)."""
     order = [m for m in METHODS if m in settings.methods]
     labels: list[str] = []
     for method in order:
         if method not in TREE_METHODS:
             labels.append(method)
             continue
-        labels += [f"{method}:{b}" + ("" if mode == "triton" else f"@{mode}")
+        labels += [f"{method}:{b}" + ("" if mode == TREE_ATTENTION_AUTO else f"@{mode}")
                    for b in settings.tree_budgets for mode in settings.tree_attention]
     return labels
 
@@ -534,4 +544,4 @@ def parse_label(label: str) -> tuple[str, int | None, str]:
     """(method, B or None, tree-attention mode) of a :func:`planned_methods` label."""
     method, _, rest = label.partition(":")
     budget, _, mode = rest.partition("@")
-    return method, int(budget) if budget else None, mode or "triton"
+    return method, int(budget) if budget else None, mode or TREE_ATTENTION_AUTO

@@ -348,6 +348,14 @@ def parse_speculative_config(spec: Mapping[str, Any], target: TargetInfo) -> UBT
                             tree_attention="triton" if auto else attention, tree_attention_auto=auto)
 
 
+class TreeAttentionRPC:
+    """Worker mixin: the tree-attention mode the runner serves, for ``LLM.collective_rpc("ubtree_tree_attention")``
+    (the bench names it in its records where the user's default "auto" chose it)."""
+
+    def ubtree_tree_attention(self) -> str | None:
+        return self.model_runner.served_tree_attention  # type: ignore[attr-defined]
+
+
 def _tree_attention_mode(value: Any, field: str, auto: bool = False) -> str:
     """``value`` if it is a mode (or, where ``auto``, the user's default "auto", which the engine-args rewrite
     resolves); ValueError naming ``field`` and the allowed values otherwise."""

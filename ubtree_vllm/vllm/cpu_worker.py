@@ -11,14 +11,14 @@ from typing import Any
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from ubtree_vllm import compat, patches
-from ubtree_vllm.vllm.config import from_vllm_config
+from ubtree_vllm.vllm.config import TreeAttentionRPC, from_vllm_config
 from ubtree_vllm.vllm.decode_graphs import check_tree_steps_fit
 from ubtree_vllm.vllm.recurrent.memory import HybridBudgetRPC
 from ubtree_vllm.vllm.stage_clock import StageTimesRPC
 from ubtree_vllm.vllm.tensor_parallel import TPDigestRPC
 
 
-class UBTreeCPUWorker(StageTimesRPC, TPDigestRPC, HybridBudgetRPC, CPUWorker):
+class UBTreeCPUWorker(StageTimesRPC, TreeAttentionRPC, TPDigestRPC, HybridBudgetRPC, CPUWorker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         compat.check_vllm_version()
         patches.apply("worker")

@@ -15,7 +15,7 @@ from vllm.logger import init_logger
 from vllm.v1.worker.gpu_worker import Worker
 
 from ubtree_vllm import compat, patches
-from ubtree_vllm.vllm.config import from_vllm_config
+from ubtree_vllm.vllm.config import TreeAttentionRPC, from_vllm_config
 from ubtree_vllm.vllm.decode_graphs import check_tree_steps_fit, widen_decode_graph_sizes
 from ubtree_vllm.vllm.recurrent.memory import HybridBudgetRPC
 from ubtree_vllm.vllm.stage_clock import StageTimesRPC
@@ -24,7 +24,7 @@ from ubtree_vllm.vllm.tensor_parallel import TPDigestRPC
 logger = init_logger(__name__)
 
 
-class UBTreeGPUWorker(StageTimesRPC, TPDigestRPC, HybridBudgetRPC, Worker):
+class UBTreeGPUWorker(StageTimesRPC, TreeAttentionRPC, TPDigestRPC, HybridBudgetRPC, Worker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         compat.check_vllm_version()
         patches.apply("worker")

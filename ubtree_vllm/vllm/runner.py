@@ -117,6 +117,11 @@ class UBTreeRunnerMixin:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         self._check_tree_attention()
 
+    @property
+    def served_tree_attention(self) -> str:
+        """The tree-attention mode this runner serves (the V1 runner has no fallback: the engine-args choice)."""
+        return self.ubtree_config.tree_attention
+
     def _check_tree_attention(self) -> None:
         """Every decoder attention layer must run a tree-aware impl (else: wrong tokens)."""
         layers = bind_tree_layers(self.compilation_config.static_forward_context, self._row_buffers,
@@ -332,6 +337,11 @@ class UBTreeRunnerMixin:
 
 class UBTreeCPUModelRunner(UBTreeRunnerMixin, CPUModelRunner):
     """vLLM's CPU V1 runner with UBTree rounds."""
+
+    @property
+    def served_tree_attention(self) -> None:
+        """None: tree rows attend through the CPU backend (attention/cpu.py), which has no tree_attention mode."""
+        return None
 
 
 class UBTreeGPUModelRunner(UBTreeRunnerMixin, GPUModelRunner):

@@ -156,6 +156,11 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         self._kv_cache_ptrs = None
 
     @property
+    def served_tree_attention(self) -> str:
+        """The tree-attention mode this runner serves (what "auto" chose, after any fallback)."""
+        return self._tree_attention
+
+    @property
     def _stock_roots_mode(self) -> bool:
         """The mode served lays out uniform decode steps with the roots alone for FlashAttention."""
         return self._tree_attention in MRV2_TREE_ATTENTION_MODES
