@@ -26,6 +26,10 @@ Public launchers only:
 * :func:`tree_penalties`, :func:`tree_bad_words` -- presence/frequency/repetition penalties and bad words
   at every node over the outputs plus the node's own path (Model Runner V2's sampler, in place of
   vLLM's chain forms).
+* ``tree_attention: "flash_exact"`` (imported by module, not exported here; oracles: the torch forms in
+  ``vllm.attention.exact_rows``): ``virtual_rows.virtual_rows_kernel`` (every row's virtual sequence, its copy
+  lists and plain decoding's FA3 split count, once per forward) and ``scratch_rows.scratch_rows`` (the tree rows'
+  scratch pages, once per layer).
 * Hybrid / MLA targets (kernels with twins and tests, not yet called by the engine; issue 17):
   ``tree_delta_rule.tree_gated_delta_rule`` and ``tree_conv.tree_causal_conv1d`` (each node's
   recurrent state and conv window from its parent's), ``tree_mla_attention.tree_mla_attention``

@@ -179,6 +179,24 @@ def compile_scratch_rows(dtype: torch.dtype, heads: int, head_size: int, arch: i
     return _compile("scratch_rows", "_scratch_rows_kernel", launch_meta(heads, head_size), kind, arch)
 
 
+_VIRTUAL_ROWS_POINTERS = {"block_table_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
+                          "tree_ptr": "*i1", "root_ptr": "*i1", "cu_seqlens_q_ptr": "*i32", "keys_ptr": "*i32",
+                          "table_ptr": "*i32", "splits_ptr": "*i32"}
+
+
+def compile_virtual_rows(block_size: int, pages_per_row: int, path_width: int, key_block: int, arch: int) -> int:
+    """`_virtual_rows_kernel` (flash_exact's layout) as its launcher compiles it; returns the cubin size."""
+    from ubtree_vllm.triton_ops.virtual_rows import launch_meta
+
+    def kind(name: str) -> str:
+        if name.endswith("_ptr"):
+            return _VIRTUAL_ROWS_POINTERS.get(name, "*i64")
+        return "i64" if name.startswith("stride") else "i32"
+
+    return _compile("virtual_rows", "_virtual_rows_kernel",
+                    launch_meta(block_size, pages_per_row, path_width, key_block), kind, arch)
+
+
 def compile_tree_accept(max_depth: int, num_nodes: int, arch: int) -> int:
     """`_tree_accept_kernel` as its launcher compiles it (int64 trees); returns the cubin size."""
     from ubtree_vllm.triton_ops.tree_accept import launch_meta
@@ -348,6 +366,10 @@ def main() -> int:
     for dtype, heads, head_size in SCRATCH_ROWS_CONFIGS:
         size = compile_scratch_rows(dtype, heads, head_size, args.arch)
         print(f"scratch_rows sm_{args.arch} {str(dtype).removeprefix('torch.')} heads {heads} head {head_size}: "
+              f"cubin {size} bytes")
+    for block_size, pages, path_width, key_block in ((16, 3, 17, 192), (16, 2, 9, 128)):  # SmolLM2 / Qwen3-8B heads
+        size = compile_virtual_rows(block_size, pages, path_width, key_block, args.arch)
+        print(f"virtual_rows sm_{args.arch} block {block_size} pages {pages} path {path_width} key block {key_block}: "
               f"cubin {size} bytes")
     for max_depth, num_nodes in ((16, 65), (8, 17)):
         size = compile_tree_accept(max_depth, num_nodes, args.arch)

@@ -12,9 +12,10 @@ import torch
 
 from ubtree_vllm.triton_ops.reference import _context_kv, tree_attention_reference
 from ubtree_vllm.triton_ops.tree_attention_inputs import make_inputs, random_parents
-from ubtree_vllm.vllm.attention.exact_rows import (copy_rows_to_scratch, fa3_split_counts, max_covered_entries,
-                                                   pages_per_row, plain_split_counts, scratch_pages,
-                                                   split_count_slice, virtual_rows)
+from ubtree_vllm.vllm.attention.exact_rows import (FA3_DECODE_BLOCK_N, copy_rows_to_scratch, fa3_split_counts,
+                                                   max_covered_entries, pages_per_row, plain_split_counts,
+                                                   scratch_pages, split_count_slice, virtual_rows,
+                                                   virtual_rows_by_kernel)
 
 BLOCK = 16
 # Where the copies' Triton kernel runs: the GPU where there is one (a launch cannot take CPU tensors there), else CPU
@@ -187,6 +188,85 @@ def test_split_counts_are_plain_decodings_at_each_rows_position():
     assert plain_split_counts(two, 64, 3, 132, 4).tolist() == [3, 3, 4, 4]
 
 
+def kernel_layout(step, head_size=64, num_kv_heads=3, sms=132, max_splits=32):
+    """virtual_rows_by_kernel on KERNEL_DEVICE, its tensors brought back to the CPU."""
+    names = ("row_index", "row_req", "row_context_len", "row_path", "block_table", "query_start_loc", "seq_lens")
+    rows = virtual_rows_by_kernel(*(step[n].to(KERNEL_DEVICE) for n in names), step["scratch"], BLOCK, head_size,
+                                  num_kv_heads, sms, max_splits)
+
+    def back(x):
+        return tuple(back(t) for t in x) if isinstance(x, tuple) else x.cpu() if isinstance(x, torch.Tensor) else x
+
+    return dataclasses.replace(rows, **{f.name: back(getattr(rows, f.name)) for f in dataclasses.fields(rows)})
+
+
+def many_requests(count, context, seed):
+    """``count`` requests of short random trees at contexts around ``context`` (tails of every length)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(context + i % BLOCK, random_parents(1 + i % 4, 3, 2, gen)) for i in range(count)]
+
+
+def long_contexts(seed):
+    """Five requests at 3,000 to 8,000 keys: FA3 split counts of several per sequence."""
+    requests = [(3000 + 1237 * i, random_parents(3, 2, 2, torch.Generator().manual_seed(seed + i))) for i in range(5)]
+    return covered_step(requests, padding=1, num_heads=2, num_kv_heads=1, head_size=8, seed=seed)
+
+
+def root_marked_tree(step):
+    """``step`` with its second request's root row marked a tree row (a layout MRV2 never hands over, where the torch
+    form counts no root for that request): the kernel must agree there too."""
+    root = int(step["roots"][1])
+    step = dict(step, row_index=step["row_index"].clone(), row_path=step["row_path"].clone())
+    step["row_index"][root] = root
+    step["row_path"][root, 0] = root
+    return step
+
+
+CASES = ["trees", "cut scratch", "no padding", "70 requests", "132-page contexts", "long contexts", "root marked tree"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_layout_kernel_is_the_torch_layout(case):
+    """virtual_rows_by_kernel (one Triton launch: triton_ops/virtual_rows.py) gives the torch form's every tensor, bit
+    for bit and dtype for dtype, and plain_split_counts' split counts: bushy trees with padding rows and a padded
+    request, scratch pages for fewer rows than the step has, more requests than one scan chunk (64), block tables
+    wider than one column chunk (128), contexts of thousands of keys (split counts of several, which move with the
+    batch's total), a root row marked as a tree row."""
+    steps = {"trees": lambda: covered_step(tree_requests(0), padding=3, seed=0),
+             "cut scratch": lambda: covered_step(tree_requests(1), padding=2, seed=1, scratch_rows=20),
+             "no padding": lambda: covered_step(tree_requests(2), padding=0, seed=2),
+             "70 requests": lambda: covered_step(many_requests(70, 40, 3), padding=1, num_heads=2, num_kv_heads=1,
+                                                 head_size=8, seed=3),
+             "132-page contexts": lambda: covered_step(many_requests(3, 132 * BLOCK - 8, 4), padding=2, num_heads=2,
+                                                       num_kv_heads=1, head_size=8, seed=4),
+             "long contexts": lambda: long_contexts(5),
+             "root marked tree": lambda: root_marked_tree(long_contexts(6))}
+    step = steps[case]()
+    for head_size, num_kv_heads, sms, max_splits in ((64, 3, 132, 32), (128, 8, 132, 32), (128, 8, 2, 4),
+                                                     (64, 1, 7, 32)):
+        want = layout(step)
+        got = kernel_layout(step, head_size, num_kv_heads, sms, max_splits)
+        for field in dataclasses.fields(want):
+            if field.name in ("split_counts", "num_reqs"):
+                continue
+            mine, theirs = getattr(got, field.name), getattr(want, field.name)
+            pairs = zip(mine, theirs) if isinstance(mine, tuple) else ((mine, theirs),)
+            for a, b in pairs:
+                assert (a.dtype, tuple(a.shape)) == (b.dtype, tuple(b.shape)) and torch.equal(a, b), field.name
+        assert got.num_reqs == want.num_reqs
+        splits = plain_split_counts(want, head_size, num_kv_heads, sms, max_splits)
+        assert got.split_counts.dtype == splits.dtype and torch.equal(got.split_counts, splits)
+    if case == "132-page contexts":
+        assert step["block_table"].shape[1] > 128
+    if case == "70 requests":
+        assert step["seq_lens"].shape[0] > 64
+    if case == "long contexts":  # the split counts differ from row to row there
+        assert len(set(kernel_layout(step, 128, 8, 132, 32).split_counts.tolist())) >= 3
+    with pytest.raises(ValueError, match="head_size 96"):
+        kernel_layout(step, head_size=96)
+    assert FA3_DECODE_BLOCK_N.keys() == {64, 128}
+
+
 def test_scratch_pages_cover_the_widest_uniform_decode_step():
     assert pages_per_row(16, 17) == 2 and pages_per_row(16, 2) == 2 and pages_per_row(16, 1) == 1
     assert pages_per_row(32, 17) == 2 and pages_per_row(128, 17) == 2 and pages_per_row(16, 33) == 3
@@ -319,7 +399,7 @@ def test_exact_rows_are_the_lone_decode_of_each_row_on_gpu(graph):
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     from ubtree_vllm.bench.attention_bench import bench_parents
-    from ubtree_vllm.vllm.attention.exact_rows import (attend_rows_exactly, check_scheduler_metadata_layout,
+    from ubtree_vllm.vllm.attention.exact_rows import (attend_rows_exactly, check_scheduler_metadata_layout, num_sms,
                                                        pinned_scheduler_metadata)
 
     device = torch.device("cuda")
@@ -329,8 +409,10 @@ def test_exact_rows_are_the_lone_decode_of_each_row_on_gpu(graph):
     query, max_seq_len, splits = step["query"], int(step["seq_lens"].max()), 32
     output = torch.zeros_like(query)
 
-    def forward():
-        rows = layout(step)
+    def forward():  # as the FLASH_ATTN impl serves it: the layout kernel, then the pinned metadata
+        names = ("row_index", "row_req", "row_context_len", "row_path", "block_table", "query_start_loc", "seq_lens")
+        rows = virtual_rows_by_kernel(*(step[n] for n in names), step["scratch"], BLOCK, 64, 3, num_sms(device),
+                                      splits)
         metadata = pinned_scheduler_metadata(rows, max_seq_len, 9, 3, 64, torch.bfloat16, BLOCK, splits)
         copy_rows_to_scratch(step["key_cache"], step["value_cache"], step["key"], step["value"], rows)
         attend_rows_exactly(query, step["key_cache"], step["value_cache"], output, rows, step["scale"], max_seq_len,

@@ -22,17 +22,18 @@ and one FA3 call computes them all, in place:
   request at the row's), not the one a batch of 65 sequences per request would get. At batch 1 that is the row
   decoded alone.
 
-Per forward (first layer; shared by the others through ``TreeForwardState.step_cache``): :func:`virtual_rows` builds
-the tables and the copy indices, :func:`pinned_scheduler_metadata` the metadata. Per layer, after vLLM wrote this
+Per forward (first layer; shared by the others through ``TreeForwardState.step_cache``): :func:`virtual_rows_by_kernel`
+builds the tables, the copy indices and plain decoding's split counts in one launch (its torch form:
+:func:`virtual_rows` and :func:`plain_split_counts`), :func:`pinned_scheduler_metadata` the metadata. Per layer, after vLLM wrote this
 forward's K/V into the cache: :func:`copy_rows_to_scratch` fills the scratch pages and :func:`attend_rows_exactly`
 makes the FA3 call. Fixed shapes, no host read of a device value: captured in the FULL graphs of uniform decode steps.
 
 Exact at batch 1 under FULL CUDA graphs (vLLM's split cap ``max_num_splits``); with several requests in flight it
 matches plain decoding's split counts whenever the other requests' key-block counts are their roots', and plain
 decoding's own batch then differs anyway (requests finish at other steps). GPU only (FlashAttention 3, head sizes 64
-and 128); the layout (plain torch) and the copies (one Triton launch, ``triton_ops/scratch_rows.py``) are tested on
-the CPU against a paged reference (``tests/unit/test_exact_rows.py``), the FA3 call against FA3's lone decode on the
-GPU.
+and 128); the layout (its torch form, and the kernel against it) and the copies (one Triton launch,
+``triton_ops/scratch_rows.py``) are tested on the CPU against a paged reference (``tests/unit/test_exact_rows.py``),
+the FA3 call against FA3's lone decode on the GPU.
 """
 from __future__ import annotations
 
@@ -193,6 +194,8 @@ class VirtualRows:
     # path copies [T * P]: the forward row read, page / offset written
     path_rows: torch.Tensor
     path_dst: tuple[torch.Tensor, torch.Tensor]
+    # [T] int32 plain decoding's FA3 split count per sequence where the layout computed it (the kernel form), else None
+    split_counts: torch.Tensor | None = None
 
 
 def plain_split_counts(rows: VirtualRows, head_size: int, num_kv_heads: int, num_sms: int,
@@ -273,6 +276,30 @@ def virtual_rows(
         tail_src=paged(tail_src), tail_dst=paged(tail_dst), path_rows=path_rows, path_dst=paged(path_dst))
 
 
+def virtual_rows_by_kernel(
+        # as :func:`virtual_rows`
+        row_index: torch.Tensor, row_req: torch.Tensor, row_context_len: torch.Tensor, row_path: torch.Tensor,
+        block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+        scratch: ScratchPages, block_size: int,
+        # FA3's split rule (:func:`plain_split_counts`): the layer's head size and KV heads, the GPU's SMs, the cap
+        head_size: int, num_kv_heads: int, sms: int, max_splits: int) -> VirtualRows:
+    """:func:`virtual_rows` and :func:`plain_split_counts` in one launch (``triton_ops/virtual_rows.py``, tested
+    against them): what the FULL graphs of covered steps replay."""
+    from ubtree_vllm.triton_ops.virtual_rows import virtual_rows_kernel
+
+    if head_size not in FA3_DECODE_BLOCK_N:
+        raise ValueError(f"head_size {head_size}: FA3's decode tile is known here for {sorted(FA3_DECODE_BLOCK_N)}")
+    out = virtual_rows_kernel(row_index, row_req, row_context_len, row_path, block_table, query_start_loc, seq_lens,
+                              scratch.first_page, scratch.pages_per_row, scratch.max_entries, scratch.dump_page,
+                              block_size, FA3_DECODE_BLOCK_N[head_size], num_kv_heads, sms, max_splits)
+    return VirtualRows(
+        tree=out["tree"], root=out["root"], cu_seqlens_q=out["cu_seqlens_q"], seq_lens=out["seq_lens"],
+        block_table=out["block_table"], request=out["request"], num_reqs=seq_lens.shape[0],
+        tail_src=(out["tail_src_page"], out["tail_src_slot"]), tail_dst=(out["tail_dst_page"], out["tail_dst_slot"]),
+        path_rows=out["path_rows"], path_dst=(out["path_dst_page"], out["path_dst_slot"]),
+        split_counts=out["split_counts"])
+
+
 def copy_rows_to_scratch(
         # [num_blocks, block_size, H_kv, D] one layer's paged cache views (may be strided), mutated
         key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -291,8 +318,10 @@ def pinned_scheduler_metadata(rows: VirtualRows, max_seq_len: int, num_heads: in
     (:func:`plain_split_counts`; GPU only)."""
     metadata = decode_scheduler_metadata(rows.seq_lens, max_seq_len, num_heads, num_kv_heads, head_size, dtype,
                                          block_size, num_splits, cu_seqlens_q=rows.cu_seqlens_q)
-    metadata[split_count_slice(rows.seq_lens.shape[0])] = plain_split_counts(
-        rows, head_size, num_kv_heads, num_sms(rows.seq_lens.device), num_splits)
+    splits = rows.split_counts
+    if splits is None:
+        splits = plain_split_counts(rows, head_size, num_kv_heads, num_sms(rows.seq_lens.device), num_splits)
+    metadata[split_count_slice(rows.seq_lens.shape[0])] = splits
     return metadata
 
 

@@ -100,8 +100,8 @@ class TreeFlashAttentionImpl(TreeRowsImpl, FlashAttentionImpl):
         """"flash_exact": every row's virtual sequence (built once per forward, shared by its layers through
         ``TreeForwardState.step_cache``), the tree rows' scratch pages filled from this layer's cache and fresh K/V,
         then one FlashAttention 3 call over them all, in place (``attention/exact_rows.py``)."""
-        from ubtree_vllm.vllm.attention.exact_rows import (attend_rows_exactly, copy_rows_to_scratch,
-                                                           pinned_scheduler_metadata, virtual_rows)
+        from ubtree_vllm.vllm.attention.exact_rows import (attend_rows_exactly, copy_rows_to_scratch, num_sms,
+                                                           pinned_scheduler_metadata, virtual_rows_by_kernel)
 
         num_tokens, block_size = query.shape[0], key_cache.shape[1]
         num_splits = attn_metadata.max_num_splits  # vLLM's cap under CUDA graphs, as plain decoding's call
@@ -110,10 +110,13 @@ class TreeFlashAttentionImpl(TreeRowsImpl, FlashAttentionImpl):
         if cached is not None and cached[0] is attn_metadata:
             rows, metadata = cached[1]
         else:
-            rows = virtual_rows(buffers.row_index[:num_tokens], buffers.row_req[:num_tokens],
-                                buffers.row_context_len[:num_tokens], buffers.row_path[:num_tokens],
-                                attn_metadata.block_table, attn_metadata.query_start_loc, attn_metadata.seq_lens,
-                                self.ubtree_exact_scratch, block_size)
+            # eager steps' split counts are FlashAttention's own (below): the kernel's then go unused
+            sms = num_sms(query.device) if num_splits > 0 else 1
+            rows = virtual_rows_by_kernel(buffers.row_index[:num_tokens], buffers.row_req[:num_tokens],
+                                          buffers.row_context_len[:num_tokens], buffers.row_path[:num_tokens],
+                                          attn_metadata.block_table, attn_metadata.query_start_loc,
+                                          attn_metadata.seq_lens, self.ubtree_exact_scratch, block_size,
+                                          self.head_size, self.num_kv_heads, sms, max(num_splits, 1))
             # eager steps (num_splits 0) leave the split counts to FlashAttention, as plain decoding's eager call does
             metadata = (pinned_scheduler_metadata(rows, attn_metadata.max_seq_len, self.num_heads, self.num_kv_heads,
                                                   self.head_size, query.dtype, block_size, num_splits)
