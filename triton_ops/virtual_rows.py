@@ -37,6 +37,21 @@ BLOCK_W = 128  # block-table columns per chunk
 if triton is not None:
 
     @triton.jit
+    def _root_of(r, mask, row_index_ptr, query_start_loc_ptr, seq_lens_ptr, num_rows, max_entries,
+                 KEY_BLOCK: tl.constexpr):
+        """Request(s) ``r``'s root: (first row, clamped to num_rows; its keys; its FA3 key blocks where it counts in
+        the batch's split rule: its first row exists, is no tree row, and has keys; else 0)."""
+        q0 = tl.load(query_start_loc_ptr + r, mask=mask, other=0).to(tl.int64)
+        q1 = tl.load(query_start_loc_ptr + r + 1, mask=mask, other=0).to(tl.int64)
+        sl = tl.load(seq_lens_ptr + r, mask=mask, other=0).to(tl.int64)
+        first = tl.minimum(q0, num_rows)
+        keys = tl.where(sl > 0, tl.maximum(sl - (q1 - q0) + 1, 0), 0)
+        on_row = mask & (first < num_rows)
+        first_entry = tl.load(row_index_ptr + first, mask=on_row, other=-1)
+        counted = on_row & (keys > 0) & ~((first_entry >= 0) & (first < max_entries))
+        return first, keys, tl.where(counted, (keys + KEY_BLOCK - 1) // KEY_BLOCK, 0)
+
+    @triton.jit
     def _virtual_rows_kernel(
             # [T] int64 row buffers; [T, PATH] int64 paths (root-first, -1 padded)
             row_index_ptr, row_req_ptr, row_context_len_ptr, row_path_ptr,
@@ -62,18 +77,12 @@ if triton is not None:
         for start in range(0, num_reqs, BLOCK_R):
             r = start + tl.arange(0, BLOCK_R)  # [BLOCK_R]
             ok = r < num_reqs
-            q0 = tl.load(query_start_loc_ptr + r, mask=ok, other=0).to(tl.int64)
-            q1 = tl.load(query_start_loc_ptr + r + 1, mask=ok, other=0).to(tl.int64)
-            sl = tl.load(seq_lens_ptr + r, mask=ok, other=0).to(tl.int64)
-            first = tl.minimum(q0, num_rows)
-            keys = tl.where(sl > 0, tl.maximum(sl - (q1 - q0) + 1, 0), 0)
+            first, keys, root_blocks = _root_of(r, ok, row_index_ptr, query_start_loc_ptr, seq_lens_ptr, num_rows,
+                                                max_entries, KEY_BLOCK)
             hit = ok & (first == m)
             root_len = tl.maximum(root_len, tl.max(tl.where(hit, keys, 0), axis=0))
             root_req = tl.maximum(root_req, tl.max(tl.where(hit, r.to(tl.int64), -1), axis=0))
-            on_row = ok & (first < num_rows)
-            first_entry = tl.load(row_index_ptr + first, mask=on_row, other=-1)
-            counted = on_row & (keys > 0) & ~((first_entry >= 0) & (first < max_entries))
-            all_root_blocks += tl.sum(tl.where(counted, (keys + KEY_BLOCK - 1) // KEY_BLOCK, 0), axis=0)
+            all_root_blocks += tl.sum(root_blocks, axis=0)
         is_root = (root_len > 0) & ~is_tree
         request = tl.where(is_tree, tl.maximum(tl.load(row_req_ptr + m), 0), tl.maximum(root_req, 0))
 
@@ -128,15 +137,8 @@ if triton is not None:
 
         # plain decoding's split count at this row's position: the batch's root blocks, the own request's at the row's
         blocks = (keys_m + KEY_BLOCK - 1) // KEY_BLOCK
-        q0 = tl.load(query_start_loc_ptr + request).to(tl.int64)
-        q1 = tl.load(query_start_loc_ptr + request + 1).to(tl.int64)
-        sl = tl.load(seq_lens_ptr + request).to(tl.int64)
-        own_first = tl.minimum(q0, num_rows)
-        own_keys = tl.where(sl > 0, tl.maximum(sl - (q1 - q0) + 1, 0), 0)
-        own_on_row = own_first < num_rows
-        own_entry = tl.load(row_index_ptr + own_first, mask=own_on_row, other=-1)
-        own_counted = own_on_row & (own_keys > 0) & ~((own_entry >= 0) & (own_first < max_entries))
-        own_blocks = tl.where(own_counted, (own_keys + KEY_BLOCK - 1) // KEY_BLOCK, 0)
+        _, _, own_blocks = _root_of(request, True, row_index_ptr, query_start_loc_ptr, seq_lens_ptr,
+                                    num_rows, max_entries, KEY_BLOCK)
         total = all_root_blocks - own_blocks + blocks
         work = tl.math.div_rn(total.to(tl.float32) * 1.1 * num_kv_heads.to(tl.float32), num_sms.to(tl.float32))
         per_sm = tl.maximum(tl.math.ceil(work).to(tl.int64), 1)

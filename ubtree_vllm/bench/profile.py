@@ -49,10 +49,10 @@ def run_name(label: str, dataset: str, temperature: float, concurrency: int, opt
     """File stem of one profiled run: the engine label ('ubtree-mrv2:64' -> 'ubtree-mrv2-B64',
     'ubtree-mrv2:64@flash_merge' -> 'ubtree-mrv2-B64-flash_merge'), cell, and the sampling option its requests
     carried (--sampling-options), if any."""
-    from ubtree_vllm.bench.settings import parse_label
+    from ubtree_vllm.bench.settings import TREE_ATTENTION_AUTO, parse_label
 
     method, budget, mode = parse_label(label)
-    engine = (f"{method}-B{budget}" if budget else method) + ("" if mode == "auto" else f"-{mode}")
+    engine = (f"{method}-B{budget}" if budget else method) + ("" if mode == TREE_ATTENTION_AUTO else f"-{mode}")
     return f"{engine}_{dataset}_T{temperature:g}_c{concurrency}" + (f"_{option}" if option else "")
 
 

@@ -194,7 +194,8 @@ class VirtualRows:
     # path copies [T * P]: the forward row read, page / offset written
     path_rows: torch.Tensor
     path_dst: tuple[torch.Tensor, torch.Tensor]
-    # [T] int32 plain decoding's FA3 split count per sequence where the layout computed it (the kernel form), else None
+    # [T] int32 plain decoding's FA3 split count per sequence: the kernel form computes it (pinned_scheduler_metadata
+    # reads it); the torch form leaves None (plain_split_counts computes it from the rows)
     split_counts: torch.Tensor | None = None
 
 
@@ -314,14 +315,14 @@ def copy_rows_to_scratch(
 
 def pinned_scheduler_metadata(rows: VirtualRows, max_seq_len: int, num_heads: int, num_kv_heads: int,
                               head_size: int, dtype: torch.dtype, block_size: int, num_splits: int) -> torch.Tensor:
-    """FA3's scheduler metadata for the virtual sequences, their split counts replaced by plain decoding's
-    (:func:`plain_split_counts`; GPU only)."""
+    """FA3's scheduler metadata for the virtual sequences, their split counts replaced by plain decoding's (the
+    layout's ``split_counts``, :func:`virtual_rows_by_kernel`; GPU only)."""
+    if rows.split_counts is None:
+        raise ValueError("pinned_scheduler_metadata needs the layout's split counts: lay out with "
+                         "virtual_rows_by_kernel")
     metadata = decode_scheduler_metadata(rows.seq_lens, max_seq_len, num_heads, num_kv_heads, head_size, dtype,
                                          block_size, num_splits, cu_seqlens_q=rows.cu_seqlens_q)
-    splits = rows.split_counts
-    if splits is None:
-        splits = plain_split_counts(rows, head_size, num_kv_heads, num_sms(rows.seq_lens.device), num_splits)
-    metadata[split_count_slice(rows.seq_lens.shape[0])] = splits
+    metadata[split_count_slice(rows.seq_lens.shape[0])] = rows.split_counts
     return metadata
 
 
