@@ -197,6 +197,32 @@ def compile_virtual_rows(block_size: int, pages_per_row: int, path_width: int, k
                     launch_meta(block_size, pages_per_row, path_width, key_block), kind, arch)
 
 
+_TREE_PREFILL_MASK_POINTERS = {"seq_lens_ptr": "*i32", "kv_pages_ptr": "*i32", "out_mask_ptr": "*u8"}
+
+
+def compile_tree_prefill_mask(arch: int) -> int:
+    """`_tree_prefill_mask_kernel` (FlashInfer's packed tree mask) as its launcher compiles it (int32 lengths and
+    pages, int64 rows, paths and byte offsets; the launcher's default tile); returns the cubin size."""
+    from ubtree_vllm.triton_ops.tree_prefill_mask import launch_meta
+
+    def kind(name: str) -> str:
+        if name.endswith("_ptr"):
+            return _TREE_PREFILL_MASK_POINTERS.get(name, "*i64")
+        return "i64" if name.startswith("stride") else "i32"
+
+    return _compile("tree_prefill_mask", "_tree_prefill_mask_kernel", launch_meta(), kind, arch)
+
+
+def compile_paged_kv_indices(arch: int) -> int:
+    """`_paged_kv_indices_kernel` (FlashInfer's flat page list) as its launcher compiles it (int32 tables and
+    lists; the launcher's default tile); returns the cubin size."""
+    from ubtree_vllm.triton_ops.tree_prefill_mask import indices_launch_meta
+
+    return _compile("tree_prefill_mask", "_paged_kv_indices_kernel", indices_launch_meta(),
+                    lambda name: "*i32" if name.endswith("_ptr") else "i64" if name.startswith("stride") else "i32",
+                    arch)
+
+
 def compile_tree_accept(max_depth: int, num_nodes: int, arch: int) -> int:
     """`_tree_accept_kernel` as its launcher compiles it (int64 trees); returns the cubin size."""
     from ubtree_vllm.triton_ops.tree_accept import launch_meta
@@ -371,6 +397,10 @@ def main() -> int:
         size = compile_virtual_rows(block_size, pages, path_width, key_block, args.arch)
         print(f"virtual_rows sm_{args.arch} block {block_size} pages {pages} path {path_width} key block {key_block}: "
               f"cubin {size} bytes")
+    size = compile_tree_prefill_mask(args.arch)
+    print(f"tree_prefill_mask sm_{args.arch}: cubin {size} bytes")
+    size = compile_paged_kv_indices(args.arch)
+    print(f"paged_kv_indices sm_{args.arch}: cubin {size} bytes")
     for max_depth, num_nodes in ((16, 65), (8, 17)):
         size = compile_tree_accept(max_depth, num_nodes, args.arch)
         print(f"tree_accept sm_{args.arch} depth {max_depth} nodes {num_nodes}: cubin {size} bytes")

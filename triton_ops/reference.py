@@ -155,6 +155,61 @@ def scratch_rows_reference(
         value_cache[dst_page, dst_slot] = value[row]
 
 
+def tree_prefill_mask_reference(
+        # [R_pad] int32 tokens per request including its q rows (0: padding)
+        seq_lens: torch.Tensor,
+        # [T] int64 g for a tree row with a path, else -1; [T, P] int64 root-first global rows, -1 padded
+        row_index: torch.Tensor, row_path: torch.Tensor,
+        q: int,
+        # [R_pad] int32 planned pages; [R_pad + 1] int64 byte offsets of the mask segments
+        kv_pages: torch.Tensor, mask_offsets: torch.Tensor,
+        page_size: int,
+        # [>= mask_offsets[-1]] uint8 (mutated: the segments only)
+        out_mask: torch.Tensor,
+        *, max_kv_len: int | None = None) -> None:
+    """Twin of :func:`ubtree_vllm.triton_ops.tree_prefill_mask.tree_prefill_mask`: each request's ``[q, kv_len]``
+    visibility as a bool matrix, packed little bit order into its segment. ``max_kv_len``, where given, is checked
+    to bound every request's keys (the launcher's grid needs that)."""
+    offsets, paths = mask_offsets.tolist(), row_path.tolist()
+    tree_rows = row_index.tolist()
+    weights = 1 << torch.arange(8)  # [8] little bit order
+    for r, (seq_len, pages) in enumerate(zip(seq_lens.tolist(), kv_pages.tolist())):
+        kv_len, ctx = pages * page_size, max(seq_len - q, 0)
+        assert offsets[r + 1] - offsets[r] == q * kv_len // 8, f"request {r}: segment of {q} x {kv_len} bits"
+        assert max_kv_len is None or kv_len <= max_kv_len, f"request {r}: {kv_len} keys > max_kv_len {max_kv_len}"
+        visible = torch.zeros(q, kv_len, dtype=torch.bool)
+        for i in range(q):
+            g = r * q + i
+            if i == 0 or tree_rows[g] < 0:
+                visible[i, :ctx + 1] = True  # the context and the row's own key
+                continue
+            visible[i, :ctx] = True
+            for node in paths[g]:
+                j = node - r * q
+                if node >= 0 and 0 <= j < q and ctx + j < kv_len:
+                    visible[i, ctx + j] = True
+        packed = (visible.view(-1, 8).long() * weights).sum(1).to(torch.uint8)  # [q * kv_len / 8]
+        out_mask[offsets[r]:offsets[r + 1]] = packed.to(out_mask.device)
+
+
+def paged_kv_indices_reference(
+        # [R_rows, max_blocks] int32 pages (requests past R_rows are padding)
+        block_table: torch.Tensor,
+        # [R_pad] int32 pages per request; [R_pad + 1] int32 cumulative
+        kv_pages: torch.Tensor, kv_indptr: torch.Tensor,
+        # [>= kv_indptr[-1]] int32 (mutated)
+        out_indices: torch.Tensor,
+        max_pages: int) -> None:
+    """Twin of :func:`ubtree_vllm.triton_ops.tree_prefill_mask.paged_kv_indices`: request by request, the first
+    ``kv_pages[r]`` ids of its table row, 0 past the table (rows or columns) and for a negative id."""
+    table = block_table.tolist()
+    for r, (pages, start) in enumerate(zip(kv_pages.tolist(), kv_indptr.tolist())):
+        assert pages <= max_pages, f"request {r}: {pages} pages > max_pages {max_pages}"
+        row = table[r] if r < len(table) else []
+        ids = [max(row[j], 0) if j < len(row) else 0 for j in range(pages)]
+        out_indices[start:start + pages] = torch.tensor(ids, dtype=out_indices.dtype)
+
+
 def gated_delta_rule_chain_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                      beta: torch.Tensor, state: torch.Tensor, scale: float, delta: bool = True
                                      ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -114,6 +114,12 @@ def _rewrite_to_vllm(args: Any, target_model_config: Any) -> None:
         raise ValueError(f"speculative_config.tree_attention {spec.tree_attention!r} runs on Model Runner V2 only (the "
                          "default CUDA runner; it lays out uniform decode steps for it); this engine runs the V1 "
                          "runner: use 'triton' or 'flash_merge'")
+    if spec.tree_attention == "flashinfer":
+        from ubtree_vllm.vllm.attention.flashinfer_rows import flashinfer_available
+
+        if not flashinfer_available():
+            raise ValueError("speculative_config.tree_attention 'flashinfer' needs the flashinfer package "
+                             "(flashinfer-python), which this environment lacks; use 'auto', 'triton' or 'flash_exact'")
     _check_engine_args(args, mrv2, mla=mla)
     if cuda_tree_form:
         _piecewise_graphs(args)

@@ -89,7 +89,7 @@ def test_mrv2_load_adaptive_budget_greedy_equality_smollm2(mrv2, default_target_
           f"tau {tau:.2f}")
 
 
-@pytest.mark.parametrize("mode", ["flash_merge", "triton_stock_roots", "flash_exact"])
+@pytest.mark.parametrize("mode", ["flash_merge", "triton_stock_roots", "flash_exact", "flashinfer"])
 def test_mrv2_attention_mode_with_load_adaptive_budget_greedy_equality_smollm2(mrv2, default_target_dir, tmp_path,
                                                                                mode):
     """The settings the bench measures together: the prompt-lookup branch, a tree_attention mode and a load-adaptive
@@ -98,7 +98,9 @@ def test_mrv2_attention_mode_with_load_adaptive_budget_greedy_equality_smollm2(m
     per forward) merged with the kernel's path part; "triton_stock_roots": in uniform decode steps (every FULL graph
     of tree steps) FlashAttention computes the roots alone (q_len 1, strided views) and the kernel every other row;
     "flash_exact": in uniform decode steps one FlashAttention 3 call over every row, each its own virtual sequence
-    (scratch pages filled per layer, the split counts pinned, the engine core's scheduler given fewer blocks)."""
+    (scratch pages filled per layer, the split counts pinned, the engine core's scheduler given fewer blocks);
+    "flashinfer": in uniform decode steps of up to 8 requests one FlashInfer call with the tree's mask over every row,
+    planned before each step (FULL graphs replay the plan's buffers)."""
     from test_vllm_gpu import TREE
 
     tree = {**TREE, "prompt_lookup": True, "tree_attention": mode,
@@ -186,7 +188,7 @@ def test_mrv2_zero_budget_at_load_keeps_the_drafters_context(mrv2, default_targe
         assert 1 + accepted / drafts > 1.5, (drafts, accepted)
 
 
-@pytest.mark.parametrize("mode", ["triton_stock_roots", "flash_exact"])
+@pytest.mark.parametrize("mode", ["triton_stock_roots", "flash_exact", "flashinfer"])
 def test_stock_roots_modes_are_refused_on_the_v1_runner(monkeypatch, default_target_dir, tmp_path, mode):
     from test_vllm_gpu import TREE, engine
 

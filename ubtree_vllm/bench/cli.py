@@ -55,7 +55,9 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
                              "(flash_exact where it can serve it, else triton); triton walks each tree row's context; "
                              "flash_merge has FlashAttention attend the context and adds the path; "
                              "triton_stock_roots and flash_exact (Model Runner V2) have FlashAttention compute the "
-                             "roots alone, flash_exact every tree row too, as plain decoding would")
+                             "roots alone, flash_exact every tree row too, as plain decoding would; flashinfer "
+                             "(Model Runner V2) computes every row of a step of up to 8 requests by one FlashInfer "
+                             "call with the tree's mask")
     parser.add_argument("--coupled-edge-weight", default=None, metavar="W",
                         help="speculative_config.coupled_edge_weight of the coupled tree methods (ubtree-mrv2, "
                              "ubtree-mrv2-lookup) at T > 0 (default: the serving default)")

@@ -132,8 +132,11 @@ def default_budget_schedule(budget: int) -> tuple[tuple[int, int, int], ...]:
 # work lands on rows the kernel overwrites (vllm/attention/tree_rows.py); "flash_exact" (Model Runner V2,
 # FlashAttention 3) -- as "triton_stock_roots", but every other row too is computed by FlashAttention 3 as plain
 # decoding computes it, each a sequence of its own over scratch pages (vllm/attention/exact_rows.py; greedy
-# agreement with plain decoding in bf16, issue 19).
-TREE_ATTENTION_MODES = ("triton", "flash_merge", "triton_stock_roots", "flash_exact")
+# agreement with plain decoding in bf16, issue 19); "flashinfer" (Model Runner V2, FlashAttention target) -- in
+# uniform decode steps of up to 8 requests one FlashInfer paged-prefill call with a custom mask computes every row,
+# planned on the host before each step (vllm/attention/flashinfer_rows.py; issue 19's FlashInfer backend), larger
+# steps as "triton_stock_roots".
+TREE_ATTENTION_MODES = ("triton", "flash_merge", "triton_stock_roots", "flash_exact", "flashinfer")
 # The default, "auto": "flash_exact" where an engine can serve it (Model Runner V2, FlashAttention 3 on Hopper, bf16 or
 # fp16, head size 64 or 128: exact_rows.serves_exact_rows_by_default), else "triton"; a runner that finds its layers
 # unable to after all (a FlashAttention feature the exact rows do not pass on) falls back to "triton" (logged). H100,
@@ -141,7 +144,7 @@ TREE_ATTENTION_MODES = ("triton", "flash_merge", "triton_stock_roots", "flash_ex
 # (vLLM's dflash 0 of 48; "triton" 38 of 48 on 2026-12-06), at a round of 1.85 plain steps against "triton"'s 1.78.
 TREE_ATTENTION_AUTO = "auto"
 # ... the modes that lay out uniform decode steps with the roots alone for FlashAttention (Model Runner V2 only)
-MRV2_TREE_ATTENTION_MODES = ("triton_stock_roots", "flash_exact")
+MRV2_TREE_ATTENTION_MODES = ("triton_stock_roots", "flash_exact", "flashinfer")
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,10 @@ call computes every row, each a sequence of its own (a root over its request's p
 holding its context tail and path), split as plain decoding would split it (:meth:`_exact_rows`,
 ``exact_rows.py``): every row gets plain decoding's bits at batch 1.
 
+``tree_attention: "flashinfer"`` (Model Runner V2): in uniform decode steps of up to 8 requests one FlashInfer paged
+prefill call computes every row under a custom mask (:meth:`TreeFlashAttentionImpl._flashinfer_rows`,
+``flashinfer_rows.py``); larger steps take ``"triton_stock_roots"``'s path.
+
 The KV commit of accepted paths copies inside this cache
 (:func:`ubtree_vllm.vllm.kv_commit.commit_accepted_paths_in_cache`), so nothing is stashed.
 
@@ -42,12 +46,14 @@ Sliding windows, soft caps, ALiBi, sinks and KV-sharing layers are refused at co
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                                    FlashAttentionMetadata)
 
 from ubtree_vllm.vllm.attention.state import RowBuffers, tree_forward_state
-from ubtree_vllm.vllm.attention.tree_rows import TreeRowsImpl
+from ubtree_vllm.vllm.attention.tree_rows import TreeRowsImpl, cache_views, rows_covered
 
 
 class TreeFlashAttentionBackend(FlashAttentionBackend):
@@ -63,6 +69,35 @@ class TreeFlashAttentionImpl(TreeRowsImpl, FlashAttentionImpl):
 
     # tree_attention "flash_merge": the context part from FlashAttention (module docstring); set by the bind
     ubtree_context_from_flash: bool = False
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if self.ubtree_flashinfer is not None and attn_metadata is not None and self._flashinfer_rows(
+                query, kv_cache, attn_metadata, output):
+            return output
+        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                               output_block_scale)
+
+    def _flashinfer_rows(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: FlashAttentionMetadata,
+                         output: torch.Tensor) -> bool:
+        """"flashinfer": every row of a covered uniform decode step it serves by one FlashInfer call (planned before
+        the forward by the runner); True when it wrote ``output``. An eager forward without trees may be the warm-up
+        of a FULL graph's capture: it plans that shape (``FlashInferTreeRows.plan_warmup``) and computes stock."""
+        rows, buffers = self.ubtree_flashinfer, self.ubtree_row_buffers
+        capturing = torch.cuda.is_current_stream_capturing()
+        if buffers is None:
+            return False
+        if not (tree_forward_state().has_tree_rows or capturing):
+            rows.plan_warmup(attn_metadata, buffers.row_index, buffers.row_path)
+            return False
+        num_reqs, q = attn_metadata.seq_lens.shape[0], attn_metadata.max_query_len
+        if not (rows_covered(buffers, attn_metadata) and rows.serves(num_reqs, q)):
+            return False  # TreeRowsImpl.forward: FlashAttention for the roots, the Triton kernel for the rest
+        key_cache, value_cache = cache_views(kv_cache, self.head_size)
+        rows.run(query, key_cache, value_cache, output, num_reqs, q)
+        return True
 
     def _stock_roots(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      attn_metadata: FlashAttentionMetadata, output: torch.Tensor) -> None:

@@ -187,6 +187,7 @@ def bind_tree_layers(forward_context: Mapping[str, Any], row_buffers: RowBuffers
             m.impl.ubtree_context_from_flash = tree_attention == "flash_merge"
         # (cleared on a rebind in another mode: a runner falling back from flash_exact)
         m.impl.ubtree_exact_scratch = exact_scratch if tree_attention == "flash_exact" else None
+        m.impl.ubtree_flashinfer = None  # "flashinfer": the runner binds its wrappers after this (it needs the group)
     return layers
 
 

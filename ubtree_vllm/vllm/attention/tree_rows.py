@@ -47,6 +47,9 @@ class TreeRowsImpl:
     # tree_attention "flash_exact": the scratch pages of the rows' virtual sequences (vllm/attention/exact_rows.py),
     # bound with the row buffers once the runner's KV cache holds them; None: the Triton kernel computes the rows
     ubtree_exact_scratch: Any = None
+    # tree_attention "flashinfer": the runner's FlashInfer wrappers (vllm/attention/flashinfer_rows.py), bound with the
+    # row buffers; None otherwise
+    ubtree_flashinfer: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]

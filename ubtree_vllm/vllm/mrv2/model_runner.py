@@ -44,6 +44,8 @@ from ubtree_vllm.triton_ops.accepted_rows import commit_accepted_paths
 from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers
 from ubtree_vllm.vllm.attention.exact_rows import (ScratchPages, check_scheduler_metadata_layout,
                                                    engine_scratch_pages)
+from ubtree_vllm.vllm.attention.flashinfer_rows import WORKSPACE_BYTES as FLASHINFER_WORKSPACE_BYTES
+from ubtree_vllm.vllm.attention.flashinfer_rows import FlashInferTreeRows, LayerShape
 from ubtree_vllm.vllm.attention.state import RowBuffers, bind_tree_layers, tree_forward_state
 from ubtree_vllm.vllm.config import MRV2_TREE_ATTENTION_MODES, from_vllm_config
 from ubtree_vllm.vllm.mrv2.rejection_sampler import UBTreeRejectionSampler
@@ -92,6 +94,11 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         # roots alone; "flash_exact" the other rows too, over scratch pages past the scheduler's (set at KV init)
         self._tree_attention = config.tree_attention  # the mode served ("triton" after an "auto" fallback)
         self._exact_scratch: ScratchPages | None = None
+        # tree_attention "flashinfer": the wrappers (bound after KV init) and their float workspace, allocated here so
+        # the memory profile counts it
+        self._flashinfer: FlashInferTreeRows | None = None
+        self._flashinfer_workspace = (torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+                                      if config.tree_attention == "flashinfer" else None)
         self.gamma = config.tree.block_size
         self.ubtree_stage_clock = StageClock.from_env(device)
         self.speculator = UBTreeSpeculator(vllm_config, device)  # replaces MRV2's DFlashSpeculator
@@ -193,6 +200,25 @@ class UBTreeModelRunnerV2(GPUModelRunner):
         self._target_group = groups[0]
         if self._exact_scratch is not None:
             self._check_exact_rows()
+        self._flashinfer = self._bind_flashinfer() if self._tree_attention == "flashinfer" else None
+
+    def _bind_flashinfer(self) -> FlashInferTreeRows:
+        """tree_attention "flashinfer" at KV init: the wrappers' shapes from the target's layers, bound to each."""
+        impl = self._target_layers[0].impl
+        shape = LayerShape(impl.num_heads, impl.num_kv_heads, impl.head_size, self.model_config.dtype, impl.scale)
+        for m in self._target_layers:
+            other = LayerShape(m.impl.num_heads, m.impl.num_kv_heads, m.impl.head_size, self.model_config.dtype,
+                               m.impl.scale)
+            if other != shape:
+                raise NotImplementedError(f"tree_attention 'flashinfer' needs one attention shape across the target's "
+                                          f"layers, got {shape} and {other}")
+        budgets = {self.ubtree_config.tree.tree_budget, *(b for _, _, b in self.ubtree_config.budget_schedule or ())}
+        rows = FlashInferTreeRows(self.device, self._flashinfer_workspace, shape,
+                                  self.kernel_block_sizes[self._target_group], self.max_model_len,
+                                  query_lens=frozenset(1 + b for b in budgets if b > 0))
+        for m in self._target_layers:
+            m.impl.ubtree_flashinfer = rows
+        return rows
 
     def _check_exact_rows(self) -> None:
         """tree_attention "flash_exact" at KV init: pages as the scratch assumes, and FA3's metadata as it pins it."""
@@ -228,6 +254,8 @@ class UBTreeModelRunnerV2(GPUModelRunner):
                               self.speculator.topology.parents, self.speculator.topology.depth, self.gamma,
                               buffers.row_index, buffers.row_req, buffers.row_context_len, buffers.row_path,
                               cover_rows=buffers.covers_forward)
+            if self._flashinfer is not None and buffers.covers_forward:
+                self._plan_flashinfer(input_batch, block_tables)
             tree_forward_state().begin_device_rows()
             self._step = (input_batch, slot_mappings)
         else:  # prefill / no drafts: stock attention
@@ -236,6 +264,17 @@ class UBTreeModelRunnerV2(GPUModelRunner):
             tree_forward_state().end_forward()
             self._step = None
         return block_tables, slot_mappings
+
+    def _plan_flashinfer(self, input_batch: Any, block_tables: tuple[torch.Tensor, ...]) -> None:
+        """tree_attention "flashinfer": plan this uniform decode step's wrapper before its forward (a FULL graph's
+        replay reads the plan's buffers); host bounds and host-known sizes only."""
+        num_reqs, q = input_batch.num_reqs_after_padding, int(input_batch.num_scheduled_tokens.max())
+        if not self._flashinfer.serves(num_reqs, q):
+            return
+        buffers = self._row_buffers
+        self._flashinfer.plan(num_reqs, q, input_batch.seq_lens_cpu_upper_bound.numpy()[:input_batch.num_reqs],
+                              input_batch.seq_lens, buffers.row_index, buffers.row_path,
+                              block_tables[self._target_group])
 
     def prepare_dummy_attn(self, input_batch: Any, valid_state_slots: bool = False) -> Any:
         self._row_buffers.row_index.fill_(-1)  # capture / profile runs: every entry skipped
