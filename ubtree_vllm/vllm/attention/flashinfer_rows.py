@@ -54,6 +54,9 @@ class _Wrapper:
     mask: torch.Tensor  # [R * q * max_pages * page_size / 8] uint8
     mask_indptr: torch.Tensor  # [R + 1] int32 byte offset of each request's mask
     qo_indptr: torch.Tensor  # [R + 1] int32 on the host: r * q
+    # recorded after the last plan's copies: FlashInfer's plan stages its schedule in a page-locked host buffer and
+    # copies it asynchronously, so the next plan of this wrapper must not overwrite that buffer before the copy ran
+    planned_event: Any = None
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,10 @@ class FlashInferTreeRows:
              block_table: torch.Tensor) -> None:
         """Plan the (num_reqs, q) wrapper for this step (host) and fill its page list and mask (two launches)."""
         w = self._wrapper(num_reqs, q)
+        if w.planned_event is not None:
+            # SYNC: the previous plan's copy out of FlashInfer's page-locked schedule buffer (enqueued a step ago,
+            # normally long done) must have run before this plan rewrites that buffer
+            w.planned_event.synchronize()
         page = self.page_size
         pages = np.ones(num_reqs, dtype=np.int64)  # a padding request: one page, key 0 visible (finite rows)
         pages[:len(bounds)] = np.clip(-(-np.asarray(bounds, dtype=np.int64) // page), 1, self.max_pages)
@@ -141,6 +148,9 @@ class FlashInferTreeRows:
         paged_kv_indices(block_table, pages_dev, kv_indptr_dev, w.kv_indices, max_pages=int(pages.max()))
         tree_prefill_mask(seq_lens, row_index, row_path, q, pages_dev, mask_offsets, page, w.mask,
                           max_kv_len=int(pages.max()) * page)
+        if self.device.type == "cuda":
+            w.planned_event = torch.cuda.Event()
+            w.planned_event.record()
         self.planned = (num_reqs, q)
 
     def plan_warmup(self, attn_metadata: Any, row_index: torch.Tensor, row_path: torch.Tensor) -> None:
