@@ -156,3 +156,22 @@ def test_it_serves_the_engines_tree_steps_of_up_to_eight_requests():
     with pytest.raises(NotImplementedError, match="multiple of 8"):
         FlashInferTreeRows(torch.device("cpu"), torch.empty(0), LayerShape(4, 2, 32, torch.float32, 1.0), 12,
                            max_model_len=128, query_lens=frozenset({65}))
+
+
+def test_flashinfers_schedule_is_planned_again_only_when_a_requests_pages_change(stand_in_flashinfer):
+    """FlashInfer's host plan depends on the pages per request alone (rows and heads are fixed per wrapper): a step
+    whose bounds stay within the same pages keeps it, while the page list and the mask are rewritten every step."""
+    contexts, nodes = [20, 40], 3
+    inputs, trees, row_index, row_path = uniform_step(2, nodes, contexts, seed=2)
+    q = nodes + 1
+    rows = FlashInferTreeRows(KERNEL_DEVICE, torch.empty(0), LayerShape(4, 2, 32, torch.float32, inputs.scale), 16,
+                              max_model_len=128, query_lens=frozenset({q}))
+    seq_lens = torch.tensor([ctx + q for ctx in contexts], dtype=torch.int32)
+    args = [x.to(KERNEL_DEVICE) for x in (seq_lens, row_index, row_path, inputs.block_table)]
+    wrapper = rows._wrapper(2, q)
+    for bounds, plans in (([24, 44], 1), ([25, 48], 1), ([33, 48], 2), ([33, 48], 2), ([33, 49], 3)):
+        rows.plan(2, q, np.array(bounds), *args)
+        assert len(wrapper.wrapper.plans) == plans, (bounds, len(wrapper.wrapper.plans))
+    wrapper.mask.zero_()
+    rows.plan(2, q, np.array([33, 49]), *args)
+    assert len(wrapper.wrapper.plans) == 3 and wrapper.mask.any(), "the mask is rewritten without a new plan"

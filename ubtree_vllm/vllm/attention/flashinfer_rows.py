@@ -12,7 +12,8 @@ Host and device, per step, with no device value read on the host:
 * **Plan** (host, before the forward: ``UBTreeModelRunnerV2._prepare_tree_attn``). FlashInfer schedules from host
   key lengths; MRV2's host knows them only as upper bounds (``seq_lens_cpu_upper_bound``: acceptance is on the
   device), so each request is planned over whole pages through its bound. Keys past a request's true length hold
-  stale K/V; the mask, built on the device from the true lengths, switches them off.
+  stale K/V; the mask, built on the device from the true lengths, switches them off. The schedule depends on the
+  pages per request alone, so FlashInfer's ``plan`` runs only when they change.
 * **Buffers** (device, same step): the page list from the block table (``paged_kv_indices``) and the mask, written
   into the wrapper's fixed buffers by two launches.
 * **Attention** (every layer): ``wrapper.run`` over the step's rows, into the layer's output.
@@ -57,6 +58,9 @@ class _Wrapper:
     # recorded after the last plan's copies: FlashInfer's plan stages its schedule in a page-locked host buffer and
     # copies it asynchronously, so the next plan of this wrapper must not overwrite that buffer before the copy ran
     planned_event: Any = None
+    # the pages per request of the last plan: FlashInfer's schedule depends on nothing else that changes between
+    # steps (rows per request and head shapes are fixed per wrapper), so a step with the same pages keeps it
+    planned_pages: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -121,10 +125,6 @@ class FlashInferTreeRows:
              block_table: torch.Tensor) -> None:
         """Plan the (num_reqs, q) wrapper for this step (host) and fill its page list and mask (two launches)."""
         w = self._wrapper(num_reqs, q)
-        if w.planned_event is not None:
-            # SYNC: the previous plan's copy out of FlashInfer's page-locked schedule buffer (enqueued a step ago,
-            # normally long done) must have run before this plan rewrites that buffer
-            w.planned_event.synchronize()
         page = self.page_size
         pages = np.ones(num_reqs, dtype=np.int64)  # a padding request: one page, key 0 visible (finite rows)
         pages[:len(bounds)] = np.clip(-(-np.asarray(bounds, dtype=np.int64) // page), 1, self.max_pages)
@@ -132,26 +132,37 @@ class FlashInferTreeRows:
         np.cumsum(pages, out=kv_indptr[1:])
         mask_indptr = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(q * pages * page // 8, out=mask_indptr[1:])  # bytes: every mask row is pages * page bits
-        shape = self.shape
-        w.wrapper.plan(qo_indptr=w.qo_indptr, paged_kv_indptr=torch.from_numpy(kv_indptr.astype(np.int32)),
-                       paged_kv_indices=w.kv_indices[:int(kv_indptr[-1])],
-                       paged_kv_last_page_len=torch.full((num_reqs,), page, dtype=torch.int32),
-                       num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads, head_dim_qk=shape.head_size,
-                       page_size=page, causal=False, sm_scale=shape.scale, q_data_type=shape.dtype,
-                       kv_data_type=shape.dtype, non_blocking=True)
+        if tuple(pages.tolist()) != w.planned_pages:
+            self._plan_schedule(w, num_reqs, kv_indptr)
+            w.planned_pages = tuple(pages.tolist())
         # one host-to-device copy: pages, page offsets and mask offsets (pageable source: staged at the call)
         host = torch.from_numpy(np.concatenate([pages, kv_indptr, mask_indptr]))
         dev = host.to(self.device, non_blocking=True)  # [3 * num_reqs + 2] int64
         pages_dev, kv_indptr_dev = dev[:num_reqs].to(torch.int32), dev[num_reqs:2 * num_reqs + 1].to(torch.int32)
         mask_offsets = dev[2 * num_reqs + 1:]
         w.mask_indptr.copy_(mask_offsets)  # byte offsets: FlashInfer adds them to the mask's uint8 pointer
+        # every step: the requests in the batch's rows and their true lengths change even where the pages do not
         paged_kv_indices(block_table, pages_dev, kv_indptr_dev, w.kv_indices, max_pages=int(pages.max()))
         tree_prefill_mask(seq_lens, row_index, row_path, q, pages_dev, mask_offsets, page, w.mask,
                           max_kv_len=int(pages.max()) * page)
+        self.planned = (num_reqs, q)
+
+    def _plan_schedule(self, w: _Wrapper, num_reqs: int, kv_indptr: np.ndarray) -> None:
+        """FlashInfer's plan (host work, its schedule copied to the device) for pages ``kv_indptr`` [R + 1]."""
+        if w.planned_event is not None:
+            # SYNC: the previous plan's copy out of FlashInfer's page-locked schedule buffer (enqueued a step ago,
+            # normally long done) must have run before this plan rewrites that buffer
+            w.planned_event.synchronize()
+        page, shape = self.page_size, self.shape
+        w.wrapper.plan(qo_indptr=w.qo_indptr, paged_kv_indptr=torch.from_numpy(kv_indptr.astype(np.int32)),
+                       paged_kv_indices=w.kv_indices[:int(kv_indptr[-1])],
+                       paged_kv_last_page_len=torch.full((num_reqs,), page, dtype=torch.int32),
+                       num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads, head_dim_qk=shape.head_size,
+                       page_size=page, causal=False, sm_scale=shape.scale, q_data_type=shape.dtype,
+                       kv_data_type=shape.dtype, non_blocking=True)
         if self.device.type == "cuda":
             w.planned_event = torch.cuda.Event()
             w.planned_event.record()
-        self.planned = (num_reqs, q)
 
     def plan_warmup(self, attn_metadata: Any, row_index: torch.Tensor, row_path: torch.Tensor) -> None:
         """Before MRV2 captures a FULL graph it runs the same shape eagerly without trees: plan that shape's wrapper
