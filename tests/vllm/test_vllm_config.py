@@ -83,8 +83,8 @@ def test_additional_config_round_trip(tiny_drafter):
     ({"budget_policy": "fixed", "num_speculative_tokens_per_batch_size": [[1, 4, 8]]},
      r"budget_policy 'fixed' .* takes no num_speculative_tokens_per_batch_size; remove one of the two"),
     ({"tree_attention": "flash"}, r"speculative_config.tree_attention \(how tree rows attend on CUDA\) must be one of "
-                                  r"\['auto', 'triton', 'flash_merge', 'triton_stock_roots', 'flash_exact'\], got "
-                                  r"'flash'"),
+                                  r"\['auto', 'triton', 'flash_merge', 'triton_stock_roots', 'flash_exact', "
+                                  r"'flashinfer'\], got 'flash'"),
 ])
 def test_invalid_settings_name_field_and_allowed_values(tiny_drafter, overrides, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -262,7 +262,7 @@ def test_tree_attention_mode_reaches_the_workers(tiny_drafter):
     assert (default.tree_attention, default.tree_attention_auto) == ("triton", True)
     named = parse_speculative_config(spec(tiny_drafter, tree_attention="auto"), TINY)
     assert (named.tree_attention, named.tree_attention_auto) == ("triton", True)
-    for mode in ("triton", "flash_merge", "triton_stock_roots", "flash_exact"):
+    for mode in ("triton", "flash_merge", "triton_stock_roots", "flash_exact", "flashinfer"):
         cfg = parse_speculative_config(spec(tiny_drafter, tree_attention=mode), TINY)
         assert not cfg.tree_attention_auto
         assert UBTreeVllmConfig.from_additional_config(cfg.to_additional_config()) == cfg

@@ -128,7 +128,7 @@ def test_a_budget_schedule_that_cannot_fit_the_token_budget_fails_at_start(tiny_
             **{**ENGINE_KWARGS, "max_num_seqs": 16, "max_num_batched_tokens": 64})
 
 
-@pytest.mark.parametrize("mode", ["flash_merge", "triton_stock_roots", "flash_exact"])
+@pytest.mark.parametrize("mode", ["flash_merge", "triton_stock_roots", "flash_exact", "flashinfer"])
 def test_cuda_tree_attention_modes_are_refused_off_cuda(tiny_target, tiny_drafter, mode):
     with pytest.raises(ValueError, match=rf"tree_attention '{mode}' runs on CUDA only .* use 'triton'"):
         LLM(model=str(tiny_target), speculative_config={"method": "ubtree", "model": str(tiny_drafter), **TINY_TREE,
