@@ -47,6 +47,14 @@ def _compile(module_name: str, kernel_name: str, meta: dict[str, object], kind: 
     shared_limit = 228 * 1024
     if compiled.metadata.shared > shared_limit:
         raise RuntimeError(f"{kernel_name} needs {compiled.metadata.shared} bytes of shared memory > {shared_limit}")
+    # A launch specializes an integer argument equal to 1 into a constant (a Python int inside the kernel, where
+    # ``x.to(...)`` fails): compile that form too, every integer scalar at 1 (the interpreter never specializes)
+    ones = {n: 1 for n in names if n not in meta and kind(n) in ("i32", "i64")}
+    if ones:
+        triton.compile(ASTSource(fn=kernel, signature={n: "constexpr" if n in meta or n in ones else kind(n)
+                                                       for n in names},
+                                 constexprs={(names.index(n),): v for n, v in {**meta, **ones}.items()}),
+                       target=GPUTarget("cuda", arch, 32))
     return len(compiled.asm["cubin"])
 
 
@@ -191,6 +199,8 @@ def compile_virtual_rows(block_size: int, pages_per_row: int, path_width: int, k
     def kind(name: str) -> str:
         if name.endswith("_ptr"):
             return _VIRTUAL_ROWS_POINTERS.get(name, "*i64")
+        if name in ("num_kv_heads", "num_sms"):
+            return "fp32"
         return "i64" if name.startswith("stride") else "i32"
 
     return _compile("virtual_rows", "_virtual_rows_kernel",

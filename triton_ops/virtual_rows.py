@@ -140,7 +140,8 @@ if triton is not None:
         _, _, own_blocks = _root_of(request, True, row_index_ptr, query_start_loc_ptr, seq_lens_ptr,
                                     num_rows, max_entries, KEY_BLOCK)
         total = all_root_blocks - own_blocks + blocks
-        work = tl.math.div_rn(total.to(tl.float32) * 1.1 * num_kv_heads.to(tl.float32), num_sms.to(tl.float32))
+        # num_kv_heads / num_sms come as fp32 scalars: an int argument equal to 1 is specialized to a constant on a GPU
+        work = tl.math.div_rn(total.to(tl.float32) * 1.1 * num_kv_heads, num_sms)
         per_sm = tl.maximum(tl.math.ceil(work).to(tl.int64), 1)
         splits = tl.minimum(tl.maximum((blocks + per_sm - 1) // per_sm, 1), max_splits)
         tl.store(splits_ptr + m, splits.to(tl.int32))
@@ -193,5 +194,5 @@ def virtual_rows_kernel(
         out["path_rows"], out["path_dst_page"], out["path_dst_slot"], out["split_counts"],
         num_rows, num_reqs, width, first_page, dump_page, max_entries,
         row_path.stride(0), block_table.stride(0), out["block_table"].stride(0),
-        num_kv_heads, num_sms, max_splits, **launch_meta(block_size, pages_per_row, path_width, key_block))
+        float(num_kv_heads), float(num_sms), max_splits, **launch_meta(block_size, pages_per_row, path_width, key_block))
     return out
