@@ -132,9 +132,10 @@ class FlashInferTreeRows:
         np.cumsum(pages, out=kv_indptr[1:])
         mask_indptr = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(q * pages * page // 8, out=mask_indptr[1:])  # bytes: every mask row is pages * page bits
-        if tuple(pages.tolist()) != w.planned_pages:
+        pages_key = tuple(pages.tolist())
+        if pages_key != w.planned_pages:
             self._plan_schedule(w, num_reqs, kv_indptr)
-            w.planned_pages = tuple(pages.tolist())
+            w.planned_pages = pages_key
         # one host-to-device copy: pages, page offsets and mask offsets (pageable source: staged at the call)
         host = torch.from_numpy(np.concatenate([pages, kv_indptr, mask_indptr]))
         dev = host.to(self.device, non_blocking=True)  # [3 * num_reqs + 2] int64

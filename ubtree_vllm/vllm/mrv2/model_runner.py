@@ -204,14 +204,12 @@ class UBTreeModelRunnerV2(GPUModelRunner):
 
     def _bind_flashinfer(self) -> FlashInferTreeRows:
         """tree_attention "flashinfer" at KV init: the wrappers' shapes from the target's layers, bound to each."""
-        impl = self._target_layers[0].impl
-        shape = LayerShape(impl.num_heads, impl.num_kv_heads, impl.head_size, self.model_config.dtype, impl.scale)
-        for m in self._target_layers:
-            other = LayerShape(m.impl.num_heads, m.impl.num_kv_heads, m.impl.head_size, self.model_config.dtype,
-                               m.impl.scale)
-            if other != shape:
-                raise NotImplementedError(f"tree_attention 'flashinfer' needs one attention shape across the target's "
-                                          f"layers, got {shape} and {other}")
+        shapes = {LayerShape(m.impl.num_heads, m.impl.num_kv_heads, m.impl.head_size, self.model_config.dtype,
+                             m.impl.scale) for m in self._target_layers}
+        if len(shapes) != 1:
+            raise NotImplementedError(f"tree_attention 'flashinfer' needs one attention shape across the target's "
+                                      f"layers, got {sorted(shapes, key=repr)}")
+        shape = shapes.pop()
         budgets = {self.ubtree_config.tree.tree_budget, *(b for _, _, b in self.ubtree_config.budget_schedule or ())}
         rows = FlashInferTreeRows(self.device, self._flashinfer_workspace, shape,
                                   self.kernel_block_sizes[self._target_group], self.max_model_len,
