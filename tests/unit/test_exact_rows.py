@@ -188,16 +188,21 @@ def test_split_counts_are_plain_decodings_at_each_rows_position():
     assert plain_split_counts(two, 64, 3, 132, 4).tolist() == [3, 3, 4, 4]
 
 
-def kernel_layout(step, head_size=64, num_kv_heads=3, sms=132, max_splits=32):
-    """virtual_rows_by_kernel on KERNEL_DEVICE, its tensors brought back to the CPU."""
-    names = ("row_index", "row_req", "row_context_len", "row_path", "block_table", "query_start_loc", "seq_lens")
-    rows = virtual_rows_by_kernel(*(step[n].to(KERNEL_DEVICE) for n in names), step["scratch"], BLOCK, head_size,
-                                  num_kv_heads, sms, max_splits)
+def layout_where_the_kernel_runs(*args):
+    """virtual_rows_by_kernel (same arguments) run on KERNEL_DEVICE, its tensors brought back to the CPU."""
+    rows = virtual_rows_by_kernel(*(a.to(KERNEL_DEVICE) if isinstance(a, torch.Tensor) else a for a in args))
 
     def back(x):
         return tuple(back(t) for t in x) if isinstance(x, tuple) else x.cpu() if isinstance(x, torch.Tensor) else x
 
     return dataclasses.replace(rows, **{f.name: back(getattr(rows, f.name)) for f in dataclasses.fields(rows)})
+
+
+def kernel_layout(step, head_size=64, num_kv_heads=3, sms=132, max_splits=32):
+    """A covered step's layout by the kernel, on the CPU (SmolLM2's attention shape and the H100's SMs by default)."""
+    names = ("row_index", "row_req", "row_context_len", "row_path", "block_table", "query_start_loc", "seq_lens")
+    return layout_where_the_kernel_runs(*(step[n] for n in names), step["scratch"], BLOCK, head_size, num_kv_heads,
+                                        sms, max_splits)
 
 
 def many_requests(count, context, seed):
@@ -365,6 +370,7 @@ def test_the_flash_attention_impl_computes_every_row_with_one_layout_per_forward
     monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn",
                         types.SimpleNamespace(flash_attn_varlen_func=paged_decode_reference))
     monkeypatch.setattr(exact_rows, "copy_rows_to_scratch", copy_where_the_kernel_runs)
+    monkeypatch.setattr(exact_rows, "virtual_rows_by_kernel", layout_where_the_kernel_runs)
     state = TreeForwardState()
     monkeypatch.setattr(flash, "tree_forward_state", lambda: state)
     step = covered_step(tree_requests(3), padding=3, num_heads=4, num_kv_heads=2, head_size=64, seed=3)
