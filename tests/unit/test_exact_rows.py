@@ -23,18 +23,23 @@ BLOCK = 16
 KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def rows_on(rows, device):
+    """A VirtualRows with every tensor (tuples of them included) on ``device``."""
+    def moved(x):
+        if isinstance(x, tuple):
+            return tuple(moved(t) for t in x)
+        return x.to(device) if isinstance(x, torch.Tensor) else x
+
+    return dataclasses.replace(rows, **{f.name: moved(getattr(rows, f.name)) for f in dataclasses.fields(rows)})
+
+
 def copy_where_the_kernel_runs(key_cache, value_cache, key, value, rows):
     """copy_rows_to_scratch on this module's CPU tensors, run on KERNEL_DEVICE; the caches are updated in place."""
     if KERNEL_DEVICE.type == "cpu":
         copy_rows_to_scratch(key_cache, value_cache, key, value, rows)
         return
 
-    def moved(x):
-        if isinstance(x, tuple):
-            return tuple(moved(t) for t in x)
-        return x.to(KERNEL_DEVICE) if isinstance(x, torch.Tensor) else x
-
-    on_device = dataclasses.replace(rows, **{f.name: moved(getattr(rows, f.name)) for f in dataclasses.fields(rows)})
+    on_device = rows_on(rows, KERNEL_DEVICE)
     caches = key_cache.to(KERNEL_DEVICE), value_cache.to(KERNEL_DEVICE)
     copy_rows_to_scratch(*caches, key.to(KERNEL_DEVICE), value.to(KERNEL_DEVICE), on_device)
     key_cache.copy_(caches[0].cpu())
@@ -191,11 +196,7 @@ def test_split_counts_are_plain_decodings_at_each_rows_position():
 def layout_where_the_kernel_runs(*args):
     """virtual_rows_by_kernel (same arguments) run on KERNEL_DEVICE, its tensors brought back to the CPU."""
     rows = virtual_rows_by_kernel(*(a.to(KERNEL_DEVICE) if isinstance(a, torch.Tensor) else a for a in args))
-
-    def back(x):
-        return tuple(back(t) for t in x) if isinstance(x, tuple) else x.cpu() if isinstance(x, torch.Tensor) else x
-
-    return dataclasses.replace(rows, **{f.name: back(getattr(rows, f.name)) for f in dataclasses.fields(rows)})
+    return rows_on(rows, torch.device("cpu"))
 
 
 def kernel_layout(step, head_size=64, num_kv_heads=3, sms=132, max_splits=32):
