@@ -182,7 +182,7 @@ def compile_scratch_rows(dtype: torch.dtype, heads: int, head_size: int, arch: i
     def kind(name: str) -> str:
         if name in ("key_cache_ptr", "value_cache_ptr", "key_ptr", "value_ptr"):
             return _POINTER[dtype]
-        return "*i64" if name.endswith("_ptr") else "i32" if name == "num_tail" else "i64"
+        return "*i64" if name.endswith("_ptr") else "i32" if name in ("num_tail", "num_path", "skip_page") else "i64"
 
     return _compile("scratch_rows", "_scratch_rows_kernel", launch_meta(heads, head_size), kind, arch)
 

@@ -144,15 +144,19 @@ def scratch_rows_reference(
         tail_src_page: torch.Tensor, tail_src_slot: torch.Tensor, tail_dst_page: torch.Tensor,
         tail_dst_slot: torch.Tensor,
         # [num_path] fresh row read and page / slot written per path copy
-        path_row: torch.Tensor, path_dst_page: torch.Tensor, path_dst_slot: torch.Tensor) -> None:
+        path_row: torch.Tensor, path_dst_page: torch.Tensor, path_dst_slot: torch.Tensor,
+        # copies written to this page are not made; -1: every copy is made
+        skip_dst_page: int = -1) -> None:
     """Twin of :func:`ubtree_vllm.triton_ops.scratch_rows.scratch_rows`: the copies one by one, tails first."""
     tails = zip(tail_src_page.tolist(), tail_src_slot.tolist(), tail_dst_page.tolist(), tail_dst_slot.tolist())
     for src_page, src_slot, dst_page, dst_slot in tails:
         for cache in (key_cache, value_cache):
-            cache[dst_page, dst_slot] = cache[src_page, src_slot].clone()
+            if dst_page != skip_dst_page:
+                cache[dst_page, dst_slot] = cache[src_page, src_slot].clone()
     for row, dst_page, dst_slot in zip(path_row.tolist(), path_dst_page.tolist(), path_dst_slot.tolist()):
-        key_cache[dst_page, dst_slot] = key[row]
-        value_cache[dst_page, dst_slot] = value[row]
+        if dst_page != skip_dst_page:
+            key_cache[dst_page, dst_slot] = key[row]
+            value_cache[dst_page, dst_slot] = value[row]
 
 
 def tree_prefill_mask_reference(

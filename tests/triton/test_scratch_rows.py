@@ -1,5 +1,6 @@
 """triton_ops.scratch_rows against its torch twin: flash_exact's tail and path copies into scratch pages, on a
-FlashAttention cache's strided key / value views, with copies of unused entries piling onto one dump slot.
+FlashAttention cache's strided key / value views, with copies of unused entries piling onto one dump slot (made, or
+skipped as flash_exact skips them), in lists whose length is no multiple of a program's copies.
 
 Without CUDA the kernel runs under the Triton interpreter on CPU tensors (tests/conftest.py sets
 ``TRITON_INTERPRET=1``).
@@ -11,12 +12,13 @@ import torch
 
 from kernel_device import DEVICE
 from ubtree_vllm.triton_ops.reference import scratch_rows_reference
-from ubtree_vllm.triton_ops.scratch_rows import scratch_rows
+from ubtree_vllm.triton_ops.scratch_rows import launch_meta, scratch_rows
 
 
+@pytest.mark.parametrize("skip_dump", [False, True], ids=["dump-made", "dump-skipped"])
 @pytest.mark.parametrize("dtype,heads,head_size", [(torch.bfloat16, 3, 64), (torch.float32, 2, 48),
                                                    (torch.float16, 8, 128)])
-def test_scratch_rows_matches_its_twin(dtype, heads, head_size):
+def test_scratch_rows_matches_its_twin(dtype, heads, head_size, skip_dump):
     gen = torch.Generator().manual_seed(heads)
     num_blocks, block_size, rows = 12, 16, 9
     kv_cache = torch.randn(num_blocks, heads, block_size, 2 * head_size, generator=gen).to(dtype)
@@ -32,16 +34,23 @@ def test_scratch_rows_matches_its_twin(dtype, heads, head_size):
     path_dst[10:] = 11 * block_size
     path_dst[:10] = torch.tensor([s for s in range(8 * block_size, 11 * block_size) if s not in tail_dst[:15]][:10])
 
+    skip = {"skip_dst_page": 11} if skip_dump else {}
+    assert launch_meta(heads, head_size)["COPIES"] > 1  # several copies per program, the last one partial
+
     def run(copy, cache):
         key_cache, value_cache = cache.transpose(1, 2).split(head_size, dim=-1)  # FlashAttentionImpl's views
         copy(key_cache, value_cache, key.to(DEVICE), value.to(DEVICE), tail_src // block_size, tail_src % block_size,
-             tail_dst // block_size, tail_dst % block_size, path_row, path_dst // block_size, path_dst % block_size)
+             tail_dst // block_size, tail_dst % block_size, path_row, path_dst // block_size, path_dst % block_size,
+             **skip)
         return cache
 
     ref = run(scratch_rows_reference, kv_cache.clone())
     got = run(scratch_rows, kv_cache.clone().to(DEVICE)).cpu()
     assert torch.equal(got[:11], ref[:11])  # every page but the dump page, bit for bit
     assert torch.equal(got[:8], kv_cache[:8])  # the scheduler's pages untouched
+    assert not torch.equal(got[8:11], kv_cache[8:11])  # the copies were made
+    if skip_dump:  # no copy onto the skipped page
+        assert torch.equal(got[11], kv_cache[11]) and torch.equal(ref[11], kv_cache[11])
 
 
 def test_no_copies_is_a_no_op():

@@ -15,8 +15,8 @@ and one FA3 call computes them all, in place:
 * padding rows get no keys;
 * the scratch pages lie past the blocks vLLM's scheduler hands out (:func:`engine_scratch_pages`: the engine core
   gives the scheduler that many fewer blocks, the runner's KV cache keeps them), a run of ``pages_per_row`` per row
-  of the widest step of up to :data:`EXACT_ROWS_MAX_REQUESTS` requests, plus a dump page for the copies of unused
-  entries; wider steps take the Triton kernel's rows (:meth:`ScratchPages.serves`);
+  of the widest step of up to :data:`EXACT_ROWS_MAX_REQUESTS` requests, plus a dump page the copy lists point
+  unused entries at (the copy kernel skips those copies); wider steps take the Triton kernel's rows (:meth:`ScratchPages.serves`);
 * FA3's scheduler metadata gets, per virtual sequence, the split count plain decoding's step would give that
   position (:func:`plain_split_counts`: a batch of the step's requests at their roots' lengths, the row's own
   request at the row's), not the one a batch of 65 sequences per request would get. At batch 1 that is the row
@@ -197,6 +197,8 @@ class VirtualRows:
     # [T] int32 plain decoding's FA3 split count per sequence: the kernel form computes it (pinned_scheduler_metadata
     # reads it); the torch form leaves None (plain_split_counts computes it from the rows)
     split_counts: torch.Tensor | None = None
+    # the page the copies of unused entries target (host; nothing reads it, so those copies are skipped); -1: none
+    dump_page: int = -1
 
 
 def plain_split_counts(rows: VirtualRows, head_size: int, num_kv_heads: int, num_sms: int,
@@ -274,7 +276,8 @@ def virtual_rows(
     return VirtualRows(
         tree=tree, root=root, cu_seqlens_q=torch.arange(num_rows + 1, dtype=torch.int32, device=device),
         seq_lens=keys, block_table=table, request=request, num_reqs=num_reqs,
-        tail_src=paged(tail_src), tail_dst=paged(tail_dst), path_rows=path_rows, path_dst=paged(path_dst))
+        tail_src=paged(tail_src), tail_dst=paged(tail_dst), path_rows=path_rows, path_dst=paged(path_dst),
+        dump_page=scratch.dump_page)
 
 
 def virtual_rows_by_kernel(
@@ -298,7 +301,7 @@ def virtual_rows_by_kernel(
         block_table=out["block_table"], request=out["request"], num_reqs=seq_lens.shape[0],
         tail_src=(out["tail_src_page"], out["tail_src_slot"]), tail_dst=(out["tail_dst_page"], out["tail_dst_slot"]),
         path_rows=out["path_rows"], path_dst=(out["path_dst_page"], out["path_dst_slot"]),
-        split_counts=out["split_counts"])
+        split_counts=out["split_counts"], dump_page=scratch.dump_page)
 
 
 def copy_rows_to_scratch(
@@ -307,10 +310,11 @@ def copy_rows_to_scratch(
         # [T, H_kv, D] the layer's fresh K/V of this forward
         key: torch.Tensor, value: torch.Tensor, rows: VirtualRows) -> None:
     """Fill every tree row's scratch pages: its request's committed tail, then its path's fresh K/V (one launch,
-    ``triton_ops/scratch_rows.py``)."""
+    ``triton_ops/scratch_rows.py``); the copies of unused entries, all onto the dump page, are not made."""
     from ubtree_vllm.triton_ops.scratch_rows import scratch_rows
 
-    scratch_rows(key_cache, value_cache, key, value, *rows.tail_src, *rows.tail_dst, rows.path_rows, *rows.path_dst)
+    scratch_rows(key_cache, value_cache, key, value, *rows.tail_src, *rows.tail_dst, rows.path_rows, *rows.path_dst,
+                 skip_dst_page=rows.dump_page)
 
 
 def pinned_scheduler_metadata(rows: VirtualRows, max_seq_len: int, num_heads: int, num_kv_heads: int,
