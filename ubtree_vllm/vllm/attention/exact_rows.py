@@ -16,7 +16,8 @@ and one FA3 call computes them all, in place:
 * the scratch pages lie past the blocks vLLM's scheduler hands out (:func:`engine_scratch_pages`: the engine core
   gives the scheduler that many fewer blocks, the runner's KV cache keeps them), a run of ``pages_per_row`` per row
   of the widest step of up to :data:`EXACT_ROWS_MAX_REQUESTS` requests, plus a dump page the copy lists point
-  unused entries at (the copy kernel skips those copies); wider steps take the Triton kernel's rows (:meth:`ScratchPages.serves`);
+  unused entries at (the copy kernel skips those copies); wider steps take the Triton kernel's rows
+  (:meth:`ScratchPages.serves`);
 * FA3's scheduler metadata gets, per virtual sequence, the split count plain decoding's step would give that
   position (:func:`plain_split_counts`: a batch of the step's requests at their roots' lengths, the row's own
   request at the row's), not the one a batch of 65 sequences per request would get. At batch 1 that is the row
