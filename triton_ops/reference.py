@@ -150,9 +150,10 @@ def scratch_rows_reference(
     """Twin of :func:`ubtree_vllm.triton_ops.scratch_rows.scratch_rows`: the copies one by one, tails first."""
     tails = zip(tail_src_page.tolist(), tail_src_slot.tolist(), tail_dst_page.tolist(), tail_dst_slot.tolist())
     for src_page, src_slot, dst_page, dst_slot in tails:
+        if dst_page == skip_dst_page:
+            continue
         for cache in (key_cache, value_cache):
-            if dst_page != skip_dst_page:
-                cache[dst_page, dst_slot] = cache[src_page, src_slot].clone()
+            cache[dst_page, dst_slot] = cache[src_page, src_slot].clone()
     for row, dst_page, dst_slot in zip(path_row.tolist(), path_dst_page.tolist(), path_dst_slot.tolist()):
         if dst_page != skip_dst_page:
             key_cache[dst_page, dst_slot] = key[row]

@@ -113,9 +113,13 @@ class UBTreeDrafter(nn.Module):
         hidden = self.backbone(embeds, block_pos, ctx_features, ctx_pos, ctx_valid)
         return hidden[:, :, 1:]
 
+    def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V] in ``hidden``'s dtype with the target's LM head."""
+        return torch.matmul(hidden, self.lm_head_weight.to(hidden.dtype).t())
+
     def proposer_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V] float32 with the target's LM head."""
-        return torch.matmul(hidden, self.lm_head_weight.to(hidden.dtype).t()).float()
+        return self.lm_head_logits(hidden).float()
 
     def propose(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, ctx_features: torch.Tensor,
                 ctx_pos: torch.Tensor, ctx_valid: torch.Tensor, top_k: int,
@@ -129,8 +133,7 @@ class UBTreeDrafter(nn.Module):
         ``noise``, the top K under the target's sampling noise (drafter/coupling.py)."""
         # log_softmax reads the LM head's output in its own dtype and computes in float32, as it would over a float32
         # copy (no [N, gamma, V] float32 copy of the logits: at 64 requests in flight that is 200 MB per step)
-        logits = torch.matmul(hidden, self.lm_head_weight.to(hidden.dtype).t())  # [N, gamma, V] hidden's dtype
-        logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [N, gamma, V] float32
+        logp = torch.log_softmax(self.lm_head_logits(hidden), dim=-1, dtype=torch.float32)  # [N, gamma, V] float32
         if noise is not None:
             cand_tokens, cand_logp, cand_noise = coupled_candidates(logp, top_k, noise)
             return Candidates(cand_tokens, cand_logp, hidden, cand_noise, noise.temperature)
