@@ -21,8 +21,9 @@ Public launchers only:
   from MRV2's token history (``vllm.mrv2.speculator.lookup_chain`` on CUDA; oracle
   ``tree.lookup.lookup_continuation``) and its injection into the candidate lattice
   (``tree.lookup.inject_lookup_chain`` on CUDA; oracle ``tree.lookup.inject_chain``).
-* :func:`coupled_scores` -- the drafter's log-probs under the target's own keyed Gumbel noise (coupled drafting
-  at T > 0, ``drafter/coupling.py``; twin ``reference.coupled_scores_reference``).
+* :func:`vocab_top_k` -- the drafter's top K per block position in one read of the LM head's logits, with the
+  log-sum-exp and, at T > 0, the target's own keyed Gumbel noise (coupled drafting, ``drafter/coupling.py``;
+  twin ``reference.vocab_top_k_reference``).
 * :func:`tree_penalties`, :func:`tree_bad_words` -- presence/frequency/repetition penalties and bad words
   at every node over the outputs plus the node's own path (Model Runner V2's sampler, in place of
   vLLM's chain forms).
@@ -56,14 +57,14 @@ from ubtree_vllm.triton_ops.head_loss_rows import head_loss_rows
 from ubtree_vllm.triton_ops.kv_path_commit import kv_cache_pointers, kv_path_commit
 from ubtree_vllm.triton_ops.lookup_chain import inject_chain_lattice, lookup_chain_rows
 from ubtree_vllm.triton_ops.node_inputs import node_inputs
-from ubtree_vllm.triton_ops.target_noise import coupled_scores
 from ubtree_vllm.triton_ops.tree_accept import tree_accept, tree_accept_rows
 from ubtree_vllm.triton_ops.tree_attention import tree_attention
 from ubtree_vllm.triton_ops.tree_bad_words import tree_bad_words
 from ubtree_vllm.triton_ops.tree_layout import tree_layout
 from ubtree_vllm.triton_ops.tree_penalties import tree_penalties
 from ubtree_vllm.triton_ops.tree_search import tree_search
+from ubtree_vllm.triton_ops.vocab_top_k import vocab_top_k
 
-__all__ = ["commit_accepted_paths", "coupled_scores", "head_loss_rows", "inject_chain_lattice", "kv_cache_pointers",
-           "kv_path_commit", "lookup_chain_rows", "node_inputs", "tree_accept", "tree_accept_rows", "tree_attention",
-           "tree_bad_words", "tree_layout", "tree_penalties", "tree_search"]
+__all__ = ["commit_accepted_paths", "head_loss_rows", "inject_chain_lattice", "kv_cache_pointers", "kv_path_commit",
+           "lookup_chain_rows", "node_inputs", "tree_accept", "tree_accept_rows", "tree_attention", "tree_bad_words",
+           "tree_layout", "tree_penalties", "tree_search", "vocab_top_k"]

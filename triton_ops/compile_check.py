@@ -124,15 +124,16 @@ def compile_inject_chain(gamma: int, top_k: int, arch: int) -> int:
                     {"GAMMA": gamma, "K": top_k, "K_PAD": 1 << (top_k - 1).bit_length()}, kind, arch)
 
 
-def compile_coupled_scores(use_fp64: bool, arch: int) -> int:
-    """`_coupled_scores_kernel` with the speculator's dtypes (fp32 log-probs and temperatures, int64 seeds and
+def compile_vocab_top_k(dtype: torch.dtype, has_noise: bool, use_fp64: bool, top_k: int, arch: int) -> int:
+    """`_block_top_k_kernel` with the drafter's dtypes (``dtype`` logits, fp32 temperatures, int64 seeds and
     positions); returns the cubin size."""
-    from ubtree_vllm.triton_ops.target_noise import BLOCK
+    from ubtree_vllm.triton_ops.vocab_top_k import BLOCK
 
-    pointers = {"out_ptr": "*fp32", "logp_ptr": "*fp32", "temperature_ptr": "*fp32", "seeds_ptr": "*i64",
-                "pos_ptr": "*i64"}
-    return _compile("target_noise", "_coupled_scores_kernel", {"BLOCK": BLOCK, "USE_FP64": use_fp64},
-                    lambda name: pointers.get(name, "i32"), arch)
+    pointers = {"logits_ptr": _POINTER[dtype], "temperature_ptr": "*fp32", "seeds_ptr": "*i64", "pos_ptr": "*i64",
+                "top_score_ptr": "*fp32", "top_token_ptr": "*i32", "block_max_ptr": "*fp32", "block_sum_ptr": "*fp32"}
+    return _compile("vocab_top_k", "_block_top_k_kernel",
+                    {"BLOCK": BLOCK, "K_PAD": 1 << (top_k - 1).bit_length(), "HAS_NOISE": has_noise,
+                     "USE_FP64": use_fp64}, lambda name: pointers.get(name, "i32"), arch)
 
 
 _TREE_PENALTIES_KINDS = {"logits_ptr": "*fp32", "state_ptr": "*i64", "local_pos_ptr": "*i32", "token_ptr": "*i32",
@@ -388,9 +389,11 @@ def main() -> int:
     print(f"lookup_chain sm_{args.arch} n 2..4 gamma 16: scan cubin {scan} bytes, finalize cubin {finalize} bytes")
     size = compile_inject_chain(16, 64, args.arch)
     print(f"inject_chain sm_{args.arch} gamma 16 K 64: cubin {size} bytes")
-    for use_fp64 in (False, True):
-        size = compile_coupled_scores(use_fp64, args.arch)
-        print(f"coupled_scores sm_{args.arch}{' fp64 noise' if use_fp64 else ''}: cubin {size} bytes")
+    for dtype, has_noise, use_fp64 in ((torch.bfloat16, False, False), (torch.bfloat16, True, False),
+                                       (torch.bfloat16, True, True), (torch.float32, True, False)):
+        size = compile_vocab_top_k(dtype, has_noise, use_fp64, 64, args.arch)
+        noise = (" fp64 noise" if use_fp64 else " noise") if has_noise else ""
+        print(f"vocab_top_k sm_{args.arch} {str(dtype).removeprefix('torch.')} K 64{noise}: cubin {size} bytes")
     size = compile_tree_penalties(16, args.arch)
     print(f"tree_penalties sm_{args.arch} depth 16: cubin {size} bytes")
     size = compile_tree_bad_words(args.arch)

@@ -405,3 +405,14 @@ def coupled_scores_reference(logp: torch.Tensor, temperature: torch.Tensor, seed
     temp = temperature.float()[:, None]
     coupled = logp.float() / torch.where(temp > 0, temp, torch.ones_like(temp)) + noise
     return torch.where(temp > 0, coupled, logp.float())
+
+
+def vocab_top_k_reference(logits: torch.Tensor, top_k: int, temperature: torch.Tensor | None = None,
+                          seeds: torch.Tensor | None = None, pos: torch.Tensor | None = None,
+                          use_fp64: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch form of ``vocab_top_k.vocab_top_k`` (same arguments): a float32 log-softmax over the whole vocabulary,
+    the coupled scores where a temperature is given, a full-vocabulary top K."""
+    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [R, V]
+    scores = logp if temperature is None else coupled_scores_reference(logp, temperature, seeds, pos, use_fp64)
+    top_scores, tokens = torch.topk(scores, top_k, dim=-1)
+    return tokens, logp.gather(-1, tokens), top_scores

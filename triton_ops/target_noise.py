@@ -5,33 +5,26 @@ Model Runner V2 draws the target's token at a tree node with vLLM's ``gumbel_sam
 position of the row that draws and the token id (vLLM 0.32 ``v1/worker/gpu/sample/gumbel.py``: murmur3 of
 (seed, pos, token) -> a uniform u -> ``-log(-log1p(-u))``, or with ``use_fp64`` two hashes -> an fp64 uniform ->
 ``-log(-log u)``). The noise is known before the draw, so the drafter can rank its candidates by the same
-perturbed scores the target will be ranked by: :func:`coupled_scores` writes ``logp / T + G`` for a row of
-temperature ``T > 0`` and ``logp`` itself for ``T = 0``. What the target emits does not change (every output
+perturbed scores the target will be ranked by: ``vocab_top_k`` keeps the top K of ``logp / T + G`` for a row of
+temperature ``T > 0`` (of ``logp`` itself for ``T = 0``). What the target emits does not change (every output
 token is still the target's own draw with that noise, as in non-speculative decoding), only which candidates
 the tree holds; a drafter close to the target then holds the target's draw far more often than its top-K.
 
 Keys: a candidate for the token at position P is drawn by the row at P - 1, so ``pos`` is P - 1, as vLLM's DFlash
-sampler keys its drafts (``sample_pos - 1``). This module reimplements vLLM's hash (the launcher and
-:func:`~ubtree_vllm.triton_ops.reference.gumbel_noise_reference` must reproduce vLLM's draws bit for bit, or the coupling is lost; a lost coupling
-costs acceptance, never correctness): ``tests/triton/test_target_noise.py`` checks the argmax against vLLM's own
-``gumbel_sample``.
+sampler keys its drafts (``sample_pos - 1``). This module reimplements vLLM's hash (the kernel and
+:func:`~ubtree_vllm.triton_ops.reference.gumbel_noise_reference` must reproduce vLLM's draws bit for bit, or the
+coupling is lost; a lost coupling costs acceptance, never correctness): ``tests/triton/test_target_noise.py``
+checks the argmax against vLLM's own ``gumbel_sample``.
 
-One program per (row, vocabulary block); the launcher reads no device value.
+This module holds the noise's ``@triton.jit`` functions; ``vocab_top_k`` calls them.
 """
 from __future__ import annotations
-
-import torch
-
-from ubtree_vllm.triton_ops.reference import coupled_scores_reference
 
 try:  # optional at import time, as in tree_attention
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None
-
-BLOCK = 1024
-
 
 if triton is not None:
     @triton.jit
@@ -94,50 +87,3 @@ if triton is not None:
         u = (random53.to(tl.float64) + 0.5) * 1.1102230246251565e-16
         u = tl.where(u == 1.0, u - 1.1102230246251565e-16, u)
         return -tl.log(-tl.log(u))
-
-    @triton.jit
-    def _coupled_scores_kernel(out_ptr, logp_ptr, temperature_ptr, seeds_ptr, pos_ptr, vocab_size,
-                               BLOCK: tl.constexpr, USE_FP64: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < vocab_size
-        logp = tl.load(logp_ptr + row * vocab_size + cols, mask=mask, other=0.0).to(tl.float32)
-        temp = tl.load(temperature_ptr + row).to(tl.float32)
-        if temp != 0.0:
-            seed = tl.load(seeds_ptr + row)
-            pos = tl.load(pos_ptr + row)
-            if USE_FP64:
-                noise = _gumbel64(seed, pos, cols).to(tl.float32)
-            else:
-                noise = _gumbel32(seed, pos, cols)
-            logp = logp / temp + noise
-        tl.store(out_ptr + row * vocab_size + cols, logp, mask=mask)
-
-
-def coupled_scores(
-        # [N, V] float32 drafter log-probs (any float dtype; read as float32)
-        logp: torch.Tensor,
-        # [N] float per-row temperature (0: greedy), [N] int64 request seed, [N] int position of the drawing row
-        temperature: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
-        use_fp64: bool = False) -> torch.Tensor:
-    """[N, V] float32: ``logp / T + G(seed, pos, v)`` where ``T > 0``, ``logp`` where ``T = 0`` (module docstring).
-    One launch on CUDA (or under the Triton interpreter); its torch twin
-    (``reference.coupled_scores_reference``) elsewhere."""
-    num_rows, vocab = logp.shape
-    for name, t in (("temperature", temperature), ("seeds", seeds), ("pos", pos)):
-        assert t.shape == (num_rows,), f"{name} must be [N={num_rows}], got {tuple(t.shape)}"
-        assert t.device == logp.device, f"{name} is on {t.device}, logp on {logp.device}"
-    if triton is None or not (logp.is_cuda or _interpreting()):
-        return coupled_scores_reference(logp, temperature, seeds, pos, use_fp64)
-    logp = logp.contiguous()
-    out = torch.empty((num_rows, vocab), dtype=torch.float32, device=logp.device)
-    if num_rows:
-        _coupled_scores_kernel[(num_rows, triton.cdiv(vocab, BLOCK))](
-            out, logp, temperature.contiguous(), seeds.contiguous(), pos.contiguous(), vocab, BLOCK=BLOCK,
-            USE_FP64=use_fp64)
-    return out
-
-
-def _interpreting() -> bool:
-    """True when ``@triton.jit`` produced interpreter functions (TRITON_INTERPRET=1 at import), as in tree_attention."""
-    return type(_coupled_scores_kernel).__name__ == "InterpretedFunction"

@@ -37,7 +37,7 @@ def test_a_perfect_proposers_coupled_top_candidate_is_the_targets_draw():
     logits = torch.randn(num_reqs, GAMMA, VOCAB, generator=torch.Generator().manual_seed(4)) * 1.5
     noise = noise_for(num_reqs, [1.0, 0.8] * (num_reqs // 2), seed=5)
     draws = target_draws(logits, noise)
-    tokens, cand_logp, cand_noise = coupled_candidates(torch.log_softmax(logits, dim=-1), 1, noise)
+    tokens, cand_logp, cand_noise = coupled_candidates(logits, 1, noise)
     assert torch.equal(tokens[..., 0], draws)
     greedy = logits.argmax(-1)
     assert (greedy == draws).float().mean() < 0.5
@@ -49,9 +49,10 @@ def test_a_perfect_proposers_coupled_top_candidate_is_the_targets_draw():
 
 def test_greedy_rows_keep_the_top_k_by_log_prob_and_their_edges():
     num_reqs, top_k = 4, 6
-    logp = torch.log_softmax(torch.randn(num_reqs, GAMMA, VOCAB, generator=torch.Generator().manual_seed(1)), -1)
+    logits = torch.randn(num_reqs, GAMMA, VOCAB, generator=torch.Generator().manual_seed(1))
+    logp = torch.log_softmax(logits, -1)
     noise = noise_for(num_reqs, [0.0, 1.0, 0.0, 2.0], seed=2)
-    tokens, cand_logp, cand_noise = coupled_candidates(logp, top_k, noise)
+    tokens, cand_logp, cand_noise = coupled_candidates(logits, top_k, noise)
     plain_logp, plain_tokens = torch.topk(logp, top_k, dim=-1)
     greedy = torch.tensor([0, 2])
     assert torch.equal(tokens[greedy], plain_tokens[greedy]) and torch.equal(cand_logp[greedy], plain_logp[greedy])
@@ -73,8 +74,8 @@ def test_the_edge_weight_scales_the_selectors_log_probs_against_the_noise():
     """log_softmax(w * log q / T + G) on sampled rows; greedy rows keep the selector's edges at every w."""
     num_reqs, top_k, w = 3, 5, 1.25
     noise = noise_for(num_reqs, [1.0, 0.0, 0.7], seed=3)
-    logp = torch.log_softmax(torch.randn(num_reqs, GAMMA, VOCAB, generator=torch.Generator().manual_seed(8)), -1)
-    _, _, cand_noise = coupled_candidates(logp, top_k, noise)
+    logits = torch.randn(num_reqs, GAMMA, VOCAB, generator=torch.Generator().manual_seed(8))
+    _, _, cand_noise = coupled_candidates(logits, top_k, noise)
     gen = torch.Generator().manual_seed(9)
     root = torch.log_softmax(torch.randn(num_reqs, top_k, generator=gen), -1)
     trans = torch.log_softmax(torch.randn(num_reqs, GAMMA - 1, top_k, top_k, generator=gen), -1)

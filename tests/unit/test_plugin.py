@@ -283,10 +283,10 @@ def test_triton_ops_exports_the_launchers():
     from ubtree_vllm import triton_ops
 
     assert triton_ops.__doc__
-    assert triton_ops.__all__ == ["commit_accepted_paths", "coupled_scores", "head_loss_rows", "inject_chain_lattice",
+    assert triton_ops.__all__ == ["commit_accepted_paths", "head_loss_rows", "inject_chain_lattice",
                                    "kv_cache_pointers", "kv_path_commit", "lookup_chain_rows", "node_inputs",
                                    "tree_accept", "tree_accept_rows", "tree_attention", "tree_bad_words", "tree_layout",
-                                   "tree_penalties", "tree_search"]
+                                   "tree_penalties", "tree_search", "vocab_top_k"]
     assert all(callable(getattr(triton_ops, name)) for name in triton_ops.__all__)
 
 

@@ -119,8 +119,7 @@ def test_coupled_tree_of_a_perfect_drafter_accepts_every_depth():
         def draft_tree(self, ctx, tree, noise):
             from ubtree_vllm.drafter.coupling import coupled_candidates
 
-            logp = torch.log_softmax(logits, -1).expand(1, gamma, vocab)
-            tokens = coupled_candidates(logp, 1, noise)[0][0, :, 0].tolist()  # the coupled top 1 per depth
+            tokens = coupled_candidates(logits.expand(1, gamma, vocab), 1, noise)[0][0, :, 0].tolist()  # the coupled top 1 per depth
             return type("tree", (), {"tokens": torch.tensor([[7] + tokens]),
                                      "parents": torch.tensor([list(range(-1, gamma))]),
                                      "depth": torch.tensor([list(range(gamma + 1))])})

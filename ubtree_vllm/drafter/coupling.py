@@ -12,7 +12,7 @@ Lossless by construction: the drafts change which tokens the tree offers, never 
 a position (its own draw with its own noise, the one non-speculative decoding makes with the same seed).
 
 * candidates: the top K of ``logp_d / T + G_d`` per depth (``logp_d`` itself at T = 0, so greedy drafting is
-  unchanged bit for bit);
+  unchanged bit for bit; one pass over the logits, triton_ops/vocab_top_k.py);
 * edges: the selector's normalised log-probs ``log q_d(b | a)`` become ``log_softmax_b(w * log q_d(b | a) / T +
   G_d(b))`` over the K candidates, so the beam and the pruning prefer the branches the noise favours.
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ubtree_vllm.triton_ops.target_noise import coupled_scores
+from ubtree_vllm.triton_ops.vocab_top_k import vocab_top_k
 
 
 @dataclass
@@ -47,17 +47,17 @@ class CoupledNoise:
 
 
 def coupled_candidates(
-        # [N, gamma, V] float32 proposer log-probs
-        logp: torch.Tensor, top_k: int, noise: CoupledNoise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # [N, gamma, V] proposer logits (any float dtype; log-probs give the same candidates)
+        logits: torch.Tensor, top_k: int, noise: CoupledNoise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [N, gamma, K] int64, their log-probs [N, gamma, K] float32, their noise ``G_d`` [N, gamma, K]
     float32, 0 at T = 0): the top K of the coupled scores per depth (module docstring). Fixed shapes, no host read."""
-    num_reqs, gamma, vocab = logp.shape
-    rows = logp.reshape(num_reqs * gamma, vocab)
+    num_reqs, gamma, vocab = logits.shape
     temperature = noise.temperature[:, None].expand(num_reqs, gamma).reshape(-1)
     seeds = noise.seeds[:, None].expand(num_reqs, gamma).reshape(-1)
-    scores = coupled_scores(rows, temperature, seeds, noise.key_pos.reshape(-1), noise.use_fp64)  # [N * gamma, V]
-    top_scores, tokens = torch.topk(scores.view(num_reqs, gamma, vocab), top_k, dim=-1)
-    cand_logp = logp.float().gather(-1, tokens)
+    tokens, cand_logp, top_scores = vocab_top_k(logits.reshape(num_reqs * gamma, vocab), top_k, temperature, seeds,
+                                                noise.key_pos.reshape(-1), noise.use_fp64)  # [N * gamma, K] each
+    shape = (num_reqs, gamma, top_k)
+    tokens, cand_logp, top_scores = tokens.view(shape), cand_logp.view(shape), top_scores.view(shape)
     temp = noise.temperature.float()[:, None, None]
     cand_noise = torch.where(temp > 0, top_scores - cand_logp / torch.where(temp > 0, temp, 1.0), 0.0)
     return tokens, cand_logp, cand_noise

@@ -18,6 +18,7 @@ from ubtree_vllm.selector.bigram import BigramSelector
 from ubtree_vllm.tree.lookup import inject_lookup_chain, lookup_continuation
 from ubtree_vllm.tree.search import construct_tree
 from ubtree_vllm.tree.topology import DraftTree
+from ubtree_vllm.triton_ops.vocab_top_k import vocab_top_k
 from ubtree_vllm.types import DraftContext
 
 
@@ -131,15 +132,14 @@ class UBTreeDrafter(nn.Module):
     def top_k_candidates(self, hidden: torch.Tensor, top_k: int, noise: CoupledNoise | None = None) -> Candidates:
         """LM head + top-K over the block's hidden states [N, gamma, H] (timed by `ubtree bench microbench`); with
         ``noise``, the top K under the target's sampling noise (drafter/coupling.py)."""
-        # log_softmax reads the LM head's output in its own dtype and computes in float32, as it would over a float32
-        # copy (no [N, gamma, V] float32 copy of the logits: at 64 requests in flight that is 200 MB per step)
-        logp = torch.log_softmax(self.lm_head_logits(hidden), dim=-1, dtype=torch.float32)  # [N, gamma, V] float32
+        logits = self.lm_head_logits(hidden)  # [N, gamma, V] in hidden's dtype: read once, no float32 copy
         if noise is not None:
-            cand_tokens, cand_logp, cand_noise = coupled_candidates(logp, top_k, noise)
+            cand_tokens, cand_logp, cand_noise = coupled_candidates(logits, top_k, noise)
             return Candidates(cand_tokens, cand_logp, hidden, cand_noise, noise.temperature)
-        # torch.topk is deterministic for identical inputs on one device; exact logit ties
-        # between distinct tokens do not change which K tokens are kept except at the K-th slot.
-        cand_logp, cand_tokens = torch.topk(logp, top_k, dim=-1)
+        num_reqs, gamma, vocab = logits.shape
+        # exact logit ties between distinct tokens change which K tokens are kept only at the K-th slot
+        cand_tokens, cand_logp, _ = vocab_top_k(logits.reshape(num_reqs * gamma, vocab), top_k)
+        cand_tokens, cand_logp = cand_tokens.view(num_reqs, gamma, top_k), cand_logp.view(num_reqs, gamma, top_k)
         return Candidates(cand_tokens, cand_logp, hidden)
 
     @torch.no_grad()
