@@ -44,18 +44,28 @@ if triton is not None:
 
     @triton.jit
     def _select_into(values, index, taken, count, out_scores, out_index, slot_offs, SLOTS: tl.constexpr):
-        """Pick the ``count`` best untaken entries of ``values`` (ties: lowest ``index``) into slots 0..count-1:
-        each pick is one max-reduction over the entries' keys (:func:`_order_keys`)."""
+        """Pick the ``count`` best untaken entries of ``values`` (ties: lowest ``index``) into slots 0..count-1, in
+        order (count <= the untaken entries): one bitonic top-k over the entries' keys (:func:`_order_keys`, distinct
+        for untaken entries) where there are at least as many entries as slots, else one max-reduction per pick."""
         keys = _order_keys(values, index, taken)
-        for j in range(SLOTS):
-            live = j < count
-            best = tl.max(keys, axis=0)
-            keys = tl.where((keys == best) & live, tl.full([], _NO_KEY, tl.int64), keys)
+        if values.shape[0] >= out_scores.shape[0]:
+            best = tl.topk(keys, out_scores.shape[0])  # [SLOTS_PAD] keys, largest first
+            live = slot_offs < count
             high = (best >> 32).to(tl.int32)
             score = tl.where(high >= 0, high, high ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
             pick = (2147483647 - (best & 0x7FFFFFFF)).to(tl.int32)
-            out_scores = tl.where((slot_offs == j) & live, score, out_scores)
-            out_index = tl.where((slot_offs == j) & live, pick, out_index)
+            out_scores = tl.where(live, score, out_scores)
+            out_index = tl.where(live, pick, out_index)
+        else:
+            for j in range(SLOTS):
+                live = j < count
+                best = tl.max(keys, axis=0)
+                keys = tl.where((keys == best) & live, tl.full([], _NO_KEY, tl.int64), keys)
+                high = (best >> 32).to(tl.int32)
+                score = tl.where(high >= 0, high, high ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+                pick = (2147483647 - (best & 0x7FFFFFFF)).to(tl.int32)
+                out_scores = tl.where((slot_offs == j) & live, score, out_scores)
+                out_index = tl.where((slot_offs == j) & live, pick, out_index)
         return out_scores, out_index
 
     @triton.jit
