@@ -389,11 +389,12 @@ def main() -> int:
     print(f"lookup_chain sm_{args.arch} n 2..4 gamma 16: scan cubin {scan} bytes, finalize cubin {finalize} bytes")
     size = compile_inject_chain(16, 64, args.arch)
     print(f"inject_chain sm_{args.arch} gamma 16 K 64: cubin {size} bytes")
-    for dtype, has_noise, use_fp64 in ((torch.bfloat16, False, False), (torch.bfloat16, True, False),
-                                       (torch.bfloat16, True, True), (torch.float32, True, False)):
-        size = compile_vocab_top_k(dtype, has_noise, use_fp64, 64, args.arch)
+    for dtype, has_noise, use_fp64, top_k in ((torch.bfloat16, False, False, 64), (torch.bfloat16, True, False, 64),
+                                              (torch.bfloat16, True, True, 64), (torch.float32, True, False, 64),
+                                              (torch.float32, True, False, 1)):
+        size = compile_vocab_top_k(dtype, has_noise, use_fp64, top_k, args.arch)
         noise = (" fp64 noise" if use_fp64 else " noise") if has_noise else ""
-        print(f"vocab_top_k sm_{args.arch} {str(dtype).removeprefix('torch.')} K 64{noise}: cubin {size} bytes")
+        print(f"vocab_top_k sm_{args.arch} {str(dtype).removeprefix('torch.')} K {top_k}{noise}: cubin {size} bytes")
     size = compile_tree_penalties(16, args.arch)
     print(f"tree_penalties sm_{args.arch} depth 16: cubin {size} bytes")
     size = compile_tree_bad_words(args.arch)
@@ -417,7 +418,7 @@ def main() -> int:
     for max_depth, num_nodes in ((16, 65), (8, 17)):
         size = compile_tree_accept(max_depth, num_nodes, args.arch)
         print(f"tree_accept sm_{args.arch} depth {max_depth} nodes {num_nodes}: cubin {size} bytes")
-    for gamma, top_k, beam_width, budget in ((16, 64, 12, 64), (8, 16, 4, 16)):
+    for gamma, top_k, beam_width, budget in ((16, 64, 12, 64), (8, 16, 4, 16), (4, 8, 1, 4)):
         size = compile_tree_search(gamma, top_k, beam_width, budget, args.arch)
         print(f"tree_search sm_{args.arch} gamma {gamma} K {top_k} W {beam_width} B {budget}: cubin {size} bytes")
     for max_depth, num_nodes in ((16, 65), (8, 17)):

@@ -46,9 +46,11 @@ if triton is not None:
     def _select_into(values, index, taken, count, out_scores, out_index, slot_offs, SLOTS: tl.constexpr):
         """Pick the ``count`` best untaken entries of ``values`` (ties: lowest ``index``) into slots 0..count-1, in
         order (count <= the untaken entries): one bitonic top-k over the entries' keys (:func:`_order_keys`, distinct
-        for untaken entries) where there are at least as many entries as slots, else one max-reduction per pick."""
+        for untaken entries) where there are at least as many entries as slots (and two slots or more), else one
+        max-reduction per pick."""
         keys = _order_keys(values, index, taken)
-        if values.shape[0] >= out_scores.shape[0]:
+        # (not at one slot: Triton 3.6's tl.topk cannot take k = 1)
+        if values.shape[0] >= out_scores.shape[0] and out_scores.shape[0] > 1:
             best = tl.topk(keys, out_scores.shape[0])  # [SLOTS_PAD] keys, largest first
             live = slot_offs < count
             high = (best >> 32).to(tl.int32)

@@ -68,7 +68,10 @@ if triton is not None:
         bits = score.to(tl.int32, bitcast=True)
         ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
         keys = (ordered.to(tl.int64) << 32) | cols.to(tl.int64)  # cols < 2^31: the low word never carries a sign
-        top = tl.topk(keys, K_PAD)  # [K_PAD] best first
+        if K_PAD == 1:  # Triton 3.6's tl.topk cannot take k = 1 (it reshapes a scalar)
+            top = tl.max(keys[None, :], axis=1)  # [1]
+        else:
+            top = tl.topk(keys, K_PAD)  # [K_PAD] best first
         top_ordered = (top >> 32).to(tl.int32)
         top_bits = tl.where(top_ordered >= 0, top_ordered, top_ordered ^ 0x7FFFFFFF)
         out = (row * num_blocks + blk) * K_PAD + tl.arange(0, K_PAD)

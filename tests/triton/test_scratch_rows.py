@@ -39,9 +39,10 @@ def test_scratch_rows_matches_its_twin(dtype, heads, head_size, skip_dump):
 
     def run(copy, cache):
         key_cache, value_cache = cache.transpose(1, 2).split(head_size, dim=-1)  # FlashAttentionImpl's views
-        copy(key_cache, value_cache, key.to(DEVICE), value.to(DEVICE), tail_src // block_size, tail_src % block_size,
-             tail_dst // block_size, tail_dst % block_size, path_row, path_dst // block_size, path_dst % block_size,
-             **skip)
+        on = [t.to(cache.device) for t in (key, value, tail_src // block_size, tail_src % block_size,
+                                            tail_dst // block_size, tail_dst % block_size, path_row,
+                                            path_dst // block_size, path_dst % block_size)]
+        copy(key_cache, value_cache, *on, **skip)  # every tensor on the cache's device (the twin runs on the CPU)
         return cache
 
     ref = run(scratch_rows_reference, kv_cache.clone())

@@ -330,6 +330,6 @@ def test_kernels_compile_for_hopper_without_a_gpu(compiler):
     proc = subprocess.run([sys.executable, "-m", "ubtree_vllm.triton_ops.compile_check", "--arch", "90"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("cubin") == 53, proc.stdout
+    assert proc.stdout.count("cubin") == 55, proc.stdout
     if compiler == "device":
         assert f"from {DEVICE_TRITON}" in proc.stdout, proc.stdout

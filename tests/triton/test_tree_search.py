@@ -29,7 +29,7 @@ def random_lattice(num_reqs: int, gamma: int, top_k: int, gen: torch.Generator, 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_reqs,gamma,top_k,beam_width,budget,ties", [
     (2, 4, 8, 3, 6, False), (3, 5, 6, 4, 12, True), (1, 16, 64, 12, 64, False), (2, 16, 64, 12, 64, True),
-    (1, 3, 2, 4, 5, False), (2, 1, 5, 2, 2, True)])
+    (1, 3, 2, 4, 5, False), (2, 1, 5, 2, 2, True), (2, 4, 8, 1, 4, True)])
 def test_matches_build_tree(device, num_reqs, gamma, top_k, beam_width, budget, ties):
     gen = torch.Generator().manual_seed(gamma * 100 + top_k + ties)
     anchor, cand, root, trans = random_lattice(num_reqs, gamma, top_k, gen, ties)
