@@ -14,9 +14,6 @@ set -uo pipefail
 source /tmp/gpu-env.sh || { echo "run_phases: /tmp/gpu-env.sh missing: stage the machine first"; exit 3; }
 ln -sfn /tmp/gpu-extra/data .gpudata
 export UBTREE_COMMIT RECORDS=runs/records.jsonl UBTREE_CACHE_DIR=/tmp/ubcache
-# vLLM's engine core started by spawn: on 2026-12-08 (H100, baef064) a bench's first engine core, forked, failed with
-# "Cannot re-initialize CUDA in forked subprocess" (cause not found); the same bench ran with spawn
-export VLLM_WORKER_MULTIPROC_METHOD="${VLLM_WORKER_MULTIPROC_METHOD:-spawn}"
 mkdir -p runs "$OUT"
 start=$(date +%s)
 for step in "$@"; do

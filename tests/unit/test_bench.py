@@ -129,7 +129,12 @@ def test_engine_core_mode_follows_the_flag_then_vllms_variable(monkeypatch):
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", value)
         assert engine_core_mode(E2ESettings()) == mode
     assert engine_core_mode(E2ESettings(engine_core="process")) == "process"  # the flag over the variable
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert engine_core_env(E2ESettings(engine_core="process")) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    assert engine_core_env(E2ESettings(engine_core="in-process")) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # on CUDA the engine core is spawned, never forked
+    assert engine_core_env(E2ESettings(engine_core="process")) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                                                                   "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     assert engine_core_env(E2ESettings(engine_core="in-process")) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     assert child_is_daemon(E2ESettings(engine_core="in-process"))
     assert not child_is_daemon(E2ESettings(engine_core="process"))  # a daemon may not start the core's process

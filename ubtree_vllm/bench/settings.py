@@ -228,6 +228,8 @@ def schedule_text(schedule: tuple[tuple[int, int, int], ...]) -> str:
 
 ENGINE_CORE_MODES = ("process", "in-process")
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+# vLLM's start method for the engine core's process (and its workers)
+SPAWN_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
 def engine_core_mode(settings: E2ESettings) -> str:
@@ -240,8 +242,15 @@ def engine_core_mode(settings: E2ESettings) -> str:
 
 
 def engine_core_env(settings: E2ESettings) -> dict[str, str]:
-    """The environment an engine of this invocation starts under (VLLM_ENABLE_V1_MULTIPROCESSING for the mode)."""
-    return {MULTIPROCESSING_ENV: "0" if engine_core_mode(settings) == "in-process" else "1"}
+    """The environment an engine of this invocation starts under: VLLM_ENABLE_V1_MULTIPROCESSING for the mode and, for
+    an engine core of its own on CUDA, vLLM's spawn start method (the bench's process may have initialised CUDA
+    before an engine starts -- a record's hardware name does -- and a forked engine core then fails with "Cannot
+    re-initialize CUDA in forked subprocess", as the first engine of an H100 bench did on 2026-12-08)."""
+    import torch
+
+    if engine_core_mode(settings) == "in-process":
+        return {MULTIPROCESSING_ENV: "0"}
+    return {MULTIPROCESSING_ENV: "1", **({SPAWN_ENV: "spawn"} if torch.cuda.is_available() else {})}
 
 
 def _check_members(flag: str, values: Sequence[str], allowed: Sequence[str], what: str) -> None:
