@@ -111,7 +111,8 @@
 #            (PROFILE_SHAPES, SEQSxANCHORS,...) and LM-head loss path (PROFILE_HEAD_LOSS, fused,torch), one
 #            train_label_rows_per_s record per shape and path
 #   microbench  `ubtree bench microbench --which $MB_WHICH` (default: draft post-processing per round, tree attention
-#            vs FlashAttention, tree-65 vs chain-17 verification forward on a dummy Qwen3-8B, the draft stage)
+#            vs FlashAttention, tree-65 vs chain-17 verification forward on a dummy Qwen3-8B, the draft stage);
+#            MB_NUM_REQS requests drafted per round (draft-postprocess; default 1), e.g. 64 for the load case
 #   projection  `ubtree bench microbench --which projection`: the round cost on a dummy Qwen3-8B with an untrained
 #            drafter of its shape, B = PROJECTION_BUDGETS (default 16,32,64; one engine each) at 1 and 32 requests in
 #            flight (report: projected speedups)
@@ -419,7 +420,7 @@ for phase in "$@"; do
         --steps 6 --head-loss "${PROFILE_HEAD_LOSS:-fused,torch}" --records "$RECORDS" ;;
     microbench)
       ubtree bench microbench --which "${MB_WHICH:-draft-postprocess,tree-attention-vs-flash,verify-forward,draft-stage}" \
-        --drafter "$DRAFTER" --records "$RECORDS" --no-report ;;
+        --drafter "$DRAFTER" --records "$RECORDS" --no-report ${MB_NUM_REQS:+--num-reqs "$MB_NUM_REQS"} ;;
     projection)
       ubtree bench microbench --which projection --projection-budgets "${PROJECTION_BUDGETS:-16,32,64}" \
         --records "$RECORDS" --no-report ;;

@@ -37,7 +37,9 @@ running any. Entries:
 draft-postprocess: everything of a drafting round after the drafter backbone, i.e. the
 serving path `UBTreeDrafter.draft_tree` minus `block_hidden`, calling the real functions:
   lm_head_topk       `UBTreeDrafter.top_k_candidates`: target LM head over the gamma block
-                     hidden states, log-softmax, top-K per depth
+                     hidden states, then the top-K per depth with its log-probs (on CUDA the one-pass
+                     kernel triton_ops/vocab_top_k.py; its torch twin, a float32 log-softmax and
+                     torch.topk, is also timed there, metric `lm_head_topk_torch_ms`)
   selector_scoring   `BigramSelector.score_tree_edges`: all K + (gamma - 1) K^2 edges
   tree_construction  `tree.search.construct_tree`: depth-wise beam + pruning to B nodes (on CUDA the
                      one-launch Triton kernel; its torch form `build_tree` is also timed there,
@@ -118,6 +120,7 @@ def _check_counts(settings: MicrobenchSettings) -> None:
 def draft_postprocess(settings: MicrobenchSettings) -> list[dict[str, Any]]:
     """Records (one per stage + total) of the draft post-processing microbenchmark."""
     from ubtree_vllm.tree.search import build_tree, construct_tree
+    from ubtree_vllm.triton_ops.reference import vocab_top_k_reference
 
     _check_counts(settings)
     device = resolve_device(settings.device)
@@ -169,6 +172,16 @@ def draft_postprocess(settings: MicrobenchSettings) -> list[dict[str, Any]]:
                                              None, device, settings.iters, settings.warmup))["build_tree"]
         records.append(_drafter_record(settings, cfg, tree_cfg, device, "tree_construction_torch_ms", torch_ms,
                                        f"{notes}; tree.search.build_tree (torch ops) instead of the Triton kernel"))
+        # ... and of the top K (a full-vocabulary log-softmax and torch.topk), beside the one-pass kernel
+        with torch.inference_mode():
+            topk_torch_ms = summarize(time_stages(
+                [("topk_torch", lambda h: vocab_top_k_reference(
+                    drafter.lm_head_logits(h).reshape(-1, cfg.vocab_size), tree_cfg.top_k))],
+                hidden, device, settings.iters, settings.warmup))["topk_torch"]
+        records.append(_drafter_record(settings, cfg, tree_cfg, device, "lm_head_topk_torch_ms", topk_torch_ms,
+                                       f"{notes}; the LM head, then triton_ops.reference.vocab_top_k_reference "
+                                       f"(float32 log-softmax over the vocabulary, torch.topk) instead of the "
+                                       f"one-pass kernel"))
     return records
 
 
