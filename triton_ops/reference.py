@@ -336,7 +336,7 @@ def tree_bad_words_reference(logits, expanded_idx_mapping, local_pos, node_token
                 logits[m, word[-1]] = float("-inf")
 
 
-# ---- target_noise: vLLM's keyed Gumbel noise (the CPU path of coupled_scores and its test oracle) ----------
+# ---- target_noise / vocab_top_k: vLLM's keyed Gumbel noise, the coupled scores, the top K (CPU path, oracles) ---
 
 _MASK32 = 0xFFFFFFFF
 _MIN_ONE_MINUS = 5.960464477539063e-08  # vLLM's floor of 1 - u in the fp32 log
@@ -399,7 +399,8 @@ def gumbel_noise_reference(seed: torch.Tensor, pos: torch.Tensor, offset: torch.
 
 def coupled_scores_reference(logp: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
                              use_fp64: bool = False) -> torch.Tensor:
-    """Torch form of ``target_noise.coupled_scores`` (same arguments)."""
+    """[N, V] float32: ``logp / T + G(seed, pos, v)`` where ``T > 0``, ``logp`` where ``T = 0`` (the scores whose top K
+    ``vocab_top_k`` keeps; its kernel ranks by the same order without writing them)."""
     vocab = torch.arange(logp.shape[-1], device=logp.device)
     noise = gumbel_noise_reference(seeds[:, None], pos[:, None], vocab[None, :], use_fp64).float()  # [N, V]
     temp = temperature.float()[:, None]
