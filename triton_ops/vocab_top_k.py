@@ -50,8 +50,8 @@ if triton is not None:
         cols = blk * BLOCK + tl.arange(0, BLOCK)
         mask = cols < vocab_size
         x = tl.load(logits_ptr + row * logits_stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        x_max = tl.max(x, axis=0)
-        x_sum = tl.sum(tl.where(mask, tl.exp(x - x_max), 0.0), axis=0)
+        x_max = tl.max(x, axis=0)  # -inf for a block of -inf logits: its sum is 0, its max weighs nothing in the merge
+        x_sum = tl.sum(tl.where(mask, tl.exp(x - tl.where(x_max == float("-inf"), 0.0, x_max)), 0.0), axis=0)
         score = x
         if HAS_NOISE:
             temp = tl.load(temperature_ptr + row).to(tl.float32)

@@ -82,3 +82,13 @@ def test_the_dispatcher_runs_the_kernel_on_cuda_and_the_twin_elsewhere():
     else:  # the torch twin itself, bit for bit
         for a, b in zip(got, vocab_top_k_reference(logits, 6, temperature, seeds, pos)):
             assert torch.equal(a, b)
+
+
+def test_a_block_of_minus_infinity_logits_weighs_nothing():
+    """A vocabulary block whose logits are all -inf (masked tokens) adds nothing to the log-sum-exp."""
+    logits = batch(2, BLOCK + 300, seed=4)[0]
+    logits[:, :BLOCK] = float("-inf")
+    got = vocab_top_k_kernel(logits, 4)
+    want = vocab_top_k_reference(logits.cpu(), 4)
+    assert torch.isfinite(got[1]).all()
+    check(got, want, logits)
